@@ -1,0 +1,16 @@
+"""CUDA sources of tileops_cupy, compiled at run time by NVRTC through ``cupy.RawModule``.
+
+This package holds no Python logic beyond reading a source by name, so that a wheel
+install and a source checkout find the ``.cu`` files the same way.
+"""
+
+from functools import cache
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+
+
+@cache
+def source(name: str) -> str:
+    """Text of ``kernels_cu/<name>.cu``."""
+    return (_HERE / f"{name}.cu").read_text()

@@ -1,0 +1,314 @@
+"""Array interop: any DLPack tensor or NumPy array in, the caller's framework out.
+
+An argument becomes an :class:`Operand`, a flat description of where its elements live:
+a device pointer with element strides for CUDA memory, or a zero-copy NumPy view for host
+memory (bfloat16 through ``ml_dtypes``, since NumPy has none). Outputs are allocated in
+the framework of the first tensor argument, so torch in gives torch out with its caching
+allocator, CuPy gives CuPy, NumPy gives NumPy.
+
+torch tensors are read through ``data_ptr``/``stride`` rather than DLPack: that is the
+same memory without the per-call capsule round trip, which matters at decode sizes.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+try:  # ml_dtypes is a hard dependency, but keep the import error readable
+    import ml_dtypes
+
+    _BF16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - exercised only in broken installs
+    ml_dtypes = None
+    _BF16 = None
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8}
+
+_KDL_CPU, _KDL_CUDA, _KDL_CUDA_HOST, _KDL_CUDA_MANAGED = 1, 2, 3, 13
+
+
+class NoCudaError(RuntimeError):
+    """CUDA was asked for but CuPy, a driver or a device is missing."""
+
+
+@dataclass(frozen=True, slots=True)
+class Operand:
+    """One tensor argument as the kernels see it.
+
+    ``strides`` count elements, not bytes. ``ptr`` is set for CUDA memory, ``host`` (a NumPy
+    view of the same memory) for host memory.
+    """
+
+    obj: Any
+    framework: str
+    device: int | None
+    dtype: str
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    ptr: int = 0
+    host: np.ndarray | None = None
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device is not None
+
+    @property
+    def place(self) -> str:
+        return "cuda" if self.is_cuda else "cpu"
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def last_dim_contiguous(self) -> bool:
+        return self.ndim == 0 or self.shape[-1] <= 1 or self.strides[-1] == 1
+
+
+def _numpy_dtype_name(dtype: np.dtype) -> str:
+    if _BF16 is not None and dtype == _BF16:
+        return "bfloat16"
+    return dtype.name
+
+
+def _from_numpy(obj: Any, array: np.ndarray, framework: str) -> Operand:
+    itemsize = array.dtype.itemsize
+    if any(s % itemsize for s in array.strides):
+        raise ValueError(f"array strides {array.strides} are not a multiple of its itemsize")
+    return Operand(
+        obj=obj,
+        framework=framework,
+        device=None,
+        dtype=_numpy_dtype_name(array.dtype),
+        shape=tuple(array.shape),
+        strides=tuple(s // itemsize for s in array.strides),
+        host=array,
+    )
+
+
+def _from_torch(obj: Any) -> Operand:
+    dtype = str(obj.dtype).removeprefix("torch.")
+    if obj.is_cuda:
+        return Operand(
+            obj=obj,
+            framework="torch",
+            device=obj.device.index,
+            dtype=dtype,
+            shape=tuple(obj.shape),
+            strides=tuple(obj.stride()),
+            ptr=obj.data_ptr(),
+        )
+    if obj.device.type != "cpu":
+        raise ValueError(f"torch tensors on {obj.device} are not supported (cpu or cuda only)")
+    tensor = obj.detach()
+    if dtype == "bfloat16":  # numpy has no bfloat16: read the bits, same memory
+        array = tensor.view(_torch().int16).numpy().view(_BF16)
+    else:
+        array = tensor.numpy()
+    return _from_numpy(obj, array, "torch")
+
+
+def _from_cupy(obj: Any, framework: str = "cupy") -> Operand:
+    itemsize = obj.dtype.itemsize
+    return Operand(
+        obj=obj,
+        framework=framework,
+        device=obj.device.id,
+        dtype=_numpy_dtype_name(obj.dtype),
+        shape=tuple(obj.shape),
+        strides=tuple(s // itemsize for s in obj.strides),
+        ptr=obj.data.ptr,
+    )
+
+
+def _framework_of(obj: Any) -> str:
+    module = type(obj).__module__.split(".", 1)[0]
+    if module in ("torch", "cupy", "numpy"):
+        return module
+    if module in ("jax", "jaxlib"):
+        return "jax"
+    return "dlpack"
+
+
+def as_operand(obj: Any, name: str) -> Operand:
+    """Describe ``obj`` (a DLPack tensor or NumPy array) without copying it.
+
+    Raises TypeError naming ``name`` for anything that is not an array.
+    """
+    framework = _framework_of(obj)
+    if framework == "torch" and hasattr(obj, "data_ptr"):
+        return _from_torch(obj)
+    if framework == "numpy" and isinstance(obj, np.ndarray):
+        return _from_numpy(obj, obj, "numpy")
+    if framework == "cupy" and hasattr(obj, "data"):
+        return _from_cupy(obj)
+    if not hasattr(obj, "__dlpack_device__"):
+        raise TypeError(
+            f"{name} must be an array (torch, CuPy, NumPy, JAX or any DLPack tensor), "
+            f"got {type(obj).__name__}"
+        )
+    device_type, _ = obj.__dlpack_device__()
+    if device_type in (_KDL_CUDA, _KDL_CUDA_MANAGED):
+        return _from_cupy(cupy().from_dlpack(obj), framework)
+    if device_type in (_KDL_CPU, _KDL_CUDA_HOST):
+        # np.asarray keeps JAX's ml_dtypes bfloat16; from_dlpack refuses it
+        array = np.asarray(obj) if framework == "jax" else np.from_dlpack(obj)
+        return _from_numpy(obj, array, framework)
+    raise ValueError(f"{name} lives on DLPack device type {device_type}; expected CPU or CUDA")
+
+
+# --------------------------------------------------------------------------- outputs
+
+
+def empty_like(template: Operand, shape: tuple[int, ...], dtype: str | None = None) -> Operand:
+    """A new contiguous array in ``template``'s framework and device."""
+    dtype = dtype or template.dtype
+    if template.framework == "torch":
+        torch = _torch()
+        return _from_torch(
+            torch.empty(shape, dtype=getattr(torch, dtype), device=template.obj.device)
+        )
+    if template.is_cuda:
+        cp = cupy()
+        with cp.cuda.Device(template.device):
+            array = cp.empty(shape, dtype=numpy_dtype(dtype))
+        return _from_cupy(array, template.framework)
+    return _from_numpy(None, np.empty(shape, dtype=numpy_dtype(dtype)), template.framework)
+
+
+def to_caller(result: Operand) -> Any:
+    """The framework object the caller gets back for an output made by :func:`empty_like`."""
+    if result.obj is not None and result.framework in ("torch", "cupy"):
+        return result.obj
+    if result.is_cuda:
+        if result.framework == "jax":
+            import jax.numpy as jnp
+
+            return jnp.from_dlpack(result.obj)
+        return result.obj
+    array = result.host
+    if result.framework == "torch":
+        torch = _torch()
+        if result.dtype == "bfloat16":
+            return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(array)
+    if result.framework == "jax":
+        import jax.numpy as jnp
+
+        return jnp.asarray(array)
+    return array
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    return _BF16 if name == "bfloat16" else np.dtype(name)
+
+
+# --------------------------------------------------------------------------- CUDA runtime
+
+_cupy_state: dict[str, Any] = {}
+_cupy_lock = threading.Lock()
+
+
+def cupy():
+    """The cupy module, imported on first use; NoCudaError when it cannot run here."""
+    module = _cupy_state.get("module")
+    if module is not None:
+        return module
+    with _cupy_lock:
+        if "module" not in _cupy_state:
+            try:
+                import cupy as module
+
+                module.cuda.runtime.getDeviceCount()
+            except Exception as error:  # ImportError, no driver, no device
+                raise NoCudaError(
+                    "CUDA kernels need CuPy with a working driver and device "
+                    "(pip install 'tileops-cupy[cuda13]'); "
+                    f"here: {type(error).__name__}: {error}"
+                ) from error
+            _cupy_state["module"] = module
+    return _cupy_state["module"]
+
+
+def cuda_available() -> bool:
+    """True when CuPy imports and sees at least one device."""
+    try:
+        return cupy().cuda.runtime.getDeviceCount() > 0
+    except NoCudaError:
+        return False
+
+
+_external_streams: dict[tuple[int, int], Any] = {}
+
+
+def current_stream(template: Operand) -> Any:
+    """The stream the caller's framework would run on now, as a CuPy stream object.
+
+    torch: ``torch.cuda.current_stream(device)``; everything else: CuPy's current stream.
+    """
+    cp = cupy()
+    if template.framework == "torch":
+        handle = _torch().cuda.current_stream(template.device).cuda_stream
+        key = (template.device, handle)
+        stream = _external_streams.get(key)
+        if stream is None:
+            stream = cp.cuda.ExternalStream(handle, template.device)
+            _external_streams[key] = stream
+        return stream
+    with cp.cuda.Device(template.device):
+        return cp.cuda.get_current_stream()
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+# --------------------------------------------------------------------------- place selection
+
+BUILTIN = "builtin"
+"""``target=BUILTIN``: this package's own kernels, placed where the data lives (as None)."""
+
+TARGETS = (None, BUILTIN, "cuda", "cpu")
+
+
+def check_target(target: Any) -> str | None:
+    """Validate an op's ``target`` argument at construction."""
+    if target not in TARGETS:
+        raise ValueError(f"target must be None, BUILTIN, 'cuda' or 'cpu', got {target!r}")
+    return target
+
+
+def select_place(target: str | None, operands: dict[str, Operand]) -> str:
+    """'cuda' or 'cpu' for a call: where all ``operands`` live, checked against ``target``.
+
+    Raises ValueError when the operands live in different places or devices, or when
+    ``target`` names another place than the data (never a silent copy).
+    """
+    items = list(operands.items())
+    first_name, first = items[0]
+    for name, operand in items[1:]:
+        if operand.device != first.device:
+            raise ValueError(
+                f"{name} is on {_where(operand)} but {first_name} is on {_where(first)}; "
+                "all inputs must be on the same device"
+            )
+    place = first.place
+    if target in ("cuda", "cpu") and target != place:
+        raise ValueError(
+            f"target={target!r} but {first_name} is on {_where(first)}; move the data "
+            f"or use target=None (no implicit copies between host and device)"
+        )
+    if place == "cuda":
+        cupy()  # NoCudaError with the reason when CuPy cannot run here
+    return place
+
+
+def _where(operand: Operand) -> str:
+    return "the host" if operand.device is None else f"cuda:{operand.device}"

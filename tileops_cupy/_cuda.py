@@ -1,0 +1,141 @@
+"""The CUDA launcher: templated sources from ``kernels_cu/`` compiled once per module and device.
+
+A :class:`ModuleSpec` names one source file and the template instantiations compiled
+together (``cupy.RawModule(..., name_expressions=...)``); CuPy keeps the cubin in its
+on-disk cache, so a second process start compiles nothing. Loaded functions are cached
+per (spec, device) behind a lock, so threads and devices never share a half-built module.
+
+Every op module registers the specs it can launch with :func:`register_catalog`; the
+NVRTC test compiles that whole catalogue for sm_80 and sm_90 on machines with no GPU.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import kernels_cu
+
+from ._arrays import Operand, cupy, current_stream
+
+# No --use_fast_math: the angles and the mHC exponentials must keep full float32 accuracy.
+COMPILE_OPTIONS = ("--std=c++17",)
+
+
+@dataclass(frozen=True)
+class ModuleSpec:
+    """One NVRTC compilation: a source in ``kernels_cu/`` and its template instantiations."""
+
+    source: str
+    name_expressions: tuple[str, ...]
+    defines: tuple[str, ...] = ()
+
+    @property
+    def code(self) -> str:
+        header = "".join(f"#define {define}\n" for define in self.defines)
+        return header + kernels_cu.source(self.source)
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        return COMPILE_OPTIONS
+
+
+_functions: dict[tuple[ModuleSpec, int], dict[str, Any]] = {}
+_lock = threading.Lock()
+
+
+def _load(spec: ModuleSpec, device: int) -> dict[str, Any]:
+    cp = cupy()
+    with cp.cuda.Device(device):
+        module = cp.RawModule(
+            code=spec.code, options=spec.options, name_expressions=list(spec.name_expressions)
+        )
+        loaded = {}
+        for name in spec.name_expressions:
+            function = module.get_function(name)
+            loaded[name] = getattr(function, "kernel", function)  # RawKernel -> cuda Function
+        return loaded
+
+
+def function(spec: ModuleSpec, name_expression: str, device: int) -> Any:
+    """The compiled kernel ``name_expression`` of ``spec`` on ``device`` (compiled on first use)."""
+    key = (spec, device)
+    loaded = _functions.get(key)
+    if loaded is None:
+        with _lock:
+            loaded = _functions.get(key)
+            if loaded is None:
+                loaded = _load(spec, device)
+                _functions[key] = loaded
+    return loaded[name_expression]
+
+
+def launch(
+    spec: ModuleSpec,
+    name_expression: str,
+    where: Operand,
+    grid: tuple[int, ...],
+    block: tuple[int, ...],
+    args: tuple,
+    shared_mem: int = 0,
+    stream: Any = None,
+) -> None:
+    """Launch on ``where``'s device and on the caller's current stream for that device.
+
+    Pointers in ``args`` are plain ints (``Operand.ptr``); CuPy passes them as 64-bit values.
+    """
+    kernel = function(spec, name_expression, where.device)
+    if stream is None:
+        stream = current_stream(where)
+    cp = cupy()
+    if cp.cuda.runtime.getDevice() == where.device:
+        kernel(grid, block, args, shared_mem, stream)
+    else:
+        with cp.cuda.Device(where.device):
+            kernel(grid, block, args, shared_mem, stream)
+
+
+_catalogs: list[Callable[[], Iterable[ModuleSpec]]] = []
+
+
+def register_catalog(catalog: Callable[[], Iterable[ModuleSpec]]) -> Callable:
+    """Declare every ModuleSpec an op module may launch (used by the NVRTC test)."""
+    _catalogs.append(catalog)
+    return catalog
+
+
+def shipped_modules() -> list[ModuleSpec]:
+    """Every ModuleSpec the package ships, from all registered catalogues."""
+    from . import rope, sequence_modeling  # noqa: F401  (importing registers the catalogues)
+
+    specs: list[ModuleSpec] = []
+    for catalog in _catalogs:
+        for spec in catalog():
+            if spec not in specs:
+                specs.append(spec)
+    return specs
+
+
+def compile_without_device(spec: ModuleSpec, arch: str) -> dict[str, str]:
+    """Compile ``spec`` with NVRTC for ``arch`` (e.g. "sm_90") with no GPU or driver needed.
+
+    Returns each name expression's lowered (mangled) name; raises RuntimeError with the
+    NVRTC log on a compile error.
+    """
+    from cupy_backends.cuda.libs import nvrtc
+
+    program = nvrtc.createProgram(spec.code, f"{spec.source}.cu", [], [])
+    try:
+        for name in spec.name_expressions:
+            nvrtc.addNameExpression(program, name)
+        try:
+            nvrtc.compileProgram(program, [*spec.options, f"-arch={arch}"])
+        except Exception as error:
+            raise RuntimeError(
+                f"NVRTC failed on {spec.source}.cu for {arch}:\n{nvrtc.getProgramLog(program)}"
+            ) from error
+        return {name: nvrtc.getLoweredName(program, name) for name in spec.name_expressions}
+    finally:
+        nvrtc.destroyProgram(program)

@@ -1,0 +1,189 @@
+"""Rotary frequency schemes: float64 inverse frequencies and the amplitude of cos/sin.
+
+A scheme is a frozen dataclass, so it doubles as the key of the shared cos/sin tables:
+two ops (or two layers) built with equal schemes and rotary_dim share one table.
+
+Every scheme answers two questions for a rotary dim ``d`` (pairs ``j = 0 .. d/2-1``):
+``inv_freq(d)``, the angle per position of each pair in float64, and ``amplitude(d)``,
+the factor ``a`` that multiplies both cos and sin (1 except for YaRN and LongRoPE).
+
+Example::
+
+    >>> from tileops_cupy.schemes import Llama31
+    >>> Llama31().inv_freq(128).shape
+    (64,)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["Standard", "Llama31", "YaRN", "LongRoPE", "Scheme"]
+
+
+def _require_positive(name: str, value: float) -> float:
+    value = float(value)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return value
+
+
+def _base_inv_freq(base: float, rotary_dim: int) -> np.ndarray:
+    exponents = np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim
+    return base**-exponents
+
+
+@dataclass(frozen=True)
+class Standard:
+    """``inv[j] = base ** (-2j/d)``, amplitude 1 (GPT-NeoX, RoFormer, Llama 2)."""
+
+    base: float = 10000.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "base", _require_positive("base", self.base))
+
+    def inv_freq(self, rotary_dim: int) -> np.ndarray:
+        return _base_inv_freq(self.base, rotary_dim)
+
+    def amplitude(self, rotary_dim: int) -> float:
+        return 1.0
+
+
+@dataclass(frozen=True)
+class Llama31:
+    """Llama 3.1 piecewise scaling: long wavelengths divided by ``scale_factor``, short ones
+    kept, a linear blend in between (HF ``rope_type="llama3"``). Amplitude 1."""
+
+    base: float = 10000.0
+    scale_factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    def __post_init__(self) -> None:
+        for name in ("base", "scale_factor", "low_freq_factor", "high_freq_factor"):
+            object.__setattr__(self, name, _require_positive(name, getattr(self, name)))
+        _require_positive("original_max_position", self.original_max_position)
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                "high_freq_factor must be greater than low_freq_factor, got "
+                f"high_freq_factor={self.high_freq_factor}, low_freq_factor={self.low_freq_factor}"
+            )
+
+    def inv_freq(self, rotary_dim: int) -> np.ndarray:
+        inv0 = _base_inv_freq(self.base, rotary_dim)
+        wavelength = 2 * math.pi / inv0
+        context = float(self.original_max_position)
+        blend = (context / wavelength - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor
+        )
+        medium = (1 - blend) * inv0 / self.scale_factor + blend * inv0
+        inv = np.where(
+            wavelength > context / self.low_freq_factor, inv0 / self.scale_factor, medium
+        )
+        return np.where(wavelength < context / self.high_freq_factor, inv0, inv)
+
+    def amplitude(self, rotary_dim: int) -> float:
+        return 1.0
+
+
+@dataclass(frozen=True)
+class YaRN:
+    """YaRN ramp between interpolated and extrapolated frequencies, with the attention
+    (mscale) amplitude, as vLLM's ``YaRNScalingRotaryEmbedding`` and HF ``rope_type="yarn"``.
+
+    TileOPs' own YaRN kernel drifted from this reference (``scale*base`` powers, a half-width
+    correction range, no mscale; ~78% off at position 16000): we follow vLLM/HF.
+    """
+
+    base: float = 10000.0
+    scale: float = 16.0
+    original_max_position: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attn_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("base", "scale", "beta_fast", "beta_slow", "attn_factor"):
+            object.__setattr__(self, name, _require_positive(name, getattr(self, name)))
+        _require_positive("original_max_position", self.original_max_position)
+
+    def _correction_dim(self, rotations: float, rotary_dim: int) -> float:
+        return (rotary_dim * math.log(self.original_max_position / (rotations * 2 * math.pi))) / (
+            2 * math.log(self.base)
+        )
+
+    def inv_freq(self, rotary_dim: int) -> np.ndarray:
+        inv0 = _base_inv_freq(self.base, rotary_dim)
+        low = max(math.floor(self._correction_dim(self.beta_fast, rotary_dim)), 0)
+        high = min(math.ceil(self._correction_dim(self.beta_slow, rotary_dim)), rotary_dim - 1)
+        if low == high:
+            high += 0.001  # keeps the ramp finite, as the reference does
+        ramp = np.clip((np.arange(rotary_dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+        extrapolation_weight = 1 - ramp
+        return (inv0 / self.scale) * (1 - extrapolation_weight) + inv0 * extrapolation_weight
+
+    def amplitude(self, rotary_dim: int) -> float:
+        mscale = 0.1 * math.log(self.scale) + 1.0 if self.scale > 1 else 1.0
+        return mscale * self.attn_factor
+
+
+@dataclass(frozen=True)
+class LongRoPE:
+    """Per-pair rescaled frequencies ``inv0 / rescale_factors`` with the amplitude
+    ``sqrt(1 + ln(s)/ln(original))``, ``s = max/original`` (HF ``rope_type="longrope"``).
+
+    ``rescale_factors`` is anything numpy can read as ``[rotary_dim/2]`` floats (list, numpy,
+    a host tensor); None means all ones. Zero, NaN or infinite factors raise ValueError.
+    """
+
+    base: float = 10000.0
+    rescale_factors: tuple[float, ...] | None = field(default=None)
+    max_position_embeddings: int = 4096
+    original_max_position_embeddings: int = 4096
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "base", _require_positive("base", self.base))
+        _require_positive("max_position_embeddings", self.max_position_embeddings)
+        _require_positive("original_max_position_embeddings", self.original_max_position_embeddings)
+        if self.rescale_factors is not None:
+            factors = np.asarray(_host_values(self.rescale_factors), dtype=np.float64).reshape(-1)
+            bad = ~np.isfinite(factors) | (factors == 0)
+            if bad.any():
+                raise ValueError(
+                    "rescale_factors must be finite and non-zero (the frequency divides by them), "
+                    f"got {factors[bad][:4].tolist()} at index {np.flatnonzero(bad)[:4].tolist()}"
+                )
+            object.__setattr__(self, "rescale_factors", tuple(factors.tolist()))
+
+    def inv_freq(self, rotary_dim: int) -> np.ndarray:
+        inv0 = _base_inv_freq(self.base, rotary_dim)
+        if self.rescale_factors is None:
+            return inv0
+        if len(self.rescale_factors) != rotary_dim // 2:
+            raise ValueError(
+                f"rescale_factors must have rotary_dim/2 = {rotary_dim // 2} entries, "
+                f"got {len(self.rescale_factors)}"
+            )
+        return inv0 / np.asarray(self.rescale_factors, dtype=np.float64)
+
+    def amplitude(self, rotary_dim: int) -> float:
+        ratio = self.max_position_embeddings / self.original_max_position_embeddings
+        if ratio <= 1:
+            return 1.0
+        return math.sqrt(1 + math.log(ratio) / math.log(self.original_max_position_embeddings))
+
+
+def _host_values(values):
+    """Factors given as a torch/CuPy tensor are read through DLPack-free host conversion."""
+    if hasattr(values, "detach"):  # torch, possibly on a GPU
+        return values.detach().double().cpu().numpy()
+    if hasattr(values, "get"):  # cupy
+        return values.get()
+    return values
+
+
+Scheme = Standard | Llama31 | YaRN | LongRoPE
