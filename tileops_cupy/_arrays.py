@@ -181,6 +181,28 @@ def empty_like(template: Operand, shape: tuple[int, ...], dtype: str | None = No
     return _from_numpy(None, np.empty(shape, dtype=numpy_dtype(dtype)), template.framework)
 
 
+def contiguous(operand: Operand) -> Operand:
+    """A C-contiguous copy of ``operand`` in its own framework (for inputs whose last
+    dimension is strided: the kernels read rows through strides but elements densely)."""
+    obj = operand.obj
+    if operand.framework == "torch":
+        return _from_torch(obj.contiguous())
+    if operand.is_cuda:
+        cp = cupy()
+        with cp.cuda.Device(operand.device):
+            return _from_cupy(cp.ascontiguousarray(as_cupy(operand)), operand.framework)
+    return _from_numpy(obj, np.ascontiguousarray(operand.host), operand.framework)
+
+
+def as_cupy(operand: Operand) -> Any:
+    """A CuPy view of a CUDA operand (zero-copy)."""
+    cp = cupy()
+    obj = operand.obj
+    if operand.framework == "cupy":
+        return obj
+    return cp.from_dlpack(obj)
+
+
 def to_caller(result: Operand) -> Any:
     """The framework object the caller gets back for an output made by :func:`empty_like`."""
     if result.obj is not None and result.framework in ("torch", "cupy"):

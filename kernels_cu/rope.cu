@@ -1,0 +1,201 @@
+// Rotary position embedding: one kernel family for every RoPE op, both directions, and the
+// in-place Q/K component.
+//
+// Work layout: blockIdx.x covers `threadDim.z` tokens; threadIdx.x is a chunk of a head row
+// (VEC pairs of a neox row, or VEC interleaved elements), threadIdx.y strides over the heads
+// of q then k. cos/sin of a chunk are formed once per token and reused for every head.
+//
+// Header-free on purpose (no cuda_fp16.h / cuda_bf16.h): NVRTC then needs no toolkit
+// headers, and the conversions below are the exact PTX instructions those headers emit.
+
+struct half_t {
+  unsigned short bits;
+};
+struct bfloat16_t {
+  unsigned short bits;
+};
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(half_t v) {
+  float r;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(v.bits));
+  return r;
+}
+__device__ __forceinline__ float to_float(bfloat16_t v) {
+  return __uint_as_float(static_cast<unsigned int>(v.bits) << 16);
+}
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ half_t from_float<half_t>(float v) {
+  half_t r;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(v));  // round to nearest even
+  return r;
+}
+template <>
+__device__ __forceinline__ bfloat16_t from_float<bfloat16_t>(float v) {
+  bfloat16_t r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r.bits) : "f"(v));  // round to nearest even, sm_80+
+  return r;
+}
+
+// VEC elements moved as one access (16 bytes when VEC * sizeof(T) == 16).
+template <typename T, int VEC>
+struct alignas(sizeof(T) * VEC) Pack {
+  T v[VEC];
+};
+
+// One operand of the launch: q or k, read from `in`, written to `out` (may alias `in`).
+struct Rows {
+  const char* in;
+  char* out;
+};
+
+constexpr int FINE_BITS = 10;
+constexpr int HEADS_IN_FLIGHT = 4;  // loads of this many heads are issued before the first use
+
+// Position of token (b, s): offset + per-sequence offset + (explicit id or s). Out-of-range
+// positions raise the error flag and are clamped, so no table is ever read out of bounds.
+__device__ __forceinline__ long long token_position(const void* ids, int ids_is_int64,
+                                                    const void* offsets, int offsets_is_int64,
+                                                    long long position_offset, int b, int s,
+                                                    long long token, long long position_limit,
+                                                    volatile int* error_flag) {
+  long long position = position_offset;
+  if (offsets != nullptr) {
+    position += offsets_is_int64 ? static_cast<const long long*>(offsets)[b]
+                                 : static_cast<long long>(static_cast<const int*>(offsets)[b]);
+  }
+  if (ids != nullptr) {
+    position += ids_is_int64 ? static_cast<const long long*>(ids)[token]
+                             : static_cast<long long>(static_cast<const int*>(ids)[token]);
+  } else {
+    position += s;
+  }
+  if (position < 0 || position >= position_limit) {
+    *error_flag = 1;
+    __threadfence_system();
+    position = position < 0 ? 0 : position_limit - 1;
+  }
+  return position;
+}
+
+// Rotate one chunk of every head row of a token: cos/sin formed once, heads loaded
+// HEADS_IN_FLIGHT at a time so that several 16-byte loads are in flight per thread.
+template <typename T, bool NEOX, int VEC, typename RowIn, typename RowOut>
+__device__ __forceinline__ void rotate_chunk(int chunk, int pairs, const float2* fine_row,
+                                             const float2* coarse_row, float sin_sign,
+                                             int total_heads, RowIn row_in, RowOut row_out) {
+  // Pairs this thread rotates: neox pairs (j, j + pairs); interleaved pairs (2j, 2j+1).
+  constexpr int PAIRS = NEOX ? VEC : VEC / 2;
+  constexpr int LOADS = NEOX ? 2 : 1;
+  const int first_pair = NEOX ? chunk * VEC : chunk * (VEC / 2);
+  float cos_v[PAIRS], sin_v[PAIRS];
+#pragma unroll
+  for (int i = 0; i < PAIRS; ++i) {
+    const float2 f = fine_row[first_pair + i];
+    const float2 c = coarse_row[first_pair + i];
+    cos_v[i] = fmaf(c.x, f.x, -c.y * f.y);
+    sin_v[i] = fmaf(c.y, f.x, c.x * f.y) * sin_sign;
+  }
+
+  // neox: x1 and x2 are two chunks half a rotary_dim apart; interleaved: one chunk holds both.
+  const int x1_col = chunk * VEC;
+  const int x2_col = NEOX ? pairs + chunk * VEC : x1_col;
+
+  for (int h0 = threadIdx.y; h0 < total_heads; h0 += blockDim.y * HEADS_IN_FLIGHT) {
+    Pack<T, VEC> data[HEADS_IN_FLIGHT][LOADS];
+#pragma unroll
+    for (int u = 0; u < HEADS_IN_FLIGHT; ++u) {
+      const int h = h0 + u * blockDim.y;
+      if (h < total_heads) {
+        const T* in = row_in(h);
+        data[u][0] = *reinterpret_cast<const Pack<T, VEC>*>(in + x1_col);
+        if (NEOX) data[u][LOADS - 1] = *reinterpret_cast<const Pack<T, VEC>*>(in + x2_col);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < HEADS_IN_FLIGHT; ++u) {
+      const int h = h0 + u * blockDim.y;
+      if (h >= total_heads) break;
+      Pack<T, VEC> y1, y2;
+#pragma unroll
+      for (int i = 0; i < PAIRS; ++i) {
+        const float x1 = to_float(NEOX ? data[u][0].v[i] : data[u][0].v[2 * i]);
+        const float x2 = to_float(NEOX ? data[u][LOADS - 1].v[i] : data[u][0].v[2 * i + 1]);
+        const float r1 = fmaf(x1, cos_v[i], -x2 * sin_v[i]);
+        const float r2 = fmaf(x2, cos_v[i], x1 * sin_v[i]);
+        if (NEOX) {
+          y1.v[i] = from_float<T>(r1);
+          y2.v[i] = from_float<T>(r2);
+        } else {
+          y1.v[2 * i] = from_float<T>(r1);
+          y1.v[2 * i + 1] = from_float<T>(r2);
+        }
+      }
+      T* out = row_out(h);
+      *reinterpret_cast<Pack<T, VEC>*>(out + x1_col) = y1;
+      if (NEOX) *reinterpret_cast<Pack<T, VEC>*>(out + x2_col) = y2;
+    }
+  }
+}
+
+template <typename T, bool NEOX, int VEC, int ROTARY_DIM>
+__global__ void rope_rotate(
+    // q: [batch, seq, q_heads, head_dim] through element strides (batch, seq, head)
+    const T* q_in, T* q_out, long long q_in_sb, long long q_in_ss, long long q_in_sh,
+    long long q_out_sb, long long q_out_ss, long long q_out_sh, int q_heads,
+    // k: same layout with k_heads (0 when there is no k)
+    const T* k_in, T* k_out, long long k_in_sb, long long k_in_ss, long long k_in_sh,
+    long long k_out_sb, long long k_out_ss, long long k_out_sh, int k_heads,
+    int batch, int seq, int runtime_rotary_dim, int tail_chunks,
+    // positions
+    const void* ids, int ids_is_int64, const void* offsets, int offsets_is_int64,
+    long long position_offset, long long position_limit, int* error_flag,
+    // tables: fine[lo][pair] = (cos, sin)(lo*inv); coarse[hi][pair] = a*(cos, sin)(hi*1024*inv)
+    const float2* __restrict__ fine, const float2* __restrict__ coarse, float sin_sign) {
+  const int rotary_dim = ROTARY_DIM > 0 ? ROTARY_DIM : runtime_rotary_dim;
+  const int pairs = rotary_dim / 2;
+  const int rotate_chunks = NEOX ? pairs / VEC : rotary_dim / VEC;
+
+  const long long token = static_cast<long long>(blockIdx.x) * blockDim.z + threadIdx.z;
+  if (token >= static_cast<long long>(batch) * seq) return;
+  const int b = static_cast<int>(token / seq);
+  const int s = static_cast<int>(token - static_cast<long long>(b) * seq);
+
+  const int total_heads = q_heads + k_heads;
+  auto row_in = [&](int h) -> const T* {
+    return h < q_heads ? q_in + b * q_in_sb + s * q_in_ss + h * q_in_sh
+                       : k_in + b * k_in_sb + s * k_in_ss + (h - q_heads) * k_in_sh;
+  };
+  auto row_out = [&](int h) -> T* {
+    return h < q_heads ? q_out + b * q_out_sb + s * q_out_ss + h * q_out_sh
+                       : k_out + b * k_out_sb + s * k_out_ss + (h - q_heads) * k_out_sh;
+  };
+
+  // Columns at or past rotary_dim are copied unchanged (out-of-place launches only).
+  for (int chunk = rotate_chunks + threadIdx.x; chunk < rotate_chunks + tail_chunks;
+       chunk += blockDim.x) {
+    const int column = rotary_dim + (chunk - rotate_chunks) * VEC;
+    for (int h = threadIdx.y; h < total_heads; h += blockDim.y) {
+      *reinterpret_cast<Pack<T, VEC>*>(row_out(h) + column) =
+          *reinterpret_cast<const Pack<T, VEC>*>(row_in(h) + column);
+    }
+  }
+
+  const long long position =
+      token_position(ids, ids_is_int64, offsets, offsets_is_int64, position_offset, b, s, token,
+                     position_limit, error_flag);
+  const float2* fine_row = fine + (position & ((1 << FINE_BITS) - 1)) * pairs;
+  const float2* coarse_row = coarse + (position >> FINE_BITS) * pairs;
+
+  for (int chunk = threadIdx.x; chunk < rotate_chunks; chunk += blockDim.x) {
+    rotate_chunk<T, NEOX, VEC>(chunk, pairs, fine_row, coarse_row, sin_sign, total_heads,
+                               row_in, row_out);
+  }
+}

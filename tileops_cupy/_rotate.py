@@ -1,0 +1,250 @@
+"""The rotation primitive every RoPE op and the Q/K component call: one contract, two bodies.
+
+``rotate`` takes q (and optionally k) as ``[batch, seq, heads, head_dim]`` row views, where
+each output goes (a new array, or the input itself for in-place), where the positions come
+from (an offset, a per-sequence offsets tensor, per-token ids) and the shared table of the
+op's scheme, and runs either the numpy body (host memory) or the CUDA body (one launch of
+``kernels_cu/rope.cu`` for q and k together). Validation belongs to the callers; this module
+only checks what the kernels need of the memory layout.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import _cuda
+from ._arrays import ITEMSIZE, Operand, cupy
+from ._tables import RotaryTable
+
+__all__ = ["HeadRows", "Positions", "rotate", "ErrorFlag"]
+
+_CUDA_TYPES = {"float16": "half_t", "bfloat16": "bfloat16_t", "float32": "float"}
+SHIPPED_ROTARY_DIMS = (64, 128)  # compiled with rotary_dim as a constant; others use 0 (runtime)
+_THREADS_PER_BLOCK = 256
+_HEADS_PER_THREAD = 4  # = HEADS_IN_FLIGHT in rope.cu
+
+
+@dataclass(frozen=True, slots=True)
+class HeadRows:
+    """An operand seen as ``[batch, seq, heads, head_dim]`` through element strides."""
+
+    operand: Operand
+    shape: tuple[int, int, int, int]
+    strides: tuple[int, int, int, int]
+
+    def host_view(self) -> np.ndarray:
+        itemsize = self.operand.host.itemsize
+        return np.lib.stride_tricks.as_strided(
+            self.operand.host, self.shape, tuple(s * itemsize for s in self.strides)
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Positions:
+    """Position of token (b, s): ``offset + offsets[b] + (ids[b*seq + s] if ids else s)``.
+
+    ``limit`` bounds every position (a device-side check raises ``flag`` and clamps).
+    """
+
+    offset: int = 0
+    offsets: Operand | None = None
+    ids: Operand | None = None
+    limit: int = 1 << 24
+
+    def host_positions(self, batch: int, seq: int) -> np.ndarray:
+        positions = np.full((batch, seq), self.offset, dtype=np.int64)
+        if self.offsets is not None:
+            positions += self.offsets.host.astype(np.int64).reshape(batch, 1)
+        if self.ids is not None:
+            positions += self.ids.host.astype(np.int64).reshape(batch, seq)
+        else:
+            positions += np.arange(seq, dtype=np.int64)
+        return positions
+
+
+class ErrorFlag:
+    """A host-mapped int32 per device that kernels set when they meet an out-of-range
+    position. Reading it costs no device synchronisation; it is exact once the stream
+    that ran the kernel has been synchronised."""
+
+    def __init__(self) -> None:
+        self._pointers: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def pointer(self, device: int) -> int:
+        pointer = self._pointers.get(device)
+        if pointer is None:
+            with self._lock:
+                pointer = self._pointers.get(device)
+                if pointer is None:
+                    runtime = cupy().cuda.runtime
+                    with cupy().cuda.Device(device):
+                        flags = runtime.hostAllocMapped | runtime.hostAllocPortable
+                        pointer = runtime.hostAlloc(4, flags)
+                    ctypes.c_int32.from_address(pointer).value = 0
+                    self._pointers[device] = pointer  # lives as long as the process
+        return pointer
+
+    def take(self) -> bool:
+        """True if any device's flag was raised since the last take (and clear it)."""
+        raised = False
+        for pointer in self._pointers.values():
+            cell = ctypes.c_int32.from_address(pointer)
+            if cell.value:
+                raised = True
+                cell.value = 0
+        return raised
+
+
+_ANY_FLAG = ErrorFlag()  # for launches whose positions were validated on the host
+
+
+def rotate(
+    table: RotaryTable,
+    neox: bool,
+    inverse: bool,
+    q: tuple[HeadRows, HeadRows],
+    k: tuple[HeadRows, HeadRows] | None,
+    positions: Positions,
+    flag: ErrorFlag | None = None,
+    stream=None,
+) -> None:
+    """Rotate ``q = (source, destination)`` and ``k`` (same form, or None) at ``positions``.
+
+    The destination may be the source itself (in place). Columns past ``table.rotary_dim``
+    are copied when the destination is another array. ``inverse`` negates sin (backward).
+    """
+    if q[0].operand.is_cuda:
+        _rotate_cuda(table, neox, inverse, q, k, positions, flag or _ANY_FLAG, stream)
+    else:
+        for pair in (q, k):
+            if pair is not None:
+                _rotate_host(table, neox, inverse, pair, positions)
+
+
+# --------------------------------------------------------------------------- host body
+
+
+def _rotate_host(
+    table: RotaryTable, neox: bool, inverse: bool, pair: tuple[HeadRows, HeadRows], positions
+) -> None:
+    source, destination = pair
+    batch, seq, _, head_dim = source.shape
+    rotary_dim = table.rotary_dim
+    pairs = rotary_dim // 2
+    float64 = source.operand.dtype == "float64"
+    compute = np.float64 if float64 else np.float32
+    cos, sin = table.host_cos_sin(positions.host_positions(batch, seq), float64)
+    cos = cos.astype(compute)[:, :, None, :]
+    sin = (-sin if inverse else sin).astype(compute)[:, :, None, :]
+
+    x = source.host_view()
+    first = np.s_[..., :pairs] if neox else np.s_[..., 0:rotary_dim:2]
+    second = np.s_[..., pairs:rotary_dim] if neox else np.s_[..., 1:rotary_dim:2]
+    x1 = x[first].astype(compute)
+    x2 = x[second].astype(compute)
+    y = destination.host_view()
+    dtype = y.dtype
+    # both halves are computed before either is written, so in place is safe
+    y1 = (x1 * cos - x2 * sin).astype(dtype)
+    y2 = (x2 * cos + x1 * sin).astype(dtype)
+    y[first] = y1
+    y[second] = y2
+    if rotary_dim < head_dim and destination.operand.host is not source.operand.host:
+        y[..., rotary_dim:] = x[..., rotary_dim:]
+
+
+# --------------------------------------------------------------------------- CUDA body
+
+
+def module_spec(dtype: str, rotary_dim: int) -> _cuda.ModuleSpec:
+    """The module holding every (layout, vector width) instantiation of one dtype and
+    rotary_dim (0 = rotary_dim passed at run time)."""
+    wide = 16 // ITEMSIZE[dtype]
+    cuda_type = _CUDA_TYPES[dtype]
+    names = tuple(
+        f"rope_rotate<{cuda_type}, {'true' if neox else 'false'}, {vec}, {rotary_dim}>"
+        for neox in (True, False)
+        for vec in (wide, 1 if neox else 2)
+    )
+    return _cuda.ModuleSpec("rope", names)
+
+
+@_cuda.register_catalog
+def _catalog():
+    for dtype in _CUDA_TYPES:
+        for rotary_dim in (*SHIPPED_ROTARY_DIMS, 0):
+            yield module_spec(dtype, rotary_dim)
+
+
+def _vector_width(
+    dtype: str, neox: bool, rotary_dim: int, head_dim: int, copy_tail: bool, rows: list[HeadRows]
+) -> int:
+    """16-byte accesses where every row, stride and column boundary allows; else the
+    narrowest access the layout needs (1 element for neox, one pair for interleaved)."""
+    itemsize = ITEMSIZE[dtype]
+    for vec in (16 // itemsize, 1 if neox else 2):
+        boundaries = [rotary_dim // 2 if neox else rotary_dim]
+        if copy_tail:
+            boundaries.append(head_dim - rotary_dim)
+        aligned = all(b % vec == 0 for b in boundaries) and all(
+            r.operand.ptr % (vec * itemsize) == 0
+            and all(s % vec == 0 for s, n in zip(r.strides[:3], r.shape[:3]) if n > 1)
+            for r in rows
+        )
+        if aligned:
+            return vec
+    raise ValueError(
+        "interleaved rotation reads each (even, odd) pair as one access, but these views put "
+        f"pairs at odd element offsets (strides {[r.strides for r in rows]}); pass a view "
+        "with even strides or a contiguous copy"
+    )
+
+
+def _rotate_cuda(table, neox, inverse, q, k, positions: Positions, flag: ErrorFlag, stream):
+    q_in, q_out = q
+    batch, seq, q_heads, head_dim = q_in.shape
+    dtype = q_in.operand.dtype
+    device = q_in.operand.device
+    rotary_dim = table.rotary_dim
+    copy_tail = rotary_dim < head_dim and q_out.operand.ptr != q_in.operand.ptr
+    rows = [q_in, q_out] + ([k[0], k[1]] if k is not None else [])
+    vec = _vector_width(dtype, neox, rotary_dim, head_dim, copy_tail, rows)
+
+    compiled_rotary_dim = rotary_dim if rotary_dim in SHIPPED_ROTARY_DIMS else 0
+    spec = module_spec(dtype, compiled_rotary_dim)
+    name = f"rope_rotate<{_CUDA_TYPES[dtype]}, {'true' if neox else 'false'}, {vec}, "
+    name += f"{compiled_rotary_dim}>"
+
+    fine_ptr, coarse_ptr, capacity = table.device_tables(device, positions.limit)
+    k_heads = k[0].shape[2] if k is not None else 0
+    total_heads = q_heads + k_heads
+    rotate_chunks = (rotary_dim // 2 if neox else rotary_dim) // vec
+    tail_chunks = (head_dim - rotary_dim) // vec if copy_tail else 0
+    chunks = min(max(rotate_chunks, tail_chunks), _THREADS_PER_BLOCK)
+    head_lanes = max(1, min(-(-total_heads // _HEADS_PER_THREAD), _THREADS_PER_BLOCK // chunks))
+    tokens_per_block = max(1, _THREADS_PER_BLOCK // (chunks * head_lanes))
+    tokens = batch * seq
+    grid = (-(-tokens // tokens_per_block),)
+    block = (chunks, head_lanes, tokens_per_block)
+
+    k_in, k_out = k if k is not None else (q_in, q_out)
+    ids, offsets = positions.ids, positions.offsets
+    i32, i64, ptr = np.int32, np.int64, np.uint64
+    args = (
+        ptr(q_in.operand.ptr), ptr(q_out.operand.ptr),
+        *map(i64, q_in.strides[:3]), *map(i64, q_out.strides[:3]), i32(q_heads),
+        ptr(k_in.operand.ptr), ptr(k_out.operand.ptr),
+        *map(i64, k_in.strides[:3]), *map(i64, k_out.strides[:3]), i32(k_heads),
+        i32(batch), i32(seq), i32(rotary_dim), i32(tail_chunks),
+        ptr(ids.ptr if ids is not None else 0), i32(ids is not None and ids.dtype == "int64"),
+        ptr(offsets.ptr if offsets is not None else 0),
+        i32(offsets is not None and offsets.dtype == "int64"),
+        i64(positions.offset), i64(min(positions.limit, capacity)), ptr(flag.pointer(device)),
+        ptr(fine_ptr), ptr(coarse_ptr), np.float32(-1.0 if inverse else 1.0),
+    )  # fmt: skip
+    _cuda.launch(spec, name, q_in.operand, grid, block, args, stream=stream)

@@ -1,0 +1,168 @@
+"""cos/sin tables, two-level, and the process-wide registry that shares them.
+
+A position ``p`` splits into ``p = hi * FINE_ROWS + lo``. Two float64-derived tables hold
+``(a*cos, a*sin)`` of ``hi * FINE_ROWS * inv`` (coarse, grows with the positions asked for)
+and ``(cos, sin)`` of ``lo * inv`` (fine, fixed ``FINE_ROWS`` rows); the kernels combine them
+with the angle-addition formula in float32. Each entry is correctly rounded from float64,
+so the combination errs by a few float32 ulps at any position below 2**24, well inside the
+accuracy contract, while memory stays O(sqrt(P) * d) instead of O(P * d): at rotary_dim
+128 the tables hold 0.6 MB for 128k positions, 1 MB for 1M and 9 MB for 2**24.
+
+Tables are keyed by (scheme, rotary_dim): every op and every RoPE component with the same
+key shares one table, on the host and on each device. Growth replaces the coarse table by
+a larger one (doubling), under a lock; retired device copies stay referenced so that a
+kernel still reading one on another stream never reads freed memory.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ._arrays import cupy
+from .schemes import Scheme
+
+FINE_BITS = 10
+FINE_ROWS = 1 << FINE_BITS
+MAX_POSITIONS = 1 << 24  # the accuracy contract is stated for positions below 2**24
+_MIN_COARSE_ROWS = 8  # 8k positions on first use
+
+
+def _cos_sin(angles: np.ndarray, amplitude: float) -> np.ndarray:
+    """[rows, pairs, 2] float64 (a*cos, a*sin)."""
+    return amplitude * np.stack([np.cos(angles), np.sin(angles)], axis=-1)
+
+
+@dataclass
+class RotaryTable:
+    """cos/sin of one (scheme, rotary_dim), covering positions ``[0, capacity)``."""
+
+    scheme: Scheme
+    rotary_dim: int
+    inv_freq: np.ndarray = field(init=False)
+    amplitude: float = field(init=False)
+    fine64: np.ndarray = field(init=False)
+    coarse64: np.ndarray = field(init=False)
+    fine32: np.ndarray = field(init=False)
+    coarse32: np.ndarray = field(init=False)
+    _device: dict[int, tuple[Any, Any]] = field(default_factory=dict, init=False)
+    _retired: list[Any] = field(default_factory=list, init=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+
+    def __post_init__(self) -> None:
+        self.inv_freq = self.scheme.inv_freq(self.rotary_dim)
+        self.amplitude = float(self.scheme.amplitude(self.rotary_dim))
+        fine_angles = np.arange(FINE_ROWS, dtype=np.float64)[:, None] * self.inv_freq
+        self.fine64 = _cos_sin(fine_angles, 1.0)
+        self.fine32 = self.fine64.astype(np.float32)
+        self.coarse64 = np.empty((0, self.rotary_dim // 2, 2))
+        self.coarse32 = self.coarse64.astype(np.float32)
+
+    @property
+    def capacity(self) -> int:
+        return self.coarse64.shape[0] * FINE_ROWS
+
+    def ensure(self, positions: int) -> None:
+        """Grow so that positions ``[0, positions)`` are covered (doubling, never shrinking)."""
+        if positions <= self.capacity:
+            return
+        if positions > MAX_POSITIONS:
+            raise ValueError(
+                f"position {positions - 1} is beyond the supported range [0, {MAX_POSITIONS})"
+            )
+        with self._lock:
+            needed = -(-positions // FINE_ROWS)
+            rows = max(_MIN_COARSE_ROWS, self.coarse64.shape[0])
+            while rows < needed:
+                rows *= 2
+            rows = min(rows, MAX_POSITIONS // FINE_ROWS)
+            if rows <= self.coarse64.shape[0]:
+                return
+            coarse_positions = np.arange(rows, dtype=np.float64)[:, None] * FINE_ROWS
+            self.coarse64 = _cos_sin(coarse_positions * self.inv_freq, self.amplitude)
+            self.coarse32 = self.coarse64.astype(np.float32)
+
+    def device_tables(self, device: int, positions: int) -> tuple[int, int, int]:
+        """(fine_ptr, coarse_ptr, capacity) of float32 tables on ``device`` covering
+        ``positions``. Uploads (synchronously, so any stream may read them) when stale."""
+        self.ensure(positions)
+        entry = self._device.get(device)
+        if entry is None or entry[1].shape[0] != self.coarse32.shape[0]:
+            with self._lock:
+                entry = self._device.get(device)
+                if entry is None or entry[1].shape[0] != self.coarse32.shape[0]:
+                    cp = cupy()
+                    with cp.cuda.Device(device):
+                        fine = cp.asarray(self.fine32)
+                        coarse = cp.asarray(self.coarse32)
+                        cp.cuda.runtime.deviceSynchronize()
+                    if entry is not None:
+                        self._retired.append(entry)
+                    entry = (fine, coarse)
+                    self._device[device] = entry
+        fine, coarse = entry
+        return fine.data.ptr, coarse.data.ptr, coarse.shape[0] * FINE_ROWS
+
+    def host_cos_sin(self, positions: np.ndarray, float64: bool) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin of shape ``positions.shape + (rotary_dim/2,)``, combined from the two
+        levels exactly as the kernels do (float32), or in float64 for float64 data."""
+        self.ensure(int(positions.max(initial=0)) + 1)
+        fine, coarse = (self.fine64, self.coarse64) if float64 else (self.fine32, self.coarse32)
+        f = fine[positions & (FINE_ROWS - 1)]
+        c = coarse[positions >> FINE_BITS]
+        cos = c[..., 0] * f[..., 0] - c[..., 1] * f[..., 1]
+        sin = c[..., 1] * f[..., 0] + c[..., 0] * f[..., 1]
+        return cos, sin
+
+    def bytes(self) -> dict[str, Any]:
+        host = sum(a.nbytes for a in (self.fine64, self.coarse64, self.fine32, self.coarse32))
+        device = {dev: fine.nbytes + coarse.nbytes for dev, (fine, coarse) in self._device.items()}
+        return {"host": host, "device": device}
+
+
+_registry: dict[tuple[Scheme, int], RotaryTable] = {}
+_registry_lock = threading.Lock()
+
+
+def shared_table(scheme: Scheme, rotary_dim: int) -> RotaryTable:
+    """The one table of (scheme, rotary_dim) in this process, created on first use."""
+    key = (scheme, rotary_dim)
+    table = _registry.get(key)
+    if table is None:
+        with _registry_lock:
+            table = _registry.get(key)
+            if table is None:
+                table = RotaryTable(scheme, rotary_dim)
+                _registry[key] = table
+    return table
+
+
+def table_bytes(rotary_dim: int, positions: int) -> int:
+    """Device bytes the float32 tables of one (scheme, rotary_dim) take for ``positions``."""
+    coarse_rows = max(_MIN_COARSE_ROWS, -(-positions // FINE_ROWS))
+    coarse_rows = 1 << (coarse_rows - 1).bit_length()  # tables grow by doubling
+    return (FINE_ROWS + coarse_rows) * (rotary_dim // 2) * 2 * 4
+
+
+def table_cache_info() -> dict[str, Any]:
+    """Entries of the shared table registry and the bytes they hold (host and per device)."""
+    entries = []
+    for (scheme, rotary_dim), table in list(_registry.items()):
+        sizes = table.bytes()
+        entries.append(
+            {
+                "scheme": scheme,
+                "rotary_dim": rotary_dim,
+                "positions": table.capacity,
+                "host_bytes": sizes["host"],
+                "device_bytes": sizes["device"],
+            }
+        )
+    return {
+        "entries": entries,
+        "host_bytes": sum(e["host_bytes"] for e in entries),
+        "device_bytes": sum(sum(e["device_bytes"].values()) for e in entries),
+    }

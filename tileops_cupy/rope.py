@@ -1,0 +1,429 @@
+"""Rotary position embedding: the TileOPs RoPE ops (Fwd and Bwd) and the in-place Q/K component.
+
+Every op here is one path: validate -> pick the place from where the data lives -> the
+``rotate`` primitive (numpy body on the host, one CUDA launch on a device) with the shared
+cos/sin table of the op's frequency scheme. The variants differ only in their scheme; a
+Bwd op differs from its Fwd twin only in the sign of sin.
+
+Example (host, runs anywhere)::
+
+    >>> import numpy as np
+    >>> from tileops_cupy.rope import RoPEFwdOp, RoPEBwdOp
+    >>> x = np.random.default_rng(0).standard_normal((16, 64)).astype(np.float32)
+    >>> y = RoPEFwdOp()(x)
+    >>> bool(np.allclose(RoPEBwdOp()(y), x, atol=1e-5))
+    True
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ._arrays import (
+    BUILTIN,
+    FLOAT_DTYPES,
+    Operand,
+    as_operand,
+    check_target,
+    contiguous,
+    current_stream,
+    empty_like,
+    select_place,
+    to_caller,
+)
+from ._rotate import ErrorFlag, HeadRows, Positions, rotate
+from ._tables import MAX_POSITIONS, shared_table, table_bytes, table_cache_info
+from .schemes import Llama31, LongRoPE, Scheme, Standard, YaRN
+
+__all__ = [
+    "BUILTIN",
+    "Standard",
+    "Llama31",
+    "YaRN",
+    "LongRoPE",
+    "RoPEFwdOp",
+    "RoPEBwdOp",
+    "RoPENeoxPositionIdsFwdOp",
+    "RoPENeoxPositionIdsBwdOp",
+    "RoPELlama31FwdOp",
+    "RoPELlama31BwdOp",
+    "YaRNFwdOp",
+    "YaRNBwdOp",
+    "LongRoPEFwdOp",
+    "LongRoPEBwdOp",
+    "table_cache_info",
+]
+
+ROPE_LAYOUTS = ("neox", "interleaved")
+INPUT_LAYOUTS = ("1d", "2d")
+
+
+# --------------------------------------------------------------------------- shared checks
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
+def _check_rotary_dim(rotary_dim: int | None) -> int | None:
+    if rotary_dim is not None and (
+        not isinstance(rotary_dim, (int, np.integer)) or rotary_dim <= 0 or rotary_dim % 2
+    ):
+        raise ValueError(f"rotary_dim must be a positive even int or None, got {rotary_dim!r}")
+    return None if rotary_dim is None else int(rotary_dim)
+
+
+def _check_max_position(max_position: int) -> int:
+    if not isinstance(max_position, (int, np.integer)) or not 0 < max_position <= MAX_POSITIONS:
+        raise ValueError(
+            f"max_position must be an int in [1, 2**24] (the range the accuracy contract "
+            f"covers), got {max_position!r}"
+        )
+    return int(max_position)
+
+
+def _float_operand(obj: Any, name: str) -> Operand:
+    """``obj`` as an Operand with a float dtype and a contiguous last dimension."""
+    operand = as_operand(obj, name)
+    if operand.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} must be float16, bfloat16, float32 or float64, got {operand.dtype}"
+        )
+    if operand.is_cuda and operand.dtype == "float64":
+        raise TypeError(f"{name} is float64 on a CUDA device; float64 runs on the host path only")
+    return contiguous(operand) if not operand.last_dim_contiguous else operand
+
+
+def _head_dim_rotary_dim(name: str, head_dim: int, rotary_dim: int | None) -> int:
+    if head_dim % 2:
+        raise ValueError(f"head_dim ({name}.shape[-1]) must be even, got {head_dim}")
+    if rotary_dim is None:
+        return head_dim
+    if rotary_dim > head_dim:
+        raise ValueError(f"rotary_dim must be <= head_dim = {head_dim}, got {rotary_dim}")
+    return rotary_dim
+
+
+# --------------------------------------------------------------------------- seed ops
+
+
+class _RotaryOp:
+    """Rotation of ``x`` by its sequence positions with one scheme; see the subclasses."""
+
+    _inverse = False
+
+    def _setup(
+        self, scheme: Scheme, rope_layout: str, input_layout: str, target: Any, rotary_dim=None
+    ) -> None:
+        self.scheme = scheme
+        self.rope_layout = _check_choice("rope_layout", rope_layout, ROPE_LAYOUTS)
+        self.input_layout = _check_choice("input_layout", input_layout, INPUT_LAYOUTS)
+        self.target = check_target(target)
+        self.rotary_dim = _check_rotary_dim(rotary_dim)
+
+    def _rows(self, operand: Operand, name: str) -> HeadRows:
+        """``operand`` as [batch, seq, heads, head_dim] rows for this op's input layout."""
+        expected = {"1d": "[seq, head_dim]", "2d": "[batch, seq, heads, head_dim]"}
+        ndim = {"1d": 2, "2d": 4}[self.input_layout]
+        if operand.ndim != ndim:
+            raise ValueError(
+                f"{name} must be {expected[self.input_layout]} for input_layout="
+                f"{self.input_layout!r}, got shape {operand.shape}"
+            )
+        if ndim == 2:
+            (seq, head_dim), (seq_stride, _) = operand.shape, operand.strides
+            return HeadRows(operand, (1, seq, 1, head_dim), (0, seq_stride, 0, 1))
+        return HeadRows(operand, operand.shape, (*operand.strides[:3], 1))
+
+    def forward(self, x: Any) -> Any:
+        """Rotate ``x`` (``[seq, head_dim]`` for "1d", ``[batch, seq, heads, head_dim]``
+        for "2d"; the row's seq index is its position). Returns a new array of x's shape,
+        dtype, framework and device; x is not modified."""
+        source = _float_operand(x, "x")
+        rows = self._rows(source, "x")
+        select_place(self.target, {"x": source})
+        seq = rows.shape[1]
+        if seq > MAX_POSITIONS:
+            raise ValueError(f"x has {seq} positions; at most 2**24 are supported")
+        return to_caller(self._run(source, rows, Positions(limit=max(seq, 1))))
+
+    def __call__(self, *args: Any) -> Any:
+        return self.forward(*args)
+
+    def _run(self, source: Operand, rows: HeadRows, positions: Positions, flag=None) -> Any:
+        head_dim = rows.shape[3]
+        rotary_dim = _head_dim_rotary_dim("x", head_dim, self.rotary_dim)
+        table = shared_table(self.scheme, rotary_dim)
+        result = empty_like(source, source.shape)
+        out_rows = HeadRows(result, rows.shape, _contiguous_row_strides(source.shape, rows))
+        if math.prod(rows.shape):
+            rotate(
+                table, self.rope_layout == "neox", self._inverse, (rows, out_rows), None,
+                positions, flag,
+            )  # fmt: skip
+        return result
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.scheme}, rope_layout={self.rope_layout!r})"
+
+
+def _contiguous_row_strides(shape: tuple[int, ...], rows: HeadRows) -> tuple[int, int, int, int]:
+    """Element strides of a contiguous array of ``shape`` seen as ``rows.shape``."""
+    batch, seq, heads, head_dim = rows.shape
+    return (seq * heads * head_dim, heads * head_dim, head_dim, 1)
+
+
+class RoPEFwdOp(_RotaryOp):
+    """RoPE with standard frequencies ``base ** (-2j/d)``, in either rotation convention.
+
+    Args:
+        rope_layout: "neox" rotates the two halves of a head against each other (pairs
+            ``(j, j + d/2)``); "interleaved" rotates adjacent pairs ``(2j, 2j+1)``.
+        input_layout: "1d" for ``x`` of shape ``[seq, head_dim]``, "2d" for
+            ``[batch, seq, heads, head_dim]``. A row's position is its seq index.
+        base: frequency base, > 0.
+        target: None or BUILTIN (run where the data lives), "cuda" or "cpu" (must match
+            where the data lives: a mismatch raises ValueError, never copies).
+
+    ``forward(x)``: x float16, bfloat16 or float32 (float64 on the host); strided views
+    with a contiguous last dim are read in place. Returns a new array like x.
+
+    Raises ValueError for a bad layout name, base <= 0, a wrong rank, an odd head_dim, or a
+    target that does not match the data; TypeError for non-float data.
+
+    Example::
+
+        >>> import numpy as np
+        >>> x = np.ones((2, 8, 4, 64), np.float32)
+        >>> RoPEFwdOp(input_layout="2d")(x).shape
+        (2, 8, 4, 64)
+    """
+
+    def __init__(
+        self,
+        rope_layout: str = "neox",
+        input_layout: str = "1d",
+        base: float = 10000.0,
+        *,
+        target: Any = None,
+    ) -> None:
+        self._setup(Standard(base), rope_layout, input_layout, target)
+
+
+class RoPELlama31FwdOp(_RotaryOp):
+    """Neox RoPE with Llama 3.1 piecewise frequency scaling (HF ``rope_type="llama3"``).
+
+    Args:
+        input_layout: "1d" (``[seq, head_dim]``) or "2d" (``[batch, seq, heads, head_dim]``).
+        base: frequency base, > 0.
+        scale_factor: divisor of the low frequencies (wavelength > original/low_freq_factor).
+        low_freq_factor, high_freq_factor: wavelength thresholds; between them the
+            frequency blends linearly.
+        original_max_position: the context length the model was trained at.
+        target: as in RoPEFwdOp.
+
+    ``forward(x)`` as in RoPEFwdOp. Example::
+
+        >>> import numpy as np
+        >>> RoPELlama31FwdOp()(np.ones((4, 128), np.float32)).shape
+        (4, 128)
+    """
+
+    def __init__(
+        self,
+        input_layout: str = "1d",
+        base: float = 10000.0,
+        scale_factor: float = 8.0,
+        low_freq_factor: float = 1.0,
+        high_freq_factor: float = 4.0,
+        original_max_position: int = 8192,
+        *,
+        target: Any = None,
+    ) -> None:
+        scheme = Llama31(
+            base, scale_factor, low_freq_factor, high_freq_factor, original_max_position
+        )
+        self._setup(scheme, "neox", input_layout, target)
+
+
+class YaRNFwdOp(_RotaryOp):
+    """Neox RoPE with YaRN frequencies and attention amplitude, as vLLM's
+    ``YaRNScalingRotaryEmbedding`` and HF ``rope_type="yarn"`` (TileOPs' own kernel drifted
+    from that reference; see ``schemes.YaRN``). cos and sin carry the amplitude
+    ``(0.1*ln(scale) + 1) * attn_factor``.
+
+    Args:
+        input_layout: "1d" or "2d", as in RoPEFwdOp.
+        base: frequency base, > 0.
+        scale: context extension factor.
+        original_max_position: the context length the model was trained at.
+        beta_fast, beta_slow: rotation counts bounding the interpolation ramp.
+        attn_factor: extra factor on the amplitude.
+        target: as in RoPEFwdOp.
+
+    ``forward(x)`` as in RoPEFwdOp. Example::
+
+        >>> import numpy as np
+        >>> YaRNFwdOp()(np.ones((4, 64), np.float32)).shape
+        (4, 64)
+    """
+
+    def __init__(
+        self,
+        input_layout: str = "1d",
+        base: float = 10000.0,
+        scale: float = 16.0,
+        original_max_position: int = 4096,
+        beta_fast: float = 32.0,
+        beta_slow: float = 1.0,
+        attn_factor: float = 1.0,
+        *,
+        target: Any = None,
+    ) -> None:
+        scheme = YaRN(base, scale, original_max_position, beta_fast, beta_slow, attn_factor)
+        self._setup(scheme, "neox", input_layout, target)
+
+
+class LongRoPEFwdOp(_RotaryOp):
+    """Neox RoPE with per-pair rescaled frequencies ``inv0 / rescale_factors`` and the
+    amplitude ``sqrt(1 + ln(s)/ln(original))``, ``s = max/original`` (HF ``longrope``).
+
+    Args:
+        input_layout: "1d" or "2d", as in RoPEFwdOp.
+        base: frequency base, > 0.
+        rescale_factors: ``[head_dim/2]`` divisors of the frequencies (list, numpy or any
+            tensor); None means ones. Zero, NaN or infinite factors raise ValueError.
+        max_position_embeddings: extended context length.
+        original_max_position_embeddings: trained context length.
+        target: as in RoPEFwdOp.
+
+    ``forward(x)`` as in RoPEFwdOp; x's head_dim must be 2 * len(rescale_factors).
+    Example::
+
+        >>> import numpy as np
+        >>> op = LongRoPEFwdOp(rescale_factors=[1.0] * 32, max_position_embeddings=8192)
+        >>> op(np.ones((4, 64), np.float32)).shape
+        (4, 64)
+    """
+
+    def __init__(
+        self,
+        input_layout: str = "1d",
+        base: float = 10000.0,
+        rescale_factors: Any = None,
+        max_position_embeddings: int = 4096,
+        original_max_position_embeddings: int = 4096,
+        *,
+        target: Any = None,
+    ) -> None:
+        scheme = LongRoPE(
+            base, rescale_factors, max_position_embeddings, original_max_position_embeddings
+        )
+        self._setup(scheme, "neox", input_layout, target)
+
+
+class RoPENeoxPositionIdsFwdOp(_RotaryOp):
+    """Neox RoPE for packed tokens (THD) at explicit positions, with partial rotary_dim.
+
+    Args:
+        max_position: every id must lie in ``[0, max_position)``; at most 2**24.
+        base: frequency base, > 0.
+        rotary_dim: the first rotary_dim columns of each head rotate (even, <= head_dim);
+            None rotates all of them. The rest are copied.
+        target: as in RoPEFwdOp.
+
+    ``forward(x, position_ids)``: x ``[tokens, heads, head_dim]`` float16/bfloat16/float32
+    (float64 on the host); position_ids ``[tokens]`` int32 or int64 on x's device, read
+    natively. Any id outside ``[0, max_position)`` raises ValueError (int64 ids are compared
+    as int64); on a GPU the kernel clamps such an id, raises a flag, and the op waits for
+    the stream once to read it, so no table is ever read out of bounds.
+
+    Example::
+
+        >>> import numpy as np
+        >>> op = RoPENeoxPositionIdsFwdOp(max_position=4096, rotary_dim=32)
+        >>> x = np.ones((3, 2, 64), np.float32)
+        >>> op(x, np.array([7, 0, 4095])).shape
+        (3, 2, 64)
+    """
+
+    def __init__(
+        self,
+        max_position: int,
+        base: float = 10000.0,
+        rotary_dim: int | None = None,
+        *,
+        target: Any = None,
+    ) -> None:
+        self._setup(Standard(base), "neox", "2d", target, rotary_dim)
+        self.max_position = _check_max_position(max_position)
+        self._flag = ErrorFlag()
+
+    def forward(self, x: Any, position_ids: Any) -> Any:
+        source = _float_operand(x, "x")
+        if source.ndim != 3:
+            raise ValueError(f"x must be [tokens, heads, head_dim], got shape {source.shape}")
+        ids = as_operand(position_ids, "position_ids")
+        tokens = source.shape[0]
+        if ids.dtype not in ("int32", "int64"):
+            raise TypeError(f"position_ids must be int32 or int64, got {ids.dtype}")
+        if ids.shape != (tokens,):
+            raise ValueError(
+                f"position_ids must have shape [tokens] = ({tokens},) to match x, got {ids.shape}"
+            )
+        place = select_place(self.target, {"x": source, "position_ids": ids})
+        if place == "cpu":
+            _check_host_positions("position_ids", ids.host, self.max_position)
+        elif ids.strides[0] != 1 and tokens > 1:
+            ids = contiguous(ids)
+        tokens_, heads, head_dim = source.shape
+        rows = HeadRows(source, (1, tokens_, heads, head_dim), (0, *source.strides[:2], 1))
+        positions = Positions(ids=ids, limit=self.max_position)
+        result = self._run(source, rows, positions, self._flag)
+        if place == "cuda":
+            current_stream(source).synchronize()  # the ids were checked on the device
+            if self._flag.take():
+                raise ValueError(
+                    f"position_ids must lie in [0, max_position={self.max_position}); "
+                    "some did not (the kernel clamped them and its output is not valid)"
+                )
+        return to_caller(result)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(max_position={self.max_position}, {self.scheme})"
+
+
+def _check_host_positions(name: str, positions: np.ndarray, limit: int) -> None:
+    if positions.size == 0:
+        return
+    low, high = int(positions.min()), int(positions.max())
+    if low < 0 or high >= limit:
+        bad = positions[(positions < 0) | (positions >= limit)]
+        raise ValueError(
+            f"{name} must lie in [0, {limit}); got {bad.size} out of range, e.g. {int(bad[0])}"
+        )
+
+
+def _make_backward(forward: type[_RotaryOp]) -> type[_RotaryOp]:
+    """The Bwd twin of a Fwd op: same constructor, the inverse rotation (sin negated).
+    With an amplitude ``a``, Bwd(Fwd(x)) == a*a*x."""
+    name = forward.__name__.replace("FwdOp", "BwdOp")
+    doc = (
+        f"Backward of :class:`{forward.__name__}`: same constructor and call, applies the "
+        "inverse rotation (sin negated) to the incoming gradient ``grad``. With an amplitude "
+        "``a`` (YaRN, LongRoPE), Bwd(Fwd(x)) == a*a*x.\n\n"
+        f"{forward.__name__}'s documentation:\n\n{forward.__doc__}"
+    )
+    return type(name, (forward,), {"_inverse": True, "__doc__": doc, "__module__": __name__})
+
+
+RoPEBwdOp = _make_backward(RoPEFwdOp)
+RoPELlama31BwdOp = _make_backward(RoPELlama31FwdOp)
+YaRNBwdOp = _make_backward(YaRNFwdOp)
+LongRoPEBwdOp = _make_backward(LongRoPEFwdOp)
+RoPENeoxPositionIdsBwdOp = _make_backward(RoPENeoxPositionIdsFwdOp)
