@@ -193,7 +193,7 @@ def _vector_width(
             boundaries.append(head_dim - rotary_dim)
         aligned = all(b % vec == 0 for b in boundaries) and all(
             r.operand.ptr % (vec * itemsize) == 0
-            and all(s % vec == 0 for s, n in zip(r.strides[:3], r.shape[:3]) if n > 1)
+            and all(s % vec == 0 for s, n in zip(r.strides[:3], r.shape[:3], strict=True) if n > 1)
             for r in rows
         )
         if aligned:

@@ -35,7 +35,7 @@ from ._arrays import (
     to_caller,
 )
 from ._rotate import ErrorFlag, HeadRows, Positions, rotate
-from ._tables import MAX_POSITIONS, shared_table, table_bytes, table_cache_info
+from ._tables import MAX_POSITIONS, shared_table, table_cache_info
 from .schemes import Llama31, LongRoPE, Scheme, Standard, YaRN
 
 __all__ = [

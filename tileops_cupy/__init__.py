@@ -1,0 +1,21 @@
+"""tileops-cupy: rotary position embeddings and manifold-constrained hyper-connections as
+runtime-compiled CUDA kernels (CuPy/NVRTC), with a numpy path for machines without a GPU.
+
+Submodules: :mod:`tileops_cupy.rope` (the RoPE ops and the in-place Q/K component),
+:mod:`tileops_cupy.sequence_modeling` (mHC pre/post), :mod:`tileops_cupy.schemes`
+(frequency schemes). Importing needs only numpy and ml_dtypes; CuPy is imported when a
+CUDA array first arrives.
+"""
+
+from importlib import import_module
+
+from ._arrays import BUILTIN, cuda_available
+
+__version__ = "0.1.0"
+__all__ = ["BUILTIN", "cuda_available", "rope", "schemes", "sequence_modeling", "__version__"]
+
+
+def __getattr__(name: str):
+    if name in ("rope", "schemes", "sequence_modeling"):
+        return import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
