@@ -145,21 +145,51 @@ __device__ __forceinline__ void rotate_chunk(int chunk, int pairs, const float2*
   }
 }
 
+// One launch's arguments, passed by value as a single struct (one packed buffer from the host
+// instead of thirty boxed scalars: that is most of the host cost of a decode-sized call).
+// The field order is mirrored by ROPE_PARAMS in tileops_cupy/_rotate.py.
+struct RopeParams {
+  // q: [batch, seq, q_heads, head_dim] through element strides (batch, seq, head)
+  const void* q_in;
+  void* q_out;
+  long long q_in_stride[3];
+  long long q_out_stride[3];
+  // k: same layout with k_heads (0 when there is no k)
+  const void* k_in;
+  void* k_out;
+  long long k_in_stride[3];
+  long long k_out_stride[3];
+  // positions: offset + offsets[b] + (ids[b*seq + s] or s), each bounded by position_limit
+  const void* ids;
+  const void* offsets;
+  int* error_flag;
+  // fine[lo][pair] = (cos, sin)(lo*inv); coarse[hi][pair] = a*(cos, sin)(hi*1024*inv)
+  const float2* fine;
+  const float2* coarse;
+  long long position_offset;
+  long long position_limit;
+  int q_heads;
+  int k_heads;
+  int batch;
+  int seq;
+  int rotary_dim;
+  int tail_chunks;
+  int ids_is_int64;
+  int offsets_is_int64;
+  float sin_sign;
+};
+
 template <typename T, bool NEOX, int VEC, int ROTARY_DIM>
-__global__ void rope_rotate(
-    // q: [batch, seq, q_heads, head_dim] through element strides (batch, seq, head)
-    const T* q_in, T* q_out, long long q_in_sb, long long q_in_ss, long long q_in_sh,
-    long long q_out_sb, long long q_out_ss, long long q_out_sh, int q_heads,
-    // k: same layout with k_heads (0 when there is no k)
-    const T* k_in, T* k_out, long long k_in_sb, long long k_in_ss, long long k_in_sh,
-    long long k_out_sb, long long k_out_ss, long long k_out_sh, int k_heads,
-    int batch, int seq, int runtime_rotary_dim, int tail_chunks,
-    // positions
-    const void* ids, int ids_is_int64, const void* offsets, int offsets_is_int64,
-    long long position_offset, long long position_limit, int* error_flag,
-    // tables: fine[lo][pair] = (cos, sin)(lo*inv); coarse[hi][pair] = a*(cos, sin)(hi*1024*inv)
-    const float2* __restrict__ fine, const float2* __restrict__ coarse, float sin_sign) {
-  const int rotary_dim = ROTARY_DIM > 0 ? ROTARY_DIM : runtime_rotary_dim;
+__global__ void rope_rotate(const RopeParams p) {
+  const T* q_in = static_cast<const T*>(p.q_in);
+  T* q_out = static_cast<T*>(p.q_out);
+  const T* k_in = static_cast<const T*>(p.k_in);
+  T* k_out = static_cast<T*>(p.k_out);
+  const int q_heads = p.q_heads, k_heads = p.k_heads, batch = p.batch, seq = p.seq;
+  const int tail_chunks = p.tail_chunks;
+  const float2* fine = p.fine;
+  const float2* coarse = p.coarse;
+  const int rotary_dim = ROTARY_DIM > 0 ? ROTARY_DIM : p.rotary_dim;
   const int pairs = rotary_dim / 2;
   const int rotate_chunks = NEOX ? pairs / VEC : rotary_dim / VEC;
 
@@ -170,12 +200,15 @@ __global__ void rope_rotate(
 
   const int total_heads = q_heads + k_heads;
   auto row_in = [&](int h) -> const T* {
-    return h < q_heads ? q_in + b * q_in_sb + s * q_in_ss + h * q_in_sh
-                       : k_in + b * k_in_sb + s * k_in_ss + (h - q_heads) * k_in_sh;
+    return h < q_heads ? q_in + b * p.q_in_stride[0] + s * p.q_in_stride[1] + h * p.q_in_stride[2]
+                       : k_in + b * p.k_in_stride[0] + s * p.k_in_stride[1] +
+                             (h - q_heads) * p.k_in_stride[2];
   };
   auto row_out = [&](int h) -> T* {
-    return h < q_heads ? q_out + b * q_out_sb + s * q_out_ss + h * q_out_sh
-                       : k_out + b * k_out_sb + s * k_out_ss + (h - q_heads) * k_out_sh;
+    return h < q_heads ? q_out + b * p.q_out_stride[0] + s * p.q_out_stride[1] +
+                             h * p.q_out_stride[2]
+                       : k_out + b * p.k_out_stride[0] + s * p.k_out_stride[1] +
+                             (h - q_heads) * p.k_out_stride[2];
   };
 
   // Columns at or past rotary_dim are copied unchanged (out-of-place launches only).
@@ -189,13 +222,13 @@ __global__ void rope_rotate(
   }
 
   const long long position =
-      token_position(ids, ids_is_int64, offsets, offsets_is_int64, position_offset, b, s, token,
-                     position_limit, error_flag);
+      token_position(p.ids, p.ids_is_int64, p.offsets, p.offsets_is_int64, p.position_offset, b,
+                     s, token, p.position_limit, p.error_flag);
   const float2* fine_row = fine + (position & ((1 << FINE_BITS) - 1)) * pairs;
   const float2* coarse_row = coarse + (position >> FINE_BITS) * pairs;
 
   for (int chunk = threadIdx.x; chunk < rotate_chunks; chunk += blockDim.x) {
-    rotate_chunk<T, NEOX, VEC>(chunk, pairs, fine_row, coarse_row, sin_sign, total_heads,
+    rotate_chunk<T, NEOX, VEC>(chunk, pairs, fine_row, coarse_row, p.sin_sign, total_heads,
                                row_in, row_out);
   }
 }

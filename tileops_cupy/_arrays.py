@@ -265,25 +265,24 @@ def cuda_available() -> bool:
         return False
 
 
-_external_streams: dict[tuple[int, int], Any] = {}
+def stream_handle(template: Operand) -> int:
+    """Raw handle of the stream the caller's framework would run on now, on the
+    template's device: ``torch.cuda.current_stream(device)`` for torch, CuPy's current
+    stream for everything else."""
+    if template.framework == "torch":
+        torch = _torch()
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw is not None:
+            return raw(template.device)
+        return torch.cuda.current_stream(template.device).cuda_stream
+    cp = cupy()
+    with cp.cuda.Device(template.device):
+        return cp.cuda.get_current_stream().ptr
 
 
 def current_stream(template: Operand) -> Any:
-    """The stream the caller's framework would run on now, as a CuPy stream object.
-
-    torch: ``torch.cuda.current_stream(device)``; everything else: CuPy's current stream.
-    """
-    cp = cupy()
-    if template.framework == "torch":
-        handle = _torch().cuda.current_stream(template.device).cuda_stream
-        key = (template.device, handle)
-        stream = _external_streams.get(key)
-        if stream is None:
-            stream = cp.cuda.ExternalStream(handle, template.device)
-            _external_streams[key] = stream
-        return stream
-    with cp.cuda.Device(template.device):
-        return cp.cuda.get_current_stream()
+    """The caller's current stream (see :func:`stream_handle`) as a CuPy stream object."""
+    return cupy().cuda.ExternalStream(stream_handle(template), template.device)
 
 
 def _torch():

@@ -11,6 +11,8 @@ NVRTC test compiles that whole catalogue for sm_80 and sm_90 on machines with no
 
 from __future__ import annotations
 
+import ctypes
+import struct
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -18,7 +20,7 @@ from typing import Any
 
 import kernels_cu
 
-from ._arrays import Operand, cupy, current_stream
+from ._arrays import Operand, cupy, stream_handle
 
 # No --use_fast_math: the angles and the mHC exponentials must keep full float32 accuracy.
 COMPILE_OPTIONS = ("--std=c++17",)
@@ -72,29 +74,73 @@ def function(spec: ModuleSpec, name_expression: str, device: int) -> Any:
     return loaded[name_expression]
 
 
+class ParamStruct:
+    """A kernel's single by-value struct parameter, laid out as the C struct in the .cu file.
+
+    ``fields`` uses ``struct`` codes (P pointer, q long long, i int, f float) in the C field
+    order; native alignment ("@") gives the same layout as the device ABI. Packing one
+    buffer costs about a microsecond, where CuPy boxes every scalar argument separately.
+    """
+
+    def __init__(self, fields: str) -> None:
+        self._struct = struct.Struct("@" + fields)
+
+    def pack(self, *values) -> bytes:
+        return self._struct.pack(*values)
+
+
+_thread_state = threading.local()
+
+
+def _make_current(device: int) -> None:
+    """Make ``device``'s primary context current on this thread (driver launches need it)."""
+    runtime = cupy().cuda.runtime
+    ready = getattr(_thread_state, "devices", None)
+    if ready is None:
+        ready = _thread_state.devices = set()
+    if device not in ready:
+        runtime.setDevice(device)
+        runtime.free(0)  # the runtime binds the primary context to this thread
+        ready.add(device)
+    elif runtime.getDevice() != device:
+        runtime.setDevice(device)
+
+
 def launch(
     spec: ModuleSpec,
     name_expression: str,
     where: Operand,
     grid: tuple[int, ...],
     block: tuple[int, ...],
-    args: tuple,
+    args: tuple | bytes,
     shared_mem: int = 0,
-    stream: Any = None,
+    stream: int | None = None,
 ) -> None:
-    """Launch on ``where``'s device and on the caller's current stream for that device.
+    """Launch on ``where``'s device, on ``stream`` (a raw handle) or the caller's current
+    stream for that device.
 
-    Pointers in ``args`` are plain ints (``Operand.ptr``); CuPy passes them as 64-bit values.
+    ``args`` is either one packed :class:`ParamStruct` buffer (the kernel takes one struct
+    by value) or a tuple of CuPy-convertible scalars, pointers given as ints.
     """
     kernel = function(spec, name_expression, where.device)
     if stream is None:
-        stream = current_stream(where)
+        stream = stream_handle(where)
     cp = cupy()
-    if cp.cuda.runtime.getDevice() == where.device:
-        kernel(grid, block, args, shared_mem, stream)
-    else:
-        with cp.cuda.Device(where.device):
-            kernel(grid, block, args, shared_mem, stream)
+    previous = cp.cuda.runtime.getDevice()
+    _make_current(where.device)
+    try:
+        if isinstance(args, bytes):
+            buffer = ctypes.create_string_buffer(args, len(args))
+            pointers = (ctypes.c_void_p * 1)(ctypes.addressof(buffer))
+            grid, block = (*grid, 1, 1)[:3], (*block, 1, 1)[:3]
+            cp.cuda.driver.launchKernel(
+                kernel.ptr, *grid, *block, shared_mem, stream, ctypes.addressof(pointers), 0
+            )
+        else:
+            kernel(grid, block, args, shared_mem, cp.cuda.ExternalStream(stream, where.device))
+    finally:
+        if previous != where.device:
+            cp.cuda.runtime.setDevice(previous)
 
 
 _catalogs: list[Callable[[], Iterable[ModuleSpec]]] = []

@@ -29,9 +29,10 @@ from ._arrays import (
     as_operand,
     check_target,
     contiguous,
-    current_stream,
+    cupy,
     empty_like,
     select_place,
+    stream_handle,
     to_caller,
 )
 from ._rotate import ErrorFlag, HeadRows, Positions, rotate
@@ -386,7 +387,8 @@ class RoPENeoxPositionIdsFwdOp(_RotaryOp):
         positions = Positions(ids=ids, limit=self.max_position)
         result = self._run(source, rows, positions, self._flag)
         if place == "cuda":
-            current_stream(source).synchronize()  # the ids were checked on the device
+            # the ids were checked on the device: wait for this stream once to read the flag
+            cupy().cuda.runtime.streamSynchronize(stream_handle(source))
             if self._flag.take():
                 raise ValueError(
                     f"position_ids must lie in [0, max_position={self.max_position}); "
