@@ -194,6 +194,16 @@ def contiguous(operand: Operand) -> Operand:
     return _from_numpy(obj, np.ascontiguousarray(operand.host), operand.framework)
 
 
+def upload(template: Operand, values: np.ndarray) -> Operand:
+    """``values`` copied to ``template``'s device, in its framework, ordered on the caller's
+    stream (for small host-side metadata such as per-sequence offsets)."""
+    if template.framework == "torch":
+        return _from_torch(_torch().from_numpy(values).to(template.obj.device))
+    cp = cupy()
+    with cp.cuda.Device(template.device), cp.cuda.ExternalStream(stream_handle(template)):
+        return _from_cupy(cp.asarray(values), template.framework)
+
+
 def as_cupy(operand: Operand) -> Any:
     """A CuPy view of a CUDA operand (zero-copy)."""
     cp = cupy()

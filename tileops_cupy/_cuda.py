@@ -125,6 +125,8 @@ def launch(
     kernel = function(spec, name_expression, where.device)
     if stream is None:
         stream = stream_handle(where)
+    elif not isinstance(stream, int):
+        stream = stream.ptr  # a CuPy stream object
     cp = cupy()
     previous = cp.cuda.runtime.getDevice()
     _make_current(where.device)

@@ -17,6 +17,7 @@ Example (host, runs anywhere)::
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -34,9 +35,10 @@ from ._arrays import (
     select_place,
     stream_handle,
     to_caller,
+    upload,
 )
 from ._rotate import ErrorFlag, HeadRows, Positions, rotate
-from ._tables import MAX_POSITIONS, shared_table, table_cache_info
+from ._tables import MAX_POSITIONS, shared_table, table_bytes, table_cache_info
 from .schemes import Llama31, LongRoPE, Scheme, Standard, YaRN
 
 __all__ = [
@@ -55,6 +57,8 @@ __all__ = [
     "YaRNBwdOp",
     "LongRoPEFwdOp",
     "LongRoPEBwdOp",
+    "RoPE",
+    "apply_rope",
     "table_cache_info",
 ]
 
@@ -429,3 +433,325 @@ RoPELlama31BwdOp = _make_backward(RoPELlama31FwdOp)
 YaRNBwdOp = _make_backward(YaRNFwdOp)
 LongRoPEBwdOp = _make_backward(LongRoPEFwdOp)
 RoPENeoxPositionIdsBwdOp = _make_backward(RoPENeoxPositionIdsFwdOp)
+
+
+# --------------------------------------------------------------------------- Q/K component
+
+
+class RoPE:
+    """In-place rotary embedding of Q and K for inference and training stacks.
+
+    Rotates q ``[B, T, num_heads*head_dim]`` or ``[B, T, num_heads, head_dim]`` and k (the
+    same with ``num_kv_heads``, or None) in place, in one launch, at positions
+    ``offset .. offset+T-1``. q and k may be strided views into one fused QKV buffer (last
+    dim contiguous): the rotation writes through the views and leaves v untouched. The
+    cos/sin table is the process-wide one of (scheme, rotary_dim): every layer of a model
+    shares it (see :func:`table_cache_info`).
+
+    Args:
+        head_dim: size of one head (even).
+        num_heads: query heads; a multiple of num_kv_heads.
+        num_kv_heads: key heads (GQA); None means num_heads.
+        scheme: ``Standard()`` (default), ``Llama31(...)``, ``YaRN(...)`` or ``LongRoPE(...)``.
+        rotary_dim: leading columns of each head that rotate (even, <= head_dim); None = all.
+        rope_layout: "neox" or "interleaved".
+        max_position: positions must lie below it (ValueError otherwise); needed for
+            positions given as device tensors, which cannot be checked without a sync.
+        target: None/BUILTIN (where the data lives), "cuda" or "cpu".
+
+    Positions: ``position_offset``/``position`` is a Python int or an integer tensor
+    ``[B]`` (one per sequence). Ints and host tensors are validated before the launch. A
+    device tensor is not (that would need a sync): the kernel clamps an out-of-range
+    position so no table is read out of bounds, raises a device flag, and the flag
+    surfaces as ValueError at this component's next call (once the faulty kernel has
+    finished) or at :meth:`check`, which synchronises. This keeps ``decode`` with a
+    device tensor free of host syncs and allocations, so a CUDA graph can capture it and
+    replay it with new positions written into the same tensor.
+
+    Example (host; on a GPU pass torch CUDA tensors instead)::
+
+        >>> import numpy as np
+        >>> rope = RoPE(head_dim=64, num_heads=4, num_kv_heads=2)
+        >>> qkv = np.random.default_rng(0).standard_normal((1, 5, 8 * 64)).astype(np.float32)
+        >>> q, k = qkv[..., : 4 * 64], qkv[..., 4 * 64 : 6 * 64]
+        >>> _ = rope.prefill(q, k, position_offset=0)   # rotates inside qkv
+        >>> step = np.ones((1, 1, 8 * 64), np.float32)
+        >>> _ = rope.decode(step[..., :256], step[..., 256:384], position=5)
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        *,
+        scheme: Scheme | None = None,
+        rotary_dim: int | None = None,
+        rope_layout: str = "neox",
+        max_position: int | None = None,
+        target: Any = None,
+    ) -> None:
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        for name, value in (("head_dim", head_dim), ("num_heads", num_heads)):
+            if not isinstance(value, (int, np.integer)) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if head_dim % 2:
+            raise ValueError(f"head_dim must be even, got {head_dim}")
+        if not isinstance(num_kv_heads, (int, np.integer)) or num_kv_heads <= 0:
+            raise ValueError(f"num_kv_heads must be a positive int or None, got {num_kv_heads!r}")
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )
+        self.head_dim, self.num_heads, self.num_kv_heads = head_dim, num_heads, num_kv_heads
+        self.scheme = Standard() if scheme is None else scheme
+        self.rotary_dim = _head_dim_rotary_dim("q", head_dim, _check_rotary_dim(rotary_dim))
+        self.rope_layout = _check_choice("rope_layout", rope_layout, ROPE_LAYOUTS)
+        self.max_position = None if max_position is None else _check_max_position(max_position)
+        self.target = check_target(target)
+        self.table = shared_table(self.scheme, self.rotary_dim)
+        self._flag = ErrorFlag()
+
+    # ---- public calls: all in place, all one launch for q and k
+
+    def forward(self, q: Any, k: Any = None) -> tuple[Any, Any]:
+        """Rotate at positions 0..T-1 (a training forward). Returns (q, k), the same objects."""
+        return self.prefill(q, k, 0)
+
+    def prefill(self, q: Any, k: Any, position_offset: Any) -> tuple[Any, Any]:
+        """Rotate a chunk at positions ``position_offset .. position_offset+T-1``."""
+        self._apply(q, k, position_offset, inverse=False)
+        return q, k
+
+    def decode(self, q: Any, k: Any, position: Any) -> tuple[Any, Any]:
+        """Rotate one token per sequence (T must be 1) at ``position`` (int or ``[B]``)."""
+        self._apply(q, k, position, inverse=False, decode=True)
+        return q, k
+
+    def backward(self, grad_q: Any, grad_k: Any, position_offset: Any = 0) -> tuple[Any, Any]:
+        """Transpose rotation of the incoming gradients, in place, at the forward's positions
+        (amplitude included: ``backward(forward(x)) == a*a*x``)."""
+        self._apply(grad_q, grad_k, position_offset, inverse=True)
+        return grad_q, grad_k
+
+    __call__ = forward
+
+    def check(self) -> None:
+        """Wait for the device and raise ValueError if any kernel of this component met a
+        position outside its range since the last check."""
+        if self._flag._pointers:
+            cupy().cuda.runtime.deviceSynchronize()
+        self._raise_if_flagged()
+
+    # ---- memory accounting
+
+    def memory_stats(self) -> dict[str, Any]:
+        """Bytes this component's tables hold. The table is shared by every component and
+        op with the same (scheme, rotary_dim): ``owned`` is 0, ``shared`` is the table."""
+        sizes = self.table.bytes()
+        return {
+            "owned": 0,
+            "shared": {"host": sizes["host"], "device": sizes["device"]},
+            "shared_key": (self.scheme, self.rotary_dim),
+            "positions": self.table.capacity,
+        }
+
+    @staticmethod
+    def required_memory(
+        head_dim: int,
+        max_position: int,
+        *,
+        scheme: Scheme | None = None,
+        rotary_dim: int | None = None,
+    ) -> int:
+        """Device bytes that building a component for these shapes would add: 0 when the
+        shared table of (scheme, rotary_dim) already covers ``max_position`` on a device."""
+        scheme = Standard() if scheme is None else scheme
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        needed = table_bytes(rotary_dim, max_position)
+        existing = [
+            entry
+            for entry in table_cache_info()["entries"]
+            if entry["scheme"] == scheme and entry["rotary_dim"] == rotary_dim
+        ]
+        if existing and existing[0]["device_bytes"]:
+            held = max(existing[0]["device_bytes"].values())
+            return 0 if existing[0]["positions"] >= max_position else max(needed - held, 0)
+        return needed
+
+    def __repr__(self) -> str:
+        return (
+            f"RoPE(head_dim={self.head_dim}, num_heads={self.num_heads}, "
+            f"num_kv_heads={self.num_kv_heads}, scheme={self.scheme}, "
+            f"rotary_dim={self.rotary_dim}, rope_layout={self.rope_layout!r})"
+        )
+
+    # ---- the one path
+
+    def _raise_if_flagged(self) -> None:
+        if self._flag.take():
+            raise ValueError(
+                "a position given as a device tensor was outside [0, "
+                f"{self.max_position}) in an earlier call (the kernel clamped it; that "
+                "call's output is not valid)"
+            )
+
+    def _rows(self, operand: Operand, name: str, heads: int) -> HeadRows:
+        head_dim = self.head_dim
+        shape, strides = operand.shape, operand.strides
+        if operand.ndim == 3 and shape[2] == heads * head_dim:
+            return HeadRows(operand, (*shape[:2], heads, head_dim), (*strides[:2], head_dim, 1))
+        if operand.ndim == 4 and shape[2:] == (heads, head_dim):
+            return HeadRows(operand, shape, (*strides[:3], 1))
+        raise ValueError(
+            f"{name} must be [B, T, {heads}*{head_dim}] or [B, T, {heads}, {head_dim}] "
+            f"(heads={heads}, head_dim={head_dim}), got shape {shape}"
+        )
+
+    def _operand(self, obj: Any, name: str, heads: int) -> HeadRows:
+        operand = as_operand(obj, name)
+        if operand.framework == "jax":
+            raise TypeError(f"{name} is a JAX array, which cannot change in place; use RoPEFwdOp")
+        if operand.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} must be a float tensor, got {operand.dtype}")
+        if operand.is_cuda and operand.dtype == "float64":
+            raise TypeError(f"{name} is float64 on a CUDA device; float64 runs on the host only")
+        if not operand.last_dim_contiguous:
+            raise ValueError(
+                f"{name} must have a contiguous last dimension to be rotated in place, "
+                f"got strides {operand.strides}"
+            )
+        return self._rows(operand, name, heads)
+
+    def _positions(
+        self, value: Any, name: str, rows: HeadRows, place: str
+    ) -> tuple[Positions, int]:
+        """Positions for a call, and the highest position to cover (-1 when unknown)."""
+        batch, seq = rows.shape[:2]
+        limit = self.max_position or MAX_POSITIONS
+        if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+            value = int(value)
+            if value < 0 or value + seq > limit:
+                raise ValueError(
+                    f"{name} must keep positions in [0, {limit}): got {name}={value} with T={seq}"
+                )
+            return Positions(offset=value, limit=limit), value + seq
+        offsets = as_operand(value, name)
+        if offsets.dtype not in ("int32", "int64"):
+            raise TypeError(f"{name} must be an int or an int32/int64 tensor, got {offsets.dtype}")
+        if offsets.shape != (batch,):
+            raise ValueError(
+                f"{name} must be an int or a tensor of shape [B] = ({batch},), got {offsets.shape}"
+            )
+        if not offsets.is_cuda:
+            _check_host_positions(name, offsets.host.astype(np.int64) + seq - 1, limit)
+            _check_host_positions(name, offsets.host, limit)
+            highest = int(offsets.host.max(initial=0)) + seq
+            if place == "cuda":
+                offsets = upload(rows.operand, np.ascontiguousarray(offsets.host))
+            return Positions(offsets=offsets, limit=limit), highest
+        if offsets.device != rows.operand.device:
+            raise ValueError(f"{name} is on cuda:{offsets.device}, the data on another device")
+        if self.max_position is None:
+            raise ValueError(
+                f"{name} is a device tensor, which cannot be validated without a sync: "
+                "construct RoPE with max_position so the kernel can bound it"
+            )
+        if offsets.strides[0] != 1 and batch > 1:
+            raise ValueError(f"{name} must be contiguous, got strides {offsets.strides}")
+        return Positions(offsets=offsets, limit=limit), self.max_position
+
+    def _apply(
+        self,
+        q: Any,
+        k: Any,
+        position: Any,
+        inverse: bool,
+        decode: bool = False,
+        out: tuple[Any, Any] | None = None,
+    ) -> None:
+        """Rotate (q, k) at ``position``: in place, or into ``out`` (same shapes, contiguous)."""
+        self._raise_if_flagged()
+        q_rows = self._operand(q, "q", self.num_heads)
+        k_rows = None if k is None else self._operand(k, "k", self.num_kv_heads)
+        operands = {"q": q_rows.operand}
+        if k_rows is not None:
+            operands["k"] = k_rows.operand
+            if k_rows.shape[:2] != q_rows.shape[:2]:
+                raise ValueError(
+                    f"q and k must share [B, T], got q {q_rows.shape[:2]} and k {k_rows.shape[:2]}"
+                )
+            if k_rows.operand.dtype != q_rows.operand.dtype:
+                raise TypeError(
+                    f"q and k must share a dtype, got {q_rows.operand.dtype} and "
+                    f"{k_rows.operand.dtype}"
+                )
+        place = select_place(self.target, operands)
+        name = "position" if decode else "position_offset"
+        if decode and q_rows.shape[1] != 1:
+            raise ValueError(
+                f"decode takes one token per sequence (T == 1), got T={q_rows.shape[1]}"
+            )
+        positions, highest = self._positions(position, name, q_rows, place)
+        if highest > self.table.capacity:
+            self.table.ensure(highest)
+        if math.prod(q_rows.shape[:2]) == 0:
+            return
+        q_pair = (
+            q_rows,
+            q_rows if out is None else self._rows(as_operand(out[0], "out"), "out", self.num_heads),
+        )
+        k_pair = None
+        if k_rows is not None:
+            k_out = (
+                k_rows
+                if out is None
+                else self._rows(as_operand(out[1], "out"), "out", self.num_kv_heads)
+            )
+            k_pair = (k_rows, k_out)
+        rotate(
+            self.table, self.rope_layout == "neox", inverse, q_pair, k_pair, positions, self._flag
+        )
+
+
+def apply_rope(q: Any, k: Any, rope: RoPE, position_offset: Any = 0) -> tuple[Any, Any]:
+    """Out-of-place RoPE of torch tensors with autograd: returns new (q, k); gradients come
+    from the inverse rotation (the Bwd kernels). k may be None. torch is imported here only.
+
+    Example::
+
+        >>> import torch
+        >>> rope = RoPE(head_dim=8, num_heads=2)
+        >>> q = torch.randn(1, 3, 16, dtype=torch.float64, requires_grad=True)
+        >>> q_rot, _ = apply_rope(q, None, rope)
+        >>> q_rot.sum().backward()
+    """
+    return _rope_function()(q, k, rope, position_offset)
+
+
+@functools.cache
+def _rope_function():
+    import torch
+
+    class ApplyRoPE(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, rope, position_offset):
+            q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            k_out = None if k is None else torch.empty(k.shape, dtype=k.dtype, device=k.device)
+            rope._apply(q.detach(), None if k is None else k.detach(), position_offset, False,
+                        out=(q_out, k_out))  # fmt: skip
+            ctx.rope, ctx.position_offset = rope, position_offset
+            if isinstance(position_offset, torch.Tensor):
+                ctx.save_for_backward(position_offset)
+            return q_out, k_out
+
+        @staticmethod
+        def backward(ctx, grad_q, grad_k):
+            grad_q = grad_q.contiguous()
+            grad_k = None if grad_k is None else grad_k.contiguous()
+            dq = torch.empty_like(grad_q)
+            dk = None if grad_k is None else torch.empty_like(grad_k)
+            ctx.rope._apply(grad_q, grad_k, ctx.position_offset, True, out=(dq, dk))
+            return dq, dk, None, None
+
+    return ApplyRoPE.apply
