@@ -1,0 +1,91 @@
+"""Bench rows of the in-place Q/K component (issue 4): prefill, decode and graph replay."""
+
+from __future__ import annotations
+
+from .bench import _rope_tables, _torch, _torch_rope, measure_row
+
+
+def component_rows(ceiling: float, with_compile: bool = True) -> list[dict]:
+    from .rope import RoPE
+
+    torch = _torch()
+    rows = []
+    q_heads, kv_heads, head_dim = 32, 8, 128
+
+    # prefill: q and k are views into one fused QKV buffer, rotated in place in one launch
+    seq = 8192
+    qkv = torch.randn(1, seq, (q_heads + 2 * kv_heads) * head_dim, device="cuda").bfloat16()
+    q = qkv[..., : q_heads * head_dim].unflatten(-1, (q_heads, head_dim))
+    k = qkv[..., q_heads * head_dim : (q_heads + kv_heads) * head_dim].unflatten(
+        -1, (kv_heads, head_dim)
+    )
+    rope = RoPE(head_dim, q_heads, kv_heads, max_position=1 << 16)
+    cos, sin = _rope_tables(rope.scheme, seq, head_dim)
+    reference = _torch_rope(cos[:, None, :], sin[:, None, :], neox=True)
+
+    def torch_prefill():
+        q.copy_(reference(q))
+        k.copy_(reference(k))
+
+    moved = 2 * (q.numel() + k.numel()) * 2
+    rows.append(
+        measure_row(
+            f"component prefill B1 T{seq} {q_heads}q/{kv_heads}kv D128 bf16",
+            lambda: rope.prefill(q, k, 0),
+            torch_prefill,
+            moved,
+            ceiling,
+            with_compile=with_compile,
+        )
+    )
+
+    # decode: one token for each of 64 sequences, each at its own position (device tensor)
+    batch = 64
+    step = torch.randn(batch, 1, (q_heads + 2 * kv_heads) * head_dim, device="cuda").bfloat16()
+    q1 = step[..., : q_heads * head_dim]
+    k1 = step[..., q_heads * head_dim : (q_heads + kv_heads) * head_dim]
+    positions = torch.randint(0, 4096, (batch,), device="cuda")
+    moved = 2 * (q1.numel() + k1.numel()) * 2
+    rows.append(
+        measure_row(
+            f"component decode B{batch} T1 {q_heads}q/{kv_heads}kv D128 bf16 (positions [B])",
+            lambda: rope.decode(q1, k1, positions),
+            None,
+            moved,
+            ceiling,
+            small=True,
+        )
+    )
+    rows.append(
+        measure_row(
+            f"component decode B{batch} T1 {q_heads}q/{kv_heads}kv D128 bf16 (int position)",
+            lambda: rope.decode(q1, k1, 100),
+            None,
+            moved,
+            ceiling,
+            small=True,
+        )
+    )
+
+    # the same decode captured once in a CUDA graph and replayed with new positions
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        rope.decode(q1, k1, positions)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        rope.decode(q1, k1, positions)
+    rows.append(
+        measure_row(
+            f"component decode B{batch} graph replay",
+            graph.replay,
+            None,
+            moved,
+            ceiling,
+            small=True,
+            note="one graph launch",
+        )
+    )
+    rope.check()
+    return rows
