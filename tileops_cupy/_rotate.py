@@ -201,16 +201,17 @@ def _vector_width(
     """16-byte accesses where every row, stride and column boundary allows; else the
     narrowest access the layout needs (1 element for neox, one pair for interleaved)."""
     itemsize = ITEMSIZE[dtype]
+    # OR-ing every byte offset that must be a multiple of the access size: one test per width
+    offsets = (rotary_dim // 2 if neox else rotary_dim) * itemsize
+    if copy_tail:
+        offsets |= (head_dim - rotary_dim) * itemsize
+    for r in rows:
+        offsets |= r.operand.ptr
+        for stride, size in zip(r.strides[:3], r.shape[:3], strict=True):
+            if size > 1:
+                offsets |= stride * itemsize
     for vec in (16 // itemsize, 1 if neox else 2):
-        boundaries = [rotary_dim // 2 if neox else rotary_dim]
-        if copy_tail:
-            boundaries.append(head_dim - rotary_dim)
-        aligned = all(b % vec == 0 for b in boundaries) and all(
-            r.operand.ptr % (vec * itemsize) == 0
-            and all(s % vec == 0 for s, n in zip(r.strides[:3], r.shape[:3], strict=True) if n > 1)
-            for r in rows
-        )
-        if aligned:
+        if offsets % (vec * itemsize) == 0:
             return vec
     raise ValueError(
         "interleaved rotation reads each (even, odd) pair as one access, but these views put "
