@@ -157,8 +157,8 @@ class _RotaryOp:
             raise ValueError(f"x has {seq} positions; at most 2**24 are supported")
         return to_caller(self._run(source, rows, Positions(limit=max(seq, 1))))
 
-    def __call__(self, *args: Any) -> Any:
-        return self.forward(*args)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
 
     def _run(self, source: Operand, rows: HeadRows, positions: Positions, flag=None) -> Any:
         head_dim = rows.shape[3]
