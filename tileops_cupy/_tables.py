@@ -82,8 +82,11 @@ class RotaryTable:
             if rows <= self.coarse64.shape[0]:
                 return
             coarse_positions = np.arange(rows, dtype=np.float64)[:, None] * FINE_ROWS
-            self.coarse64 = _cos_sin(coarse_positions * self.inv_freq, self.amplitude)
-            self.coarse32 = self.coarse64.astype(np.float32)
+            coarse64 = _cos_sin(coarse_positions * self.inv_freq, self.amplitude)
+            # Readers check `capacity` (from coarse64) without the lock, then index either
+            # table: publish coarse32 first so that both cover what capacity promises.
+            self.coarse32 = coarse64.astype(np.float32)
+            self.coarse64 = coarse64
 
     def device_tables(self, device: int, positions: int) -> tuple[int, int, int]:
         """(fine_ptr, coarse_ptr, capacity) of float32 tables on ``device`` covering
