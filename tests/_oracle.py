@@ -1,0 +1,463 @@
+"""Float64 numpy oracle for the RoPE ops, and the helpers the RoPE tests share.
+
+Written from ``SPEC.md`` sections 1, 2 and 5 alone: nothing here imports
+``tileops_cupy.schemes`` or the tables, so a wrong formula in the package cannot hide by
+being copied into the oracle (``test_schemes.py`` also checks these formulas against
+``transformers``).
+
+Three parts:
+
+- frequencies: ``inv_freq`` and the amplitude ``a`` of every scheme, in float64;
+- :func:`rope_reference`: the rotation of SPEC 2 in float64 (columns past rotary_dim copied);
+- :func:`contract_tolerance` / :func:`assert_matches_oracle`: SPEC 5 as an element-wise
+  bound, and a comparison that reports the worst element when it fails.
+
+Plus the case table (:data:`SEQUENCE_OPS`) and the array helpers (random data in a dtype,
+moving it into a framework, reading any result back as float64) that the host and GPU
+tests share.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+HOST_DTYPES = ("float16", "bfloat16", "float32", "float64")
+DEVICE_DTYPES = ("float16", "bfloat16", "float32")
+
+# --------------------------------------------------------------------------- frequencies
+
+
+@dataclass(frozen=True)
+class Frequencies:
+    """``inv_freq[j]`` (float64, ``[rotary_dim/2]``) and the amplitude ``a`` on cos and sin."""
+
+    inv_freq: np.ndarray
+    amplitude: float
+
+    @property
+    def rotary_dim(self) -> int:
+        return 2 * len(self.inv_freq)
+
+
+def base_inv_freq(base: float, rotary_dim: int) -> np.ndarray:
+    """SPEC 1: ``inv0[j] = base ** (-2j/d)``, j = 0 .. d/2-1."""
+    j = np.arange(rotary_dim // 2, dtype=np.float64)
+    return np.power(np.float64(base), -2.0 * j / rotary_dim)
+
+
+def standard_frequencies(rotary_dim: int, base: float = 10000.0) -> Frequencies:
+    return Frequencies(base_inv_freq(base, rotary_dim), 1.0)
+
+
+def llama31_frequencies(
+    rotary_dim: int,
+    base: float = 10000.0,
+    scale_factor: float = 8.0,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_max_position: int = 8192,
+) -> Frequencies:
+    """SPEC 1 Llama31, pair by pair (a loop on purpose: a different shape of code than the
+    package's vectorised ``np.where``)."""
+    inv0 = base_inv_freq(base, rotary_dim)
+    context = float(original_max_position)
+    inv = np.empty_like(inv0)
+    for j, f in enumerate(inv0):
+        wavelength = 2 * math.pi / f
+        if wavelength < context / high_freq_factor:
+            inv[j] = f
+        elif wavelength > context / low_freq_factor:
+            inv[j] = f / scale_factor
+        else:
+            s = (context / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            inv[j] = (1 - s) * f / scale_factor + s * f
+    return Frequencies(inv, 1.0)
+
+
+def yarn_frequencies(
+    rotary_dim: int,
+    base: float = 10000.0,
+    scale: float = 16.0,
+    original_max_position: int = 4096,
+    beta_fast: float = 32.0,
+    beta_slow: float = 1.0,
+    attn_factor: float = 1.0,
+) -> Frequencies:
+    """SPEC 1 YaRN (vLLM ``YaRNScalingRotaryEmbedding`` / HF ``yarn``)."""
+    d = rotary_dim
+    inv0 = base_inv_freq(base, d)
+
+    def correction_dim(rotations: float) -> float:
+        wavelengths = original_max_position / (2 * math.pi * rotations)
+        return d * math.log(wavelengths) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), d - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(d // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    w = 1.0 - ramp
+    inv = (inv0 / scale) * (1.0 - w) + inv0 * w
+    mscale = 0.1 * math.log(scale) + 1.0 if scale > 1 else 1.0
+    return Frequencies(inv, mscale * attn_factor)
+
+
+def longrope_frequencies(
+    rotary_dim: int,
+    base: float = 10000.0,
+    rescale_factors: Any = None,
+    max_position_embeddings: int = 4096,
+    original_max_position_embeddings: int = 4096,
+) -> Frequencies:
+    """SPEC 1 LongRoPE: ``inv0 / rescale_factors``, ``a = sqrt(1 + ln(s)/ln(original))``."""
+    inv0 = base_inv_freq(base, rotary_dim)
+    factors = (
+        np.ones_like(inv0)
+        if rescale_factors is None
+        else np.asarray(rescale_factors, dtype=np.float64).reshape(-1)
+    )
+    s = max_position_embeddings / original_max_position_embeddings
+    amplitude = 1.0
+    if s > 1:
+        amplitude = math.sqrt(1 + math.log(s) / math.log(original_max_position_embeddings))
+    return Frequencies(inv0 / factors, amplitude)
+
+
+# --------------------------------------------------------------------------- rotation
+
+
+def pair_columns(rotary_dim: int, neox: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Column indices of the two members of each pair: neox ``(j, j+d/2)``, interleaved
+    ``(2j, 2j+1)``."""
+    half = rotary_dim // 2
+    if neox:
+        first = np.arange(half)
+        return first, first + half
+    first = np.arange(0, rotary_dim, 2)
+    return first, first + 1
+
+
+def rope_reference(
+    x64: np.ndarray,
+    positions: Any,
+    frequencies: Frequencies,
+    *,
+    neox: bool = True,
+    inverse: bool = False,
+) -> np.ndarray:
+    """SPEC 2 in float64: ``y1 = x1*cos - x2*sin``, ``y2 = x2*cos + x1*sin`` with
+    ``cos = a*cos(p*inv)``, ``sin = a*sin(p*inv)`` (sin negated for the inverse rotation);
+    columns at or past rotary_dim copied.
+
+    ``x64``: ``[..., head_dim]`` float64. ``positions``: integers broadcastable against
+    ``x64.shape[:-1]`` (the position of each head row).
+    """
+    rotary_dim = frequencies.rotary_dim
+    assert rotary_dim <= x64.shape[-1]
+    theta = np.asarray(positions, dtype=np.float64)[..., None] * frequencies.inv_freq
+    cos = frequencies.amplitude * np.cos(theta)
+    sin = frequencies.amplitude * np.sin(theta)
+    if inverse:
+        sin = -sin
+    first, second = pair_columns(rotary_dim, neox)
+    x1, x2 = x64[..., first], x64[..., second]
+    y = np.array(x64, dtype=np.float64, copy=True)
+    y[..., first] = x1 * cos - x2 * sin
+    y[..., second] = x2 * cos + x1 * sin
+    return y
+
+
+def sequence_positions(shape: tuple[int, ...], input_layout: str) -> np.ndarray:
+    """Positions of the head rows of an ``x`` of ``shape``: the seq index, shaped to
+    broadcast against ``shape[:-1]`` ("1d": ``[seq]``; "2d": ``[1, seq, 1]``)."""
+    if input_layout == "1d":
+        return np.arange(shape[0])
+    return np.arange(shape[1]).reshape(1, shape[1], 1)
+
+
+# --------------------------------------------------------------------------- SPEC 5 bound
+
+FP32_CONTRACT = 4e-6
+"""SPEC 5: fp32 outputs within ``4e-6 * max|x|`` of float64, at any position < 2**24."""
+
+FP64_PER_RADIAN = 2.0**-44
+"""float64 data has no bound in SPEC 5. Both the op and the oracle form each angle
+``p*inv`` in float64, so each may be off by about ``2**-53 * p*inv`` radians (and by a few
+float64 ulps elsewhere). We allow ``2**-44 * (1 + max angle) * a * max|x|``: 512 times
+that, yet ~2000 times tighter than anything a float32 intermediate could reach."""
+
+_MANTISSA_BITS = {"float16": 10, "bfloat16": 7, "float32": 23, "float64": 52}
+_MIN_NORMAL_EXPONENT = {"float16": -14, "bfloat16": -126, "float32": -126, "float64": -1022}
+
+
+def ulp(magnitude: Any, dtype: str) -> np.ndarray:
+    """Spacing of ``dtype`` values at ``|magnitude|`` (float64): ``2**(e - mantissa_bits)``
+    with ``2**e <= |m| < 2**(e+1)``; the subnormal spacing below the smallest normal."""
+    m = np.abs(np.asarray(magnitude, dtype=np.float64))
+    _, e = np.frexp(m)  # m = f * 2**e with f in [0.5, 1), so floor(log2 m) = e - 1
+    exponent = np.maximum(e - 1, _MIN_NORMAL_EXPONENT[dtype])
+    exponent = np.where(m > 0, exponent, _MIN_NORMAL_EXPONENT[dtype])
+    return np.ldexp(1.0, exponent - _MANTISSA_BITS[dtype])
+
+
+def contract_tolerance(
+    y64: np.ndarray, x64: np.ndarray, dtype: str, amplitude: float = 1.0, max_angle: float = 0.0
+) -> np.ndarray:
+    """Element-wise bound on ``|y - y64|`` for an op output ``y`` in ``dtype`` (SPEC 5).
+
+    - float32: ``4e-6 * max|x|`` (the contract, taken literally: max over the whole input).
+    - float16 / bfloat16, "within one unit of the output dtype at the data's scale": the op
+      computes in float32 (within ``e = 4e-6 * max|x|`` of float64, the float32 contract;
+      this term also covers cancellation in ``x1*cos - x2*sin``, where the float32 error
+      scales with ``|x|``, not ``|y|``) and rounds once to nearest, adding at most half a
+      unit of the dtype at the magnitude of that float32 value, ``<= |y64| + e``. So
+      ``|y - y64| <= ulp(|y64| + e)/2 + e``, which is at most one unit at ``|y64|`` (plus
+      the float32 slack). Exact for subnormals too (``ulp`` floors at the subnormal spacing).
+    - float64 (host only): see :data:`FP64_PER_RADIAN`.
+    """
+    scale = float(np.max(np.abs(x64), initial=0.0))
+    if dtype == "float64":
+        bound = FP64_PER_RADIAN * (1.0 + max_angle) * max(amplitude, 1.0) * scale
+        return np.full(np.shape(y64), bound)
+    e32 = FP32_CONTRACT * scale
+    if dtype == "float32":
+        return np.full(np.shape(y64), e32)
+    return 0.5 * ulp(np.abs(y64) + e32, dtype) + e32
+
+
+def max_angle(positions: Any, frequencies: Frequencies) -> float:
+    positions = np.asarray(positions)
+    if positions.size == 0:
+        return 0.0
+    return float(np.max(np.abs(positions))) * float(np.max(np.abs(frequencies.inv_freq)))
+
+
+def assert_matches_oracle(
+    y: Any,
+    x64: np.ndarray,
+    positions: Any,
+    frequencies: Frequencies,
+    dtype: str,
+    *,
+    neox: bool = True,
+    inverse: bool = False,
+    what: str = "output",
+) -> np.ndarray:
+    """Every element of ``y`` (any framework) within :func:`contract_tolerance` of the
+    float64 oracle, no NaN/inf, and the columns past rotary_dim copied exactly. Returns
+    ``y`` as float64."""
+    y = to_float64(y)
+    y64 = rope_reference(x64, positions, frequencies, neox=neox, inverse=inverse)
+    assert y.shape == y64.shape, f"{what}: shape {y.shape}, expected {y64.shape}"
+    assert np.isfinite(y).all(), f"{what}: {int((~np.isfinite(y)).sum())} non-finite elements"
+    rotary_dim = frequencies.rotary_dim
+    np.testing.assert_array_equal(
+        y[..., rotary_dim:], x64[..., rotary_dim:], err_msg=f"{what}: columns past rotary_dim"
+    )
+    tolerance = contract_tolerance(
+        y64, x64, dtype, frequencies.amplitude, max_angle(positions, frequencies)
+    )
+    assert_within(y, y64, tolerance, what=f"{what} ({dtype}) vs the float64 oracle")
+    return y
+
+
+def assert_within(y: np.ndarray, expected: np.ndarray, tolerance: np.ndarray, what: str) -> None:
+    """``|y - expected| <= tolerance`` element-wise; on failure, say how many elements and
+    show the worst one (by error / tolerance)."""
+    error = np.abs(y - expected)
+    bad = ~(error <= tolerance)
+    if bad.any():
+        ratio = np.where(tolerance > 0, error / np.where(tolerance > 0, tolerance, 1), np.inf)
+        worst = np.unravel_index(int(np.argmax(np.where(bad, ratio, -1))), y.shape)
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {y.size} elements beyond tolerance; worst at "
+            f"{tuple(int(i) for i in worst)}: got {y[worst]!r}, expected {expected[worst]!r}, "
+            f"error {error[worst]:.3g} > tolerance {tolerance[worst]:.3g}"
+        )
+
+
+def roundtrip_tolerance(
+    z64: np.ndarray, x64: np.ndarray, dtype: str, amplitude: float, max_angle: float = 0.0
+) -> np.ndarray:
+    """Bound on ``|Bwd(Fwd(x)) - a*a*x|``. The forward output ``y`` errs by at most
+    ``t_fwd = max(contract_tolerance)`` per element at its scale ``a*sqrt(2)*max|x|``; the
+    exact backward maps a pair's error ``(e1, e2)`` to one of norm ``a*|(e1, e2)|
+    <= a*sqrt(2)*t_fwd``; the backward op then adds its own contract error at ``z``'s
+    scale (taken against ``y``'s scale, ``<= a*sqrt(2)*max|x|``)."""
+    scale = float(np.max(np.abs(x64), initial=0.0))
+    y_scale = np.full((1,), amplitude * math.sqrt(2) * scale)
+    t_fwd = contract_tolerance(y_scale, x64, dtype, amplitude, max_angle).max()
+    t_bwd = contract_tolerance(z64, y_scale, dtype, amplitude, max_angle)
+    return amplitude * math.sqrt(2) * t_fwd + t_bwd
+
+
+# --------------------------------------------------------------------------- the cases
+
+
+@dataclass(frozen=True)
+class SequenceOpCase:
+    """One seed op whose positions are the seq index, with the oracle's frequencies.
+
+    ``make(direction, input_layout, head_dim, rng, **extra)`` returns ``(op, frequencies,
+    neox)``; LongRoPE draws its rescale factors from ``rng`` (they depend on head_dim).
+    """
+
+    name: str
+    make: Callable[..., tuple[Any, Frequencies, bool]]
+
+
+def _op_class(prefix: str, direction: str):
+    from tileops_cupy import rope
+
+    return getattr(rope, f"{prefix}{direction}Op")
+
+
+def _standard(layout: str, base: float):
+    def make(direction, input_layout, head_dim, rng, **extra):
+        op = _op_class("RoPE", direction)(layout, input_layout, base, **extra)
+        return op, standard_frequencies(head_dim, base), layout == "neox"
+
+    return make
+
+
+def _llama31(direction, input_layout, head_dim, rng, **extra):
+    params = dict(
+        base=500000.0,
+        scale_factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position=8192,
+    )
+    op = _op_class("RoPELlama31", direction)(input_layout, **params, **extra)
+    return op, llama31_frequencies(head_dim, **params), True
+
+
+def _yarn(direction, input_layout, head_dim, rng, **extra):
+    params = dict(
+        base=10000.0,
+        scale=16.0,
+        original_max_position=4096,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        attn_factor=0.9,
+    )
+    op = _op_class("YaRN", direction)(input_layout, **params, **extra)
+    return op, yarn_frequencies(head_dim, **params), True
+
+
+def _longrope(direction, input_layout, head_dim, rng, **extra):
+    factors = rng.uniform(1.0, 8.0, head_dim // 2)
+    params = dict(
+        base=10000.0, max_position_embeddings=16384, original_max_position_embeddings=4096
+    )
+    op = _op_class("LongRoPE", direction)(input_layout, rescale_factors=factors, **params, **extra)
+    return op, longrope_frequencies(head_dim, rescale_factors=factors, **params), True
+
+
+SEQUENCE_OPS = (
+    SequenceOpCase("RoPE-neox", _standard("neox", 10000.0)),
+    SequenceOpCase("RoPE-interleaved", _standard("interleaved", 10000.0)),
+    SequenceOpCase("Llama31", _llama31),
+    SequenceOpCase("YaRN", _yarn),
+    SequenceOpCase("LongRoPE", _longrope),
+)
+SEQUENCE_OP_IDS = tuple(case.name for case in SEQUENCE_OPS)
+
+# Shapes that cross the 1024-row boundary of the two-level tables, and head_dims the
+# CUDA path compiles as constants (64, 128) or passes at run time (others).
+SEQUENCE_SHAPES = {"1d": (1100, 64), "2d": (2, 1030, 3, 128)}
+
+# --------------------------------------------------------------------------- arrays
+
+
+def random_data(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    """Fresh standard-normal data at a random power-of-two scale (2**-4 .. 2**4), rounded to
+    ``dtype`` (bfloat16 as ``ml_dtypes.bfloat16``)."""
+    scale = 2.0 ** int(rng.integers(-4, 5))
+    data = rng.standard_normal(shape) * scale
+    return data.astype(numpy_dtype(dtype))
+
+
+def numpy_dtype(dtype: str) -> np.dtype:
+    return BF16 if dtype == "bfloat16" else np.dtype(dtype)
+
+
+def to_framework(host: np.ndarray, framework: str) -> Any:
+    """``host`` (numpy, any of our dtypes) as "numpy", "torch" (CPU), "torch-cuda" or
+    "cupy"; bfloat16 moves as its bits."""
+    if framework == "numpy":
+        return host.copy()
+    if framework.startswith("torch"):
+        import torch
+
+        if host.dtype == BF16:
+            tensor = torch.from_numpy(host.view(np.int16).copy()).view(torch.bfloat16)
+        else:
+            tensor = torch.from_numpy(host.copy())
+        return tensor.cuda() if framework == "torch-cuda" else tensor
+    if framework == "cupy":
+        import cupy as cp
+
+        if host.dtype == BF16:
+            return cp.asarray(host.view(np.uint16)).view(BF16)
+        return cp.asarray(host)
+    raise ValueError(f"unknown framework {framework!r}")
+
+
+def to_host(array: Any) -> np.ndarray:
+    """Any result (numpy, torch CPU/CUDA, CuPy, JAX) as a numpy array of its own dtype."""
+    module = type(array).__module__.split(".", 1)[0]
+    if module == "torch":
+        import torch
+
+        tensor = array.detach().cpu()
+        if tensor.dtype == torch.bfloat16:
+            return tensor.view(torch.int16).numpy().view(BF16)
+        return tensor.numpy()
+    if module == "cupy":
+        import cupy as cp
+
+        if array.dtype == BF16:
+            return cp.asnumpy(array.view(cp.uint16)).view(BF16)
+        return cp.asnumpy(array)
+    return np.asarray(array)
+
+
+def to_float64(array: Any) -> np.ndarray:
+    return to_host(array).astype(np.float64)
+
+
+def dtype_name(array: Any) -> str:
+    """ "float16", "bfloat16", "float32", ... for numpy, ml_dtypes, torch, CuPy or JAX."""
+    dtype = array.dtype
+    if type(array).__module__.startswith("torch"):
+        return str(dtype).removeprefix("torch.")
+    dtype = np.dtype(dtype)
+    return "bfloat16" if dtype == BF16 else dtype.name
+
+
+def framework_name(array: Any) -> str:
+    module = type(array).__module__.split(".", 1)[0]
+    return "jax" if module in ("jax", "jaxlib") else module
+
+
+def assert_like(y: Any, x: Any, shape: tuple[int, ...] | None = None) -> None:
+    """``y`` is a new array in ``x``'s framework, dtype and device, of ``x``'s shape."""
+    assert framework_name(y) == framework_name(x), (type(y), type(x))
+    assert dtype_name(y) == dtype_name(x), (dtype_name(y), dtype_name(x))
+    assert tuple(y.shape) == tuple(shape or x.shape), (tuple(y.shape), tuple(x.shape))
+    if framework_name(x) == "torch":
+        assert y.device == x.device, (y.device, x.device)
+        assert y.data_ptr() != x.data_ptr()
+    elif framework_name(x) == "cupy":
+        assert y.device.id == x.device.id
+        assert y.data.ptr != x.data.ptr
+    elif framework_name(x) == "numpy":
+        assert not np.shares_memory(y, x)

@@ -1,0 +1,817 @@
+"""The RoPE ops on the host path (numpy and torch CPU inputs), against the float64 oracle.
+
+Every case draws fresh data (``rng`` is seeded per test id) and compares every output
+element with ``_oracle.rope_reference`` under the SPEC 5 bound (``_oracle.contract_tolerance``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from _oracle import (
+    BF16,
+    HOST_DTYPES,
+    SEQUENCE_OP_IDS,
+    SEQUENCE_OPS,
+    SEQUENCE_SHAPES,
+    assert_like,
+    assert_matches_oracle,
+    assert_within,
+    longrope_frequencies,
+    max_angle,
+    random_data,
+    rope_reference,
+    roundtrip_tolerance,
+    sequence_positions,
+    standard_frequencies,
+    to_float64,
+    to_framework,
+    to_host,
+    yarn_frequencies,
+)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tileops_cupy import rope
+from tileops_cupy.rope import (
+    BUILTIN,
+    LongRoPEFwdOp,
+    RoPEBwdOp,
+    RoPEFwdOp,
+    RoPELlama31FwdOp,
+    RoPENeoxPositionIdsBwdOp,
+    RoPENeoxPositionIdsFwdOp,
+    YaRNFwdOp,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+HOST_FRAMEWORKS = ("numpy", "torch")
+DIRECTIONS = ("Fwd", "Bwd")
+
+
+def _snapshot(x) -> np.ndarray:
+    return to_host(x).copy()
+
+
+def _assert_unchanged(x, before: np.ndarray) -> None:
+    np.testing.assert_array_equal(to_host(x).view(np.uint8), before.view(np.uint8))
+
+
+# --------------------------------------------------------------------------- the oracle itself
+
+
+def test_oracle_neox_matches_transformers_rotate_half(rng):
+    """Anchor the neox convention (and its sign) to HF's ``apply_rotary_pos_emb``."""
+    modeling_llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+    seq, heads, head_dim = 9, 2, 16
+    freqs = standard_frequencies(head_dim, 10000.0)
+    q = rng.standard_normal((1, heads, seq, head_dim))
+    angles = np.arange(seq)[:, None] * freqs.inv_freq
+    emb = np.concatenate([angles, angles], axis=-1)[None]
+    cos, sin = torch.from_numpy(np.cos(emb)), torch.from_numpy(np.sin(emb))
+    q_t = torch.from_numpy(q)
+    hf, _ = modeling_llama.apply_rotary_pos_emb(q_t, q_t, cos, sin)
+    ours = rope_reference(q, np.arange(seq)[None, None, :], freqs, neox=True)
+    np.testing.assert_allclose(ours, hf.numpy(), rtol=0, atol=1e-13)
+
+
+def test_oracle_interleaved_is_complex_multiplication(rng):
+    """Interleaved pairs rotate as ``(x[2j] + i x[2j+1]) * a*exp(i p inv[j])`` (RoFormer,
+    Meta's Llama reference)."""
+    seq, head_dim = 7, 12
+    freqs = yarn_frequencies(head_dim, scale=8.0)  # amplitude != 1
+    x = rng.standard_normal((seq, head_dim))
+    z = (x[:, 0::2] + 1j * x[:, 1::2]) * (
+        freqs.amplitude * np.exp(1j * np.arange(seq)[:, None] * freqs.inv_freq)
+    )
+    expected = np.stack([z.real, z.imag], axis=-1).reshape(seq, head_dim)
+    ours = rope_reference(x, np.arange(seq), freqs, neox=False)
+    np.testing.assert_allclose(ours, expected, rtol=0, atol=1e-13)
+    back = rope_reference(ours, np.arange(seq), freqs, neox=False, inverse=True)
+    np.testing.assert_allclose(back, freqs.amplitude**2 * x, rtol=0, atol=1e-13)
+
+
+# --------------------------------------------------------------------------- seed ops
+
+
+@pytest.mark.parametrize("case", SEQUENCE_OPS, ids=SEQUENCE_OP_IDS)
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("input_layout", ("1d", "2d"))
+@pytest.mark.parametrize("dtype", HOST_DTYPES)
+@pytest.mark.parametrize("framework", HOST_FRAMEWORKS)
+def test_sequence_op_matches_oracle(rng, framework, dtype, input_layout, direction, case):
+    shape = SEQUENCE_SHAPES[input_layout]
+    op, freqs, neox = case.make(direction, input_layout, shape[-1], rng)
+    host = random_data(rng, shape, dtype)
+    x = to_framework(host, framework)
+    before = _snapshot(x)
+    y = op(x)
+    assert_like(y, x)
+    _assert_unchanged(x, before)
+    assert_matches_oracle(
+        y,
+        host.astype(np.float64),
+        sequence_positions(shape, input_layout),
+        freqs,
+        dtype,
+        neox=neox,
+        inverse=direction == "Bwd",
+    )
+
+
+@pytest.mark.parametrize("case", SEQUENCE_OPS, ids=SEQUENCE_OP_IDS)
+@pytest.mark.parametrize("dtype", HOST_DTYPES)
+def test_backward_of_forward_is_amplitude_squared(rng, dtype, case):
+    """Bwd(Fwd(x)) == a*a*x for every scheme (YaRN and LongRoPE have a != 1)."""
+    shape = SEQUENCE_SHAPES["2d"]
+    seed = int(rng.integers(2**32))  # the twins draw the same LongRoPE factors
+    fwd, freqs, _ = case.make("Fwd", "2d", shape[-1], np.random.default_rng(seed))
+    bwd, _, _ = case.make("Bwd", "2d", shape[-1], np.random.default_rng(seed))
+    if case.name in ("YaRN", "LongRoPE"):
+        assert abs(freqs.amplitude - 1) > 0.05
+    x = random_data(rng, shape, dtype)
+    x64 = x.astype(np.float64)
+    z = to_float64(bwd(fwd(x)))
+    expected = freqs.amplitude**2 * x64
+    angle = max_angle(sequence_positions(shape, "2d"), freqs)
+    tolerance = roundtrip_tolerance(expected, x64, dtype, freqs.amplitude, angle)
+    assert_within(z, expected, tolerance, f"Bwd(Fwd(x)) vs a*a*x ({dtype})")
+
+
+def test_forward_and_call_agree_and_bwd_is_not_fwd(rng):
+    x = random_data(rng, (33, 64), "float32")
+    op = RoPEFwdOp()
+    np.testing.assert_array_equal(op(x), op.forward(x))
+    y_bwd = RoPEBwdOp()(x)
+    assert not np.array_equal(y_bwd, op(x))  # the twin negates sin
+    np.testing.assert_array_equal(y_bwd[0], x[0])  # position 0 is the identity either way
+
+
+def test_bfloat16_results_are_rounded_to_nearest_even(rng):
+    """The host bf16 path rounds the float32 result once, to nearest even: the output is
+    exactly the float32 host result (fp32 data of the same values) rounded by ml_dtypes."""
+    host = random_data(rng, (64, 128), "bfloat16")
+    y_bf16 = RoPEFwdOp()(host)
+    y_fp32 = RoPEFwdOp()(host.astype(np.float32))
+    np.testing.assert_array_equal(y_bf16.view(np.uint16), y_fp32.astype(BF16).view(np.uint16))
+    t = to_framework(host, "torch")
+    np.testing.assert_array_equal(to_host(RoPEFwdOp()(t)).view(np.uint16), y_bf16.view(np.uint16))
+
+
+# --------------------------------------------------------------------------- position ids
+
+ROTARY_CASES = ((32, 64), (64, 128), (16, 80), (None, 64))
+ROTARY_IDS = tuple(f"rd{r}-hd{h}" for r, h in ROTARY_CASES)
+
+
+def _ids_case(rng, tokens, max_position, id_dtype):
+    """Random ids in random order, always including 0 and max_position-1."""
+    ids = rng.integers(0, max_position, tokens)
+    ids[rng.integers(tokens)] = max_position - 1
+    ids[rng.integers(tokens)] = 0
+    return ids.astype(id_dtype)
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize(("rotary_dim", "head_dim"), ROTARY_CASES, ids=ROTARY_IDS)
+@pytest.mark.parametrize("id_dtype", ("int32", "int64"))
+@pytest.mark.parametrize("dtype", HOST_DTYPES)
+@pytest.mark.parametrize("framework", HOST_FRAMEWORKS)
+def test_position_ids_op_matches_oracle(
+    rng, framework, dtype, id_dtype, rotary_dim, head_dim, direction
+):
+    tokens, heads, max_position, base = 300, 3, 5000, 500000.0 if head_dim == 128 else 10000.0
+    cls = RoPENeoxPositionIdsFwdOp if direction == "Fwd" else RoPENeoxPositionIdsBwdOp
+    op = cls(max_position, base, rotary_dim)
+    host = random_data(rng, (tokens, heads, head_dim), dtype)
+    ids_host = _ids_case(rng, tokens, max_position, id_dtype)
+    x, ids = to_framework(host, framework), to_framework(ids_host, framework)
+    before, ids_before = _snapshot(x), _snapshot(ids)
+    y = op(x, ids)
+    assert_like(y, x)
+    _assert_unchanged(x, before)
+    _assert_unchanged(ids, ids_before)
+    freqs = standard_frequencies(rotary_dim or head_dim, base)
+    assert_matches_oracle(
+        y, host.astype(np.float64), ids_host[:, None], freqs, dtype, inverse=direction == "Bwd"
+    )
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("dtype", HOST_DTYPES)
+def test_positions_near_2_20_and_2_24(rng, dtype, direction):
+    """fp32 at positions up to 2**24-1 within 4e-6*max|x| (SPEC 5)."""
+    max_position = 2**24
+    k = rng.integers(0, 4096, 24)
+    ids = np.concatenate(
+        [
+            [2**24 - 1, 2**24 - 2, 2**24 - 1024, 2**24 - 1025, 2**20 - 1, 2**20, 2**20 + 1],
+            2**20 + k,
+            2**24 - 1 - k,
+            rng.integers(2**23, 2**24, 24),
+        ]
+    ).astype(np.int64)
+    rng.shuffle(ids)
+    cls = RoPENeoxPositionIdsFwdOp if direction == "Fwd" else RoPENeoxPositionIdsBwdOp
+    host = random_data(rng, (ids.size, 2, 128), dtype)
+    y = cls(max_position)(host, ids)
+    assert_matches_oracle(
+        y,
+        host.astype(np.float64),
+        ids[:, None],
+        standard_frequencies(128),
+        dtype,
+        inverse=direction == "Bwd",
+    )
+
+
+@pytest.mark.parametrize("id_dtype", ("int32", "int64"))
+@pytest.mark.parametrize("framework", HOST_FRAMEWORKS)
+def test_position_ids_out_of_range_raise(rng, framework, id_dtype):
+    max_position = 1000
+    op = RoPENeoxPositionIdsFwdOp(max_position, rotary_dim=32)
+    host = random_data(rng, (6, 2, 64), "float32")
+    x = to_framework(host, framework)
+    bad_values = [-1, max_position, max_position + 7, -(2**31)]
+    if id_dtype == "int64":
+        bad_values += [2**40, 2**40 + 5, -(2**40)]  # must not wrap to a valid row
+    for bad in bad_values:
+        ids_host = _ids_case(rng, 6, max_position, np.int64)
+        ids_host[3] = bad
+        ids = to_framework(ids_host.astype(id_dtype), framework)
+        with pytest.raises(ValueError, match="position_ids") as error:
+            op(x, ids)
+        assert str(bad) in str(error.value) and str(max_position) in str(error.value)
+    ids_host = _ids_case(rng, 6, max_position, id_dtype)  # the op still works afterwards
+    y = op(x, to_framework(ids_host, framework))
+    assert_matches_oracle(
+        y, host.astype(np.float64), ids_host[:, None], standard_frequencies(32), "float32"
+    )
+
+
+def test_position_ids_bad_length_dtype_and_rank(rng):
+    op = RoPENeoxPositionIdsFwdOp(64)
+    x = random_data(rng, (5, 2, 16), "float32")
+    wrong_shapes = (np.arange(4), np.arange(6), np.arange(5).reshape(5, 1), np.zeros((5, 2), int))
+    for ids in wrong_shapes:
+        with pytest.raises(ValueError, match="position_ids"):
+            op(x, ids)
+    for ids in (
+        np.arange(5.0),
+        np.arange(5, dtype=np.float32),
+        np.arange(5, dtype=np.int16),
+        np.arange(5, dtype=np.uint32),
+        torch.arange(5.0),
+    ):
+        with pytest.raises(TypeError, match="position_ids"):
+            op(x, ids)
+    with pytest.raises(TypeError, match="position_ids"):
+        op(x, [0, 1, 2, 3, 4])
+    with pytest.raises(ValueError, match=r"\bx\b"):
+        op(x[0], np.arange(2))  # [heads, head_dim] is not [tokens, heads, head_dim]
+    with pytest.raises(ValueError, match=r"\bx\b"):
+        op(x[None], np.arange(1))
+
+
+def test_call_accepts_keyword_arguments(rng):
+    op = RoPENeoxPositionIdsFwdOp(64)
+    x, ids = random_data(rng, (5, 2, 16), "float32"), np.arange(5)
+    np.testing.assert_array_equal(op(x, position_ids=ids), op.forward(x, position_ids=ids))
+    np.testing.assert_array_equal(RoPEFwdOp()(x=x[0]), RoPEFwdOp().forward(x=x[0]))
+
+
+# --------------------------------------------------------------------------- strided views
+
+
+def _strided_views(rng, framework, dtype):
+    """(name, view, whole buffer, input_layout) for views the ops must read correctly."""
+    make = lambda shape: to_framework(random_data(rng, shape, dtype), framework)  # noqa: E731
+    qkv_2d = make((2, 17, 4 + 2 * 2, 64))  # fused QKV: 4 q heads, 2 k and 2 v heads
+    qkv_1d = make((19, 3 * 64))
+    bhsd = make((2, 3, 21, 64))
+    wide = make((23, 2 * 64))
+    odd = make((13, 1 + 64 + 3))
+    row = make((1, 64))
+    cases = [
+        ("q-of-fused-qkv", qkv_2d[:, :, :4, :], qkv_2d, "2d"),
+        ("k-of-fused-qkv", qkv_2d[:, :, 4:6, :], qkv_2d, "2d"),
+        ("k-of-fused-qkv-1d", qkv_1d[:, 64:128], qkv_1d, "1d"),
+        ("transposed-seq-head", bhsd.swapaxes(1, 2), bhsd, "2d"),
+        ("strided-last-dim", wide[:, ::2], wide, "1d"),
+        ("odd-element-offset", odd[:, 1:65], odd, "1d"),
+    ]
+    if framework == "numpy":
+        cases += [
+            ("reversed-seq", wide[::-1, 64:], wide, "1d"),
+            ("broadcast-row", np.broadcast_to(row, (40, 64)), row, "1d"),
+        ]
+    else:
+        cases += [("broadcast-row", row.expand(40, 64), row, "1d")]
+    return cases
+
+
+@pytest.mark.parametrize("layout", ("neox", "interleaved"))
+@pytest.mark.parametrize("dtype", ("float16", "bfloat16", "float32"))
+@pytest.mark.parametrize("framework", HOST_FRAMEWORKS)
+def test_strided_views(rng, framework, dtype, layout):
+    freqs = standard_frequencies(64)
+    for name, view, buffer, input_layout in _strided_views(rng, framework, dtype):
+        before = _snapshot(buffer)
+        y = RoPEFwdOp(layout, input_layout)(view)
+        assert_like(y, view)
+        _assert_unchanged(buffer, before)
+        x64 = to_float64(view)
+        assert_matches_oracle(
+            y,
+            x64,
+            sequence_positions(x64.shape, input_layout),
+            freqs,
+            dtype,
+            neox=layout == "neox",
+            what=name,
+        )
+
+
+@pytest.mark.parametrize("framework", HOST_FRAMEWORKS)
+def test_position_ids_on_fused_qkv_views(rng, framework):
+    qkv = to_framework(random_data(rng, (50, 8 + 2 + 2, 128), "float16"), framework)
+    ids_host = _ids_case(rng, 50, 4096, np.int64)
+    ids_buffer = to_framework(np.repeat(ids_host, 2), framework)
+    before = _snapshot(qkv)
+    op = RoPENeoxPositionIdsFwdOp(4096, rotary_dim=64)
+    for view in (qkv[:, :8], qkv[:, 8:10]):
+        y = op(view, ids_buffer[::2])  # strided ids too
+        _assert_unchanged(qkv, before)
+        assert_matches_oracle(
+            y, to_float64(view), ids_host[:, None], standard_frequencies(64), "float16"
+        )
+
+
+# --------------------------------------------------------------------------- hypothesis
+
+
+@st.composite
+def _sequence_cases(draw):
+    input_layout = draw(st.sampled_from(("1d", "2d")))
+    head_dim = 2 * draw(st.integers(1, 80))
+    seq = draw(st.integers(1, 40))
+    shape = (
+        (seq, head_dim)
+        if input_layout == "1d"
+        else (draw(st.integers(1, 3)), seq, draw(st.integers(1, 4)), head_dim)
+    )
+    kind = draw(st.sampled_from(("neox", "interleaved", "llama31", "yarn", "longrope")))
+    base = draw(st.sampled_from((100.0, 10000.0, 500000.0, 1e6)))
+    return dict(
+        input_layout=input_layout,
+        shape=shape,
+        kind=kind,
+        base=base,
+        dtype=draw(st.sampled_from(HOST_DTYPES)),
+        direction=draw(st.sampled_from(DIRECTIONS)),
+        scale=draw(st.floats(1.0, 64.0)),
+        seed=draw(st.integers(0, 2**32 - 1)),
+        original=draw(st.sampled_from((16, 256, 4096))),
+    )
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(_sequence_cases())
+def test_hypothesis_sequence_ops(case):
+    from _oracle import llama31_frequencies
+
+    rng = np.random.default_rng(case["seed"])
+    shape, layout, base = case["shape"], case["input_layout"], case["base"]
+    head_dim, direction, kind = shape[-1], case["direction"], case["kind"]
+    neox = kind != "interleaved"
+    if kind in ("neox", "interleaved"):
+        op = getattr(rope, f"RoPE{direction}Op")(kind, layout, base)
+        freqs = standard_frequencies(head_dim, base)
+    elif kind == "llama31":
+        params = dict(
+            base=base,
+            scale_factor=case["scale"],
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position=case["original"],
+        )
+        op = getattr(rope, f"RoPELlama31{direction}Op")(layout, **params)
+        freqs = llama31_frequencies(head_dim, **params)
+    elif kind == "yarn":
+        params = dict(
+            base=base,
+            scale=case["scale"],
+            original_max_position=case["original"],
+            beta_fast=32.0,
+            beta_slow=1.0,
+            attn_factor=1.0,
+        )
+        op = getattr(rope, f"YaRN{direction}Op")(layout, **params)
+        freqs = yarn_frequencies(head_dim, **params)
+    else:
+        factors = rng.uniform(0.5, 8.0, head_dim // 2)
+        params = dict(
+            base=base,
+            max_position_embeddings=case["original"] * 4,
+            original_max_position_embeddings=case["original"],
+        )
+        op = getattr(rope, f"LongRoPE{direction}Op")(layout, rescale_factors=factors, **params)
+        freqs = longrope_frequencies(head_dim, rescale_factors=factors, **params)
+    host = random_data(rng, shape, case["dtype"])
+    y = op(host)
+    assert_like(y, host)
+    assert_matches_oracle(
+        y,
+        host.astype(np.float64),
+        sequence_positions(shape, layout),
+        freqs,
+        case["dtype"],
+        neox=neox,
+        inverse=direction == "Bwd",
+    )
+
+
+@st.composite
+def _position_id_cases(draw):
+    head_dim = 2 * draw(st.integers(1, 80))
+    rotary_dim = draw(st.one_of(st.none(), st.integers(1, head_dim // 2).map(lambda r: 2 * r)))
+    return dict(
+        tokens=draw(st.integers(1, 50)),
+        heads=draw(st.integers(1, 5)),
+        head_dim=head_dim,
+        rotary_dim=rotary_dim,
+        # kept to 2**17 so the shared tables stay small; 2**24 has its own test
+        max_position=draw(st.integers(1, 2**17)),
+        dtype=draw(st.sampled_from(HOST_DTYPES)),
+        id_dtype=draw(st.sampled_from(("int32", "int64"))),
+        direction=draw(st.sampled_from(DIRECTIONS)),
+        seed=draw(st.integers(0, 2**32 - 1)),
+    )
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(_position_id_cases())
+def test_hypothesis_position_ids(case):
+    rng = np.random.default_rng(case["seed"])
+    tokens, max_position = case["tokens"], case["max_position"]
+    cls = RoPENeoxPositionIdsFwdOp if case["direction"] == "Fwd" else RoPENeoxPositionIdsBwdOp
+    op = cls(max_position, 10000.0, case["rotary_dim"])
+    host = random_data(rng, (tokens, case["heads"], case["head_dim"]), case["dtype"])
+    ids = _ids_case(rng, tokens, max_position, case["id_dtype"])
+    y = op(host, ids)
+    freqs = standard_frequencies(case["rotary_dim"] or case["head_dim"])
+    assert_matches_oracle(
+        y,
+        host.astype(np.float64),
+        ids[:, None],
+        freqs,
+        case["dtype"],
+        inverse=case["direction"] == "Bwd",
+    )
+
+
+# --------------------------------------------------------------------------- errors (item 7)
+
+SEQUENCE_CLASSES = [
+    (getattr(rope, f"{prefix}{direction}Op"), prefix)
+    for prefix in ("RoPE", "RoPELlama31", "YaRN", "LongRoPE")
+    for direction in DIRECTIONS
+]
+SEQUENCE_CLASS_IDS = [cls.__name__ for cls, _ in SEQUENCE_CLASSES]
+
+
+def _construct(cls, prefix, **kwargs):
+    if prefix == "RoPE":
+        return cls(**kwargs)
+    kwargs.pop("rope_layout", None)
+    return cls(**kwargs)
+
+
+@pytest.mark.parametrize(("cls", "prefix"), SEQUENCE_CLASSES, ids=SEQUENCE_CLASS_IDS)
+def test_wrong_rank_for_layout(rng, cls, prefix):
+    for input_layout, shape in (
+        ("1d", (3, 5, 64)),
+        ("1d", (64,)),
+        ("2d", (5, 64)),
+        ("2d", (2, 5, 64)),
+        ("2d", (1, 2, 5, 3, 64)),
+    ):
+        op = _construct(cls, prefix, input_layout=input_layout)
+        x = random_data(rng, shape, "float32")
+        with pytest.raises(ValueError, match=rf"(?s)\bx\b.*{input_layout}") as error:
+            op(x)
+        assert str(shape) in str(error.value)
+
+
+@pytest.mark.parametrize(("cls", "prefix"), SEQUENCE_CLASSES, ids=SEQUENCE_CLASS_IDS)
+@pytest.mark.parametrize("input_layout", ("1d", "2d"))
+def test_odd_head_dim(rng, cls, prefix, input_layout):
+    op = _construct(cls, prefix, input_layout=input_layout)
+    shape = (4, 63) if input_layout == "1d" else (1, 4, 2, 63)
+    with pytest.raises(ValueError, match=r"(?s)head_dim.*63"):
+        op(random_data(rng, shape, "float32"))
+
+
+def test_odd_head_dim_position_ids(rng):
+    with pytest.raises(ValueError, match=r"(?s)head_dim.*65"):
+        RoPENeoxPositionIdsFwdOp(16, rotary_dim=32)(
+            random_data(rng, (3, 1, 65), "float32"), np.arange(3)
+        )
+
+
+@pytest.mark.parametrize("cls", (RoPENeoxPositionIdsFwdOp, RoPENeoxPositionIdsBwdOp))
+def test_bad_rotary_dim(rng, cls):
+    for bad in (3, 31, 0, -2, 2.0, "32"):
+        with pytest.raises(ValueError, match=rf"(?s)rotary_dim.*{bad!r}"):
+            cls(16, rotary_dim=bad)
+    op = cls(16, rotary_dim=66)  # larger than head_dim: known only at the call
+    with pytest.raises(ValueError, match=r"(?s)rotary_dim.*66"):
+        op(random_data(rng, (3, 1, 64), "float32"), np.arange(3))
+
+
+@pytest.mark.parametrize("cls", (RoPENeoxPositionIdsFwdOp, RoPENeoxPositionIdsBwdOp))
+def test_bad_max_position(cls):
+    for bad in (0, -5, 2**24 + 1, 2**40, 16.0, None):
+        with pytest.raises(ValueError, match="max_position"):
+            cls(bad)
+
+
+@pytest.mark.parametrize(("cls", "prefix"), SEQUENCE_CLASSES, ids=SEQUENCE_CLASS_IDS)
+@pytest.mark.parametrize("framework", HOST_FRAMEWORKS)
+def test_non_float_data_is_a_type_error(cls, prefix, framework):
+    op = _construct(cls, prefix)
+    for dtype in (np.int32, np.int64, np.int16, np.uint8, np.bool_, np.complex64):
+        if framework == "torch" and dtype is np.complex64:
+            continue
+        x = to_framework(np.ones((4, 64), dtype), framework)
+        with pytest.raises(TypeError, match=r"\bx\b"):
+            op(x)
+    with pytest.raises(TypeError, match=r"\bx\b"):
+        op([[1.0, 2.0]])
+
+
+def test_non_float_data_position_ids_op():
+    op = RoPENeoxPositionIdsFwdOp(16)
+    with pytest.raises(TypeError, match=r"\bx\b"):
+        op(np.ones((3, 1, 8), np.int32), np.arange(3))
+
+
+@pytest.mark.parametrize(("cls", "prefix"), SEQUENCE_CLASSES, ids=SEQUENCE_CLASS_IDS)
+def test_bad_layout_names(cls, prefix):
+    for bad in ("3d", "1D", "", None, "neox"):
+        with pytest.raises(ValueError, match=rf"(?s)input_layout.*{bad!r}"):
+            _construct(cls, prefix, input_layout=bad)
+    if prefix == "RoPE":
+        for bad in ("gptj", "NEOX", "", None, "1d"):
+            with pytest.raises(ValueError, match=rf"(?s)rope_layout.*{bad!r}"):
+                cls(rope_layout=bad)
+
+
+ALL_CLASSES = [cls for cls, _ in SEQUENCE_CLASSES] + [
+    RoPENeoxPositionIdsFwdOp,
+    RoPENeoxPositionIdsBwdOp,
+]
+
+
+@pytest.mark.parametrize("cls", ALL_CLASSES, ids=lambda c: c.__name__)
+def test_bad_base(cls):
+    for bad in (0.0, -1.0, -10000.0, math.nan, math.inf, -math.inf):
+        with pytest.raises(ValueError, match="base"):
+            if cls.__name__.startswith("RoPENeoxPositionIds"):
+                cls(16, base=bad)
+            else:
+                cls(base=bad)
+
+
+def _float64_tensor(values):
+    return torch.tensor(values, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("cls", (LongRoPEFwdOp, rope.LongRoPEBwdOp))
+def test_bad_rescale_factors(rng, cls):
+    good = rng.uniform(1, 4, 32)
+    for bad_value in (0.0, math.nan, math.inf, -math.inf, -0.0):
+        for container in (list, np.asarray, _float64_tensor):
+            factors = good.copy()
+            factors[5] = bad_value
+            with pytest.raises(ValueError, match="rescale_factors"):
+                cls(rescale_factors=container(factors.tolist()))
+    op = cls(rescale_factors=good)  # 32 factors for head_dim 64
+    with pytest.raises(ValueError, match=r"(?s)rescale_factors.*32"):
+        op(random_data(rng, (4, 128), "float32"))
+    for container in (list, np.asarray, _float64_tensor):  # any container reads the same
+        y = cls(rescale_factors=container(good.tolist()))(np.ones((5, 64), np.float32))
+        np.testing.assert_array_equal(y, op(np.ones((5, 64), np.float32)))
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "name"),
+    [
+        (RoPELlama31FwdOp, {"scale_factor": 0.0}, "scale_factor"),
+        (RoPELlama31FwdOp, {"scale_factor": math.nan}, "scale_factor"),
+        (RoPELlama31FwdOp, {"low_freq_factor": -1.0}, "low_freq_factor"),
+        (RoPELlama31FwdOp, {"high_freq_factor": 1.0}, "high_freq_factor"),
+        (RoPELlama31FwdOp, {"original_max_position": 0}, "original_max_position"),
+        (YaRNFwdOp, {"scale": 0.0}, "scale"),
+        (YaRNFwdOp, {"scale": math.inf}, "scale"),
+        (YaRNFwdOp, {"beta_fast": 0.0}, "beta_fast"),
+        (YaRNFwdOp, {"beta_slow": -1.0}, "beta_slow"),
+        (YaRNFwdOp, {"attn_factor": math.nan}, "attn_factor"),
+        (YaRNFwdOp, {"original_max_position": -4096}, "original_max_position"),
+        (LongRoPEFwdOp, {"max_position_embeddings": 0}, "max_position_embeddings"),
+        (LongRoPEFwdOp, {"original_max_position_embeddings": -1}, "original_max_position"),
+    ],
+)
+def test_bad_scheme_parameters(cls, kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        cls(**kwargs)
+
+
+@pytest.mark.parametrize("cls", ALL_CLASSES, ids=lambda c: c.__name__)
+def test_target_checks(rng, cls):
+    ids_op = cls.__name__.startswith("RoPENeoxPositionIds")
+    make = (lambda **kw: cls(64, **kw)) if ids_op else cls
+    x = random_data(rng, (5, 2, 32) if ids_op else (5, 32), "float32")
+    args = (x, np.arange(5)) if ids_op else (x,)
+    for bad in ("gpu", "CUDA", "cuda:0", 0, "builtin-ish"):
+        with pytest.raises(ValueError, match=rf"(?s)target.*{bad!r}"):
+            make(target=bad)
+    # the data lives on the host: target="cuda" is a mismatch (ValueError, never a copy),
+    # raised before any CUDA is touched, so the same on machines with or without a GPU
+    with pytest.raises(ValueError, match=r"target='cuda'"):
+        make(target="cuda")(*args)
+    expected = make()(*args)
+    for target in ("cpu", BUILTIN, None):
+        np.testing.assert_array_equal(make(target=target)(*args), expected)
+
+
+def test_too_many_positions_for_the_tables():
+    """A seq longer than 2**24 positions is refused up front (a zero-stride view: no memory)."""
+    x = np.lib.stride_tricks.as_strided(np.zeros(8, np.float32), (2**24 + 1, 8), (0, 4))
+    with pytest.raises(ValueError, match=r"\bx\b"):
+        RoPEFwdOp()(x)
+
+
+def test_empty_inputs():
+    y = RoPEFwdOp()(np.zeros((0, 64), np.float32))
+    assert y.shape == (0, 64) and y.dtype == np.float32
+    y = RoPEFwdOp(input_layout="2d")(np.zeros((2, 0, 3, 64), np.float16))
+    assert y.shape == (2, 0, 3, 64) and y.dtype == np.float16
+    y = RoPENeoxPositionIdsFwdOp(8)(np.zeros((0, 2, 64), np.float32), np.zeros(0, np.int64))
+    assert y.shape == (0, 2, 64)
+
+
+# --------------------------------------------------------------------------- API and interop
+
+SEED_SIGNATURES = {
+    "RoPE": [("rope_layout", "neox"), ("input_layout", "1d"), ("base", 10000.0)],
+    "RoPENeoxPositionIds": [
+        ("max_position", inspect.Parameter.empty),
+        ("base", 10000.0),
+        ("rotary_dim", None),
+    ],
+    "RoPELlama31": [
+        ("input_layout", "1d"),
+        ("base", 10000.0),
+        ("scale_factor", 8.0),
+        ("low_freq_factor", 1.0),
+        ("high_freq_factor", 4.0),
+        ("original_max_position", 8192),
+    ],
+    "YaRN": [
+        ("input_layout", "1d"),
+        ("base", 10000.0),
+        ("scale", 16.0),
+        ("original_max_position", 4096),
+        ("beta_fast", 32.0),
+        ("beta_slow", 1.0),
+        ("attn_factor", 1.0),
+    ],
+    "LongRoPE": [
+        ("input_layout", "1d"),
+        ("base", 10000.0),
+        ("rescale_factors", None),
+        ("max_position_embeddings", 4096),
+        ("original_max_position_embeddings", 4096),
+    ],
+}
+
+
+@pytest.mark.parametrize("prefix", SEED_SIGNATURES)
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_constructor_matches_the_seed(prefix, direction):
+    cls = getattr(rope, f"{prefix}{direction}Op")
+    parameters = list(inspect.signature(cls).parameters.values())
+    positional = [p for p in parameters if p.kind == p.POSITIONAL_OR_KEYWORD]
+    assert [(p.name, p.default) for p in positional] == SEED_SIGNATURES[prefix]
+    keyword_only = {p.name: p for p in parameters if p.kind == p.KEYWORD_ONLY}
+    assert "target" in keyword_only and keyword_only["target"].default is None
+    assert all(p.default is not p.empty for p in keyword_only.values())
+    assert cls.__doc__
+    assert cls.__module__ == "tileops_cupy.rope"
+
+
+def test_package_import_and_lazy_submodules():
+    import tileops_cupy
+
+    assert tileops_cupy.rope is rope
+    assert tileops_cupy.schemes.Standard is rope.Standard
+    assert tileops_cupy.BUILTIN == BUILTIN
+    assert isinstance(tileops_cupy.cuda_available(), bool)
+    with pytest.raises(AttributeError):
+        _ = tileops_cupy.no_such_module
+
+
+_NO_CUDA_FRAMEWORKS = textwrap.dedent(
+    """
+    import sys
+
+    BLOCKED = ("cupy", "cupyx", "cupy_backends", "torch", "jax", "jaxlib")
+
+    class Blocker:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in BLOCKED:
+                raise ImportError(f"{name} is blocked for this test")
+            return None
+
+    sys.meta_path.insert(0, Blocker())
+
+    import ml_dtypes
+    import numpy as np
+
+    import tileops_cupy
+    from tileops_cupy.rope import RoPEFwdOp, RoPENeoxPositionIdsFwdOp
+
+    assert tileops_cupy.cuda_available() is False
+    x = np.random.default_rng(0).standard_normal((5, 64)).astype(np.float32)
+    y = RoPEFwdOp()(x)
+    assert type(y) is np.ndarray and y.shape == x.shape and np.abs(y[0] - x[0]).max() == 0
+    assert RoPEFwdOp()(x.astype(ml_dtypes.bfloat16)).dtype == ml_dtypes.bfloat16
+    ids = np.array([3, 0, 7], np.int32)
+    assert RoPENeoxPositionIdsFwdOp(8, rotary_dim=16)(x[:3, None], ids).shape == (3, 1, 64)
+    try:
+        RoPEFwdOp(target="cuda")(x)
+    except ValueError as error:
+        assert "target" in str(error)
+    else:
+        raise AssertionError("target='cuda' with host data did not raise")
+    loaded = sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED)
+    assert not loaded, loaded
+    print("ok")
+    """
+)
+
+
+def test_import_and_host_path_without_cupy_or_torch():
+    path = [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    result = subprocess.run(
+        [sys.executable, "-c", _NO_CUDA_FRAMEWORKS],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith("ok")
+
+
+def test_shared_tables_grow_safely_under_concurrent_readers():
+    """A reader that sees the grown capacity must find both the float32 and the float64
+    coarse tables grown (the growth publishes them without the reader taking the lock)."""
+    from tileops_cupy._tables import RotaryTable
+    from tileops_cupy.schemes import Standard
+
+    errors: list[str] = []
+    for trial in range(4):
+        table = RotaryTable(Standard(1234.5 + trial), 128)
+        table.ensure(1)
+        stop = threading.Event()
+
+        def reader(table=table, stop=stop):
+            positions = np.array([2**24 - 1])
+            while not stop.is_set():
+                try:
+                    if table.capacity >= 2**24:
+                        table.host_cos_sin(positions, False)
+                        table.host_cos_sin(positions, True)
+                except Exception as error:  # reported below
+                    errors.append(repr(error))
+                    return
+
+        thread = threading.Thread(target=reader)
+        thread.start()
+        table.ensure(2**24)
+        stop.set()
+        thread.join()
+    assert not errors, errors[:3]
