@@ -1,0 +1,107 @@
+"""Every kernel instantiation the package ships compiles with NVRTC for sm_80 and sm_90,
+with no GPU or driver present (this runs in CI), and every launch picks one of them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from tileops_cupy import _cuda, _rotate
+from tileops_cupy._arrays import ITEMSIZE, Operand
+
+pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC comes with CuPy")
+
+ARCHS = ("sm_80", "sm_90")
+ROTATE_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def _catalogue() -> list[_cuda.ModuleSpec]:
+    """``shipped_modules()``; while an op module it imports fails to import, the specs of
+    the catalogues registered so far (``test_shipped_modules_imports`` reports the failure)."""
+    try:
+        return _cuda.shipped_modules()
+    except Exception:  # reported by test_shipped_modules_imports
+        from tileops_cupy import rope  # noqa: F401  (registers the RoPE catalogue)
+
+        specs: list[_cuda.ModuleSpec] = []
+        for catalog in _cuda._catalogs:
+            specs += [spec for spec in catalog() if spec not in specs]
+        return specs
+
+
+CATALOGUE = _catalogue()
+
+
+def _spec_id(spec: _cuda.ModuleSpec) -> str:
+    return f"{spec.source}:{spec.name_expressions[0]}"
+
+
+@pytest.mark.xfail(
+    importlib.util.find_spec("tileops_cupy.sequence_modeling") is None,
+    reason="tileops_cupy.sequence_modeling (mHC) is not written yet; shipped_modules() imports it",
+    raises=ModuleNotFoundError,
+    strict=True,
+)
+def test_shipped_modules_imports():
+    specs = _cuda.shipped_modules()
+    assert specs and len(specs) == len(set(specs))
+    assert {spec.source for spec in specs} >= {"rope"}
+
+
+def test_catalogue_holds_every_rotate_module():
+    for dtype in ROTATE_DTYPES:
+        for rotary_dim in (*_rotate.SHIPPED_ROTARY_DIMS, 0):
+            assert _rotate.module_spec(dtype, rotary_dim) in CATALOGUE, (dtype, rotary_dim)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("spec", CATALOGUE, ids=_spec_id)
+def test_compiles_without_a_device(spec, arch):
+    lowered = _cuda.compile_without_device(spec, arch)
+    assert set(lowered) == set(spec.name_expressions)
+    for name, mangled in lowered.items():
+        assert isinstance(mangled, str) and mangled.startswith("_Z"), (name, mangled)
+    # distinct instantiations must not collapse into one symbol
+    assert len(set(lowered.values())) == len(lowered)
+
+
+def _rows(dtype: str, shape, strides, offset_elements: int = 0) -> _rotate.HeadRows:
+    """Head rows of a fake device operand at a 256-byte aligned address plus an offset."""
+    operand = Operand(
+        obj=None,
+        framework="cupy",
+        device=0,
+        dtype=dtype,
+        shape=tuple(shape),
+        strides=tuple(strides),
+        ptr=1 << 20 | offset_elements * ITEMSIZE[dtype],
+    )
+    return _rotate.HeadRows(operand, tuple(shape), tuple(strides))
+
+
+@pytest.mark.parametrize("neox", (True, False), ids=("neox", "interleaved"))
+@pytest.mark.parametrize("dtype", ROTATE_DTYPES)
+def test_every_launch_picks_a_shipped_kernel(dtype, neox):
+    """For every (dtype, layout, rotary_dim, head_dim, alignment) a launch can meet, the
+    vector width and the (module, name expression) it selects are in the catalogue."""
+    widths_seen = set()
+    for head_dim in range(2, 258, 2):
+        for rotary_dim in sorted({2, 16, 32, 64, 128, head_dim // 2 * 2, head_dim}):
+            if not 2 <= rotary_dim <= head_dim or rotary_dim % 2:
+                continue
+            for offset in (0, 1, 2, 8) if neox else (0, 2, 8):
+                shape = (2, 3, 4, head_dim)
+                source = _rows(dtype, shape, (3 * 4 * head_dim, 4 * head_dim, head_dim, 1), offset)
+                output = _rows(dtype, shape, (3 * 4 * head_dim, 4 * head_dim, head_dim, 1))
+                copy_tail = rotary_dim < head_dim
+                vec = _rotate._vector_width(
+                    dtype, neox, rotary_dim, head_dim, copy_tail, [source, output]
+                )
+                widths_seen.add(vec)
+                spec, name = _rotate._kernel(dtype, neox, vec, rotary_dim)
+                assert spec in CATALOGUE, (dtype, neox, rotary_dim, vec)
+                assert name in spec.name_expressions, (name, spec.name_expressions)
+    wide = 16 // ITEMSIZE[dtype]
+    assert widths_seen == ({wide, 1} if neox else {wide, 2}), widths_seen
