@@ -67,7 +67,8 @@ class Operand:
 
     @property
     def last_dim_contiguous(self) -> bool:
-        return self.ndim == 0 or self.shape[-1] <= 1 or self.strides[-1] == 1
+        # an empty array's strides are arbitrary (NumPy gives zeros): nothing to read anyway
+        return self.ndim == 0 or self.shape[-1] <= 1 or self.strides[-1] == 1 or 0 in self.shape
 
 
 def _numpy_dtype_name(dtype: np.dtype) -> str:

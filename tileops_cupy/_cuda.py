@@ -127,22 +127,38 @@ def launch(
         stream = stream_handle(where)
     elif not isinstance(stream, int):
         stream = stream.ptr  # a CuPy stream object
+    if isinstance(args, bytes):
+        launch_packed(kernel, where.device, grid, block, args, stream, shared_mem)
+        return
     cp = cupy()
-    previous = cp.cuda.runtime.getDevice()
-    _make_current(where.device)
+    with cp.cuda.Device(where.device):
+        kernel(grid, block, args, shared_mem, cp.cuda.ExternalStream(stream, where.device))
+
+
+def launch_packed(
+    kernel: Any,
+    device: int,
+    grid: tuple[int, ...],
+    block: tuple[int, ...],
+    params: bytes,
+    stream: int,
+    shared_mem: int = 0,
+) -> None:
+    """Launch a compiled ``kernel`` whose one parameter is the struct packed in ``params``,
+    through the driver (``cuLaunchKernel`` copies the parameter bytes at the call)."""
+    runtime = cupy().cuda.runtime
+    previous = runtime.getDevice()
+    _make_current(device)
     try:
-        if isinstance(args, bytes):
-            buffer = ctypes.create_string_buffer(args, len(args))
-            pointers = (ctypes.c_void_p * 1)(ctypes.addressof(buffer))
-            grid, block = (*grid, 1, 1)[:3], (*block, 1, 1)[:3]
-            cp.cuda.driver.launchKernel(
-                kernel.ptr, *grid, *block, shared_mem, stream, ctypes.addressof(pointers), 0
-            )
-        else:
-            kernel(grid, block, args, shared_mem, cp.cuda.ExternalStream(stream, where.device))
+        buffer = ctypes.create_string_buffer(params, len(params))
+        pointers = (ctypes.c_void_p * 1)(ctypes.addressof(buffer))
+        grid, block = (*grid, 1, 1)[:3], (*block, 1, 1)[:3]
+        cupy().cuda.driver.launchKernel(
+            kernel.ptr, *grid, *block, shared_mem, stream, ctypes.addressof(pointers), 0
+        )
     finally:
-        if previous != where.device:
-            cp.cuda.runtime.setDevice(previous)
+        if previous != device:
+            runtime.setDevice(previous)
 
 
 _catalogs: list[Callable[[], Iterable[ModuleSpec]]] = []

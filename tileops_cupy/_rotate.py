@@ -18,7 +18,7 @@ from functools import cache
 import numpy as np
 
 from . import _cuda
-from ._arrays import ITEMSIZE, Operand, cupy
+from ._arrays import ITEMSIZE, Operand, cupy, stream_handle
 from ._tables import RotaryTable
 
 __all__ = ["HeadRows", "Positions", "rotate", "ErrorFlag"]
@@ -220,31 +220,66 @@ def _vector_width(
     )
 
 
-def _rotate_cuda(table, neox, inverse, q, k, positions: Positions, flag: ErrorFlag, stream):
-    q_in, q_out = q
-    batch, seq, q_heads, head_dim = q_in.shape
-    dtype = q_in.operand.dtype
-    device = q_in.operand.device
+@dataclass(frozen=True, slots=True)
+class _LaunchPlan:
+    """What a launch derives from shapes, strides and alignment alone, computed once per
+    layout: at decode sizes this bookkeeping costs more than the kernel."""
+
+    kernel: object
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    tail_chunks: int
+
+
+_plans: dict[tuple, _LaunchPlan] = {}
+
+
+def _plan(table: RotaryTable, neox: bool, rows: list[HeadRows], copy_tail: bool) -> _LaunchPlan:
+    q_in = rows[0]
+    dtype, device = q_in.operand.dtype, q_in.operand.device
     rotary_dim = table.rotary_dim
-    copy_tail = rotary_dim < head_dim and q_out.operand.ptr != q_in.operand.ptr
-    rows = [q_in, q_out] + ([k[0], k[1]] if k is not None else [])
+    alignment = 0
+    for r in rows:
+        alignment |= r.operand.ptr & 15
+    key = (
+        dtype, neox, rotary_dim, device, copy_tail, alignment,
+        tuple((r.shape, r.strides) for r in rows),
+    )  # fmt: skip
+    plan = _plans.get(key)
+    if plan is not None:
+        return plan
+    batch, seq, q_heads, head_dim = q_in.shape
     vec = _vector_width(dtype, neox, rotary_dim, head_dim, copy_tail, rows)
-
     spec, name = _kernel(dtype, neox, vec, rotary_dim)
-
-    fine_ptr, coarse_ptr, capacity = table.device_tables(device, positions.limit)
-    k_heads = k[0].shape[2] if k is not None else 0
-    total_heads = q_heads + k_heads
+    total_heads = q_heads + (rows[2].shape[2] if len(rows) > 2 else 0)
     rotate_chunks = (rotary_dim // 2 if neox else rotary_dim) // vec
     tail_chunks = (head_dim - rotary_dim) // vec if copy_tail else 0
     chunks = min(max(rotate_chunks, tail_chunks), _THREADS_PER_BLOCK)
     head_lanes = max(1, min(-(-total_heads // _HEADS_PER_THREAD), _THREADS_PER_BLOCK // chunks))
     tokens_per_block = max(1, _THREADS_PER_BLOCK // (chunks * head_lanes))
-    tokens = batch * seq
-    grid = (-(-tokens // tokens_per_block),)
-    block = (chunks, head_lanes, tokens_per_block)
+    plan = _LaunchPlan(
+        kernel=_cuda.function(spec, name, device),
+        grid=(-(-(batch * seq) // tokens_per_block), 1, 1),
+        block=(chunks, head_lanes, tokens_per_block),
+        tail_chunks=tail_chunks,
+    )
+    if len(_plans) > 4096:  # shapes churn (e.g. growing prefill chunks): start over
+        _plans.clear()
+    _plans[key] = plan
+    return plan
 
-    k_in, k_out = k if k is not None else (q_in, q_out)
+
+def _rotate_cuda(table, neox, inverse, q, k, positions: Positions, flag: ErrorFlag, stream):
+    q_in, q_out = q
+    batch, seq, q_heads, head_dim = q_in.shape
+    device = q_in.operand.device
+    rotary_dim = table.rotary_dim
+    copy_tail = rotary_dim < head_dim and q_out.operand.ptr != q_in.operand.ptr
+    rows = [q_in, q_out] if k is None else [q_in, q_out, k[0], k[1]]
+    plan = _plan(table, neox, rows, copy_tail)
+    fine_ptr, coarse_ptr, capacity = table.device_tables(device, positions.limit)
+
+    k_in, k_out = (q_in, q_out) if k is None else k
     ids, offsets = positions.ids, positions.offsets
     params = ROPE_PARAMS.pack(
         q_in.operand.ptr, q_out.operand.ptr, *q_in.strides[:3], *q_out.strides[:3],
@@ -253,9 +288,11 @@ def _rotate_cuda(table, neox, inverse, q, k, positions: Positions, flag: ErrorFl
         offsets.ptr if offsets is not None else 0,
         flag.pointer(device), fine_ptr, coarse_ptr,
         positions.offset, min(positions.limit, capacity),
-        q_heads, k_heads, batch, seq, rotary_dim, tail_chunks,
+        q_heads, 0 if k is None else k_in.shape[2], batch, seq, rotary_dim, plan.tail_chunks,
         ids is not None and ids.dtype == "int64",
         offsets is not None and offsets.dtype == "int64",
         -1.0 if inverse else 1.0,
     )  # fmt: skip
-    _cuda.launch(spec, name, q_in.operand, grid, block, params, stream=stream)
+    if stream is None:
+        stream = stream_handle(q_in.operand)
+    _cuda.launch_packed(plan.kernel, device, plan.grid, plan.block, params, stream)

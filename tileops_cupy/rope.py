@@ -130,6 +130,7 @@ class _RotaryOp:
         self.input_layout = _check_choice("input_layout", input_layout, INPUT_LAYOUTS)
         self.target = check_target(target)
         self.rotary_dim = _check_rotary_dim(rotary_dim)
+        self._tables: dict[int, Any] = {}
 
     def _rows(self, operand: Operand, name: str) -> HeadRows:
         """``operand`` as [batch, seq, heads, head_dim] rows for this op's input layout."""
@@ -163,7 +164,9 @@ class _RotaryOp:
     def _run(self, source: Operand, rows: HeadRows, positions: Positions, flag=None) -> Any:
         head_dim = rows.shape[3]
         rotary_dim = _head_dim_rotary_dim("x", head_dim, self.rotary_dim)
-        table = shared_table(self.scheme, rotary_dim)
+        table = self._tables.get(rotary_dim)
+        if table is None:  # the shared registry's table, remembered per head size
+            table = self._tables[rotary_dim] = shared_table(self.scheme, rotary_dim)
         result = empty_like(source, source.shape)
         out_rows = HeadRows(result, rows.shape, _contiguous_row_strides(source.shape, rows))
         if math.prod(rows.shape):
