@@ -92,17 +92,16 @@ def _from_numpy(obj: Any, array: np.ndarray, framework: str) -> Operand:
     )
 
 
+_torch_dtype_names: dict[Any, str] = {}
+
+
 def _from_torch(obj: Any) -> Operand:
-    dtype = str(obj.dtype).removeprefix("torch.")
+    dtype = _torch_dtype_names.get(obj.dtype)
+    if dtype is None:
+        dtype = _torch_dtype_names[obj.dtype] = str(obj.dtype).removeprefix("torch.")
     if obj.is_cuda:
         return Operand(
-            obj=obj,
-            framework="torch",
-            device=obj.device.index,
-            dtype=dtype,
-            shape=tuple(obj.shape),
-            strides=tuple(obj.stride()),
-            ptr=obj.data_ptr(),
+            obj, "torch", obj.get_device(), dtype, tuple(obj.shape), obj.stride(), obj.data_ptr()
         )
     if obj.device.type != "cpu":
         raise ValueError(f"torch tensors on {obj.device} are not supported (cpu or cuda only)")
@@ -141,6 +140,8 @@ def as_operand(obj: Any, name: str) -> Operand:
 
     Raises TypeError naming ``name`` for anything that is not an array.
     """
+    if type(obj).__module__ == "torch" and hasattr(obj, "data_ptr"):  # the common case first
+        return _from_torch(obj)
     framework = _framework_of(obj)
     if framework == "torch" and hasattr(obj, "data_ptr"):
         return _from_torch(obj)

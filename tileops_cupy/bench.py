@@ -201,6 +201,51 @@ def rope_rows(ceiling: float, with_compile: bool = True) -> list[dict]:
     return rows
 
 
+_COLD_START_SCRIPT = """
+import time, torch
+from tileops_cupy.rope import RoPEFwdOp
+x = torch.randn(4, 64, 8, 128, device="cuda", dtype=torch.bfloat16)
+op = RoPEFwdOp("neox", "2d")
+torch.cuda.synchronize()
+start = time.perf_counter()
+op(x)
+torch.cuda.synchronize()
+print(time.perf_counter() - start)
+"""
+
+
+def cold_start() -> dict:
+    """First-call time of a fresh process with an empty CuPy kernel cache (one module
+    compiled: every layout and vector width of bf16, rotary_dim 128), then of a second
+    process with that cache, and how many files the second process added to it (0 means
+    it compiled nothing)."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, CUPY_CACHE_DIR=cache)
+
+        def first_call_s() -> float:
+            out = subprocess.check_output([sys.executable, "-c", _COLD_START_SCRIPT], env=env)
+            return float(out.decode().split()[-1])
+
+        def cache_files() -> int:
+            return sum(len(files) for _, _, files in os.walk(cache))
+
+        cold = first_call_s()
+        files = cache_files()
+        warm = first_call_s()
+        added = cache_files() - files
+    print(
+        f"cold start: first call {cold:.2f} s with an empty kernel cache, {warm:.3f} s in a "
+        f"second process ({added} kernel files added: {'no' if added == 0 else 'some'} compiles)",
+        flush=True,
+    )
+    return {"cold_first_call_s": cold, "second_process_first_call_s": warm, "files_added": added}
+
+
 def _format_row(r: dict) -> str:
     def num(v, fmt="{:9.1f}"):
         return fmt.format(v) if v is not None and not math.isnan(v) else " " * 8 + "-"
@@ -230,7 +275,9 @@ def main(argv: list[str] | None = None) -> None:
     print(HEADER, flush=True)
     only = set(args.only or ("rope", "component", "mhc"))
     rows = []
+    extra = {}
     if "rope" in only:
+        extra["cold_start"] = cold_start()
         rows += rope_rows(ceiling, not args.no_compile)
     if "component" in only:
         from ._bench_component import component_rows
@@ -243,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
             print(_format_row(r), flush=True)
             rows.append(r)
     if args.json:
-        print(json.dumps({"copy_ceiling_gbs": ceiling, "rows": rows}, indent=1))
+        print(json.dumps({"copy_ceiling_gbs": ceiling, "rows": rows, **extra}, indent=1))
 
 
 if __name__ == "__main__":
