@@ -385,6 +385,16 @@ def random_data(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) ->
     return data.astype(numpy_dtype(dtype))
 
 
+def random_position_ids(
+    rng: np.random.Generator, tokens: int, max_position: int, dtype: Any
+) -> np.ndarray:
+    """Random ids in random order over ``[0, max_position)``, always including both ends."""
+    ids = rng.integers(0, max_position, tokens)
+    ids[rng.integers(tokens)] = max_position - 1
+    ids[rng.integers(tokens)] = 0
+    return ids.astype(dtype)
+
+
 def numpy_dtype(dtype: str) -> np.dtype:
     return BF16 if dtype == "bfloat16" else np.dtype(dtype)
 
@@ -405,9 +415,12 @@ def to_framework(host: np.ndarray, framework: str) -> Any:
     if framework == "cupy":
         import cupy as cp
 
-        if host.dtype == BF16:
+        if host.dtype != BF16:
+            return cp.asarray(host)
+        try:
             return cp.asarray(host.view(np.uint16)).view(BF16)
-        return cp.asarray(host)
+        except (TypeError, ValueError):  # a CuPy without its own bfloat16: through torch
+            return cp.from_dlpack(to_framework(host, "torch-cuda"))
     raise ValueError(f"unknown framework {framework!r}")
 
 

@@ -30,6 +30,7 @@ from _oracle import (
     longrope_frequencies,
     max_angle,
     random_data,
+    random_position_ids,
     rope_reference,
     roundtrip_tolerance,
     sequence_positions,
@@ -174,14 +175,6 @@ ROTARY_CASES = ((32, 64), (64, 128), (16, 80), (None, 64))
 ROTARY_IDS = tuple(f"rd{r}-hd{h}" for r, h in ROTARY_CASES)
 
 
-def _ids_case(rng, tokens, max_position, id_dtype):
-    """Random ids in random order, always including 0 and max_position-1."""
-    ids = rng.integers(0, max_position, tokens)
-    ids[rng.integers(tokens)] = max_position - 1
-    ids[rng.integers(tokens)] = 0
-    return ids.astype(id_dtype)
-
-
 @pytest.mark.parametrize("direction", DIRECTIONS)
 @pytest.mark.parametrize(("rotary_dim", "head_dim"), ROTARY_CASES, ids=ROTARY_IDS)
 @pytest.mark.parametrize("id_dtype", ("int32", "int64"))
@@ -194,7 +187,7 @@ def test_position_ids_op_matches_oracle(
     cls = RoPENeoxPositionIdsFwdOp if direction == "Fwd" else RoPENeoxPositionIdsBwdOp
     op = cls(max_position, base, rotary_dim)
     host = random_data(rng, (tokens, heads, head_dim), dtype)
-    ids_host = _ids_case(rng, tokens, max_position, id_dtype)
+    ids_host = random_position_ids(rng, tokens, max_position, id_dtype)
     x, ids = to_framework(host, framework), to_framework(ids_host, framework)
     before, ids_before = _snapshot(x), _snapshot(ids)
     y = op(x, ids)
@@ -246,13 +239,13 @@ def test_position_ids_out_of_range_raise(rng, framework, id_dtype):
     if id_dtype == "int64":
         bad_values += [2**40, 2**40 + 5, -(2**40)]  # must not wrap to a valid row
     for bad in bad_values:
-        ids_host = _ids_case(rng, 6, max_position, np.int64)
+        ids_host = random_position_ids(rng, 6, max_position, np.int64)
         ids_host[3] = bad
         ids = to_framework(ids_host.astype(id_dtype), framework)
         with pytest.raises(ValueError, match="position_ids") as error:
             op(x, ids)
         assert str(bad) in str(error.value) and str(max_position) in str(error.value)
-    ids_host = _ids_case(rng, 6, max_position, id_dtype)  # the op still works afterwards
+    ids_host = random_position_ids(rng, 6, max_position, id_dtype)  # the op still works afterwards
     y = op(x, to_framework(ids_host, framework))
     assert_matches_oracle(
         y, host.astype(np.float64), ids_host[:, None], standard_frequencies(32), "float32"
@@ -345,7 +338,7 @@ def test_strided_views(rng, framework, dtype, layout):
 @pytest.mark.parametrize("framework", HOST_FRAMEWORKS)
 def test_position_ids_on_fused_qkv_views(rng, framework):
     qkv = to_framework(random_data(rng, (50, 8 + 2 + 2, 128), "float16"), framework)
-    ids_host = _ids_case(rng, 50, 4096, np.int64)
+    ids_host = random_position_ids(rng, 50, 4096, np.int64)
     ids_buffer = to_framework(np.repeat(ids_host, 2), framework)
     before = _snapshot(qkv)
     op = RoPENeoxPositionIdsFwdOp(4096, rotary_dim=64)
@@ -467,7 +460,7 @@ def test_hypothesis_position_ids(case):
     cls = RoPENeoxPositionIdsFwdOp if case["direction"] == "Fwd" else RoPENeoxPositionIdsBwdOp
     op = cls(max_position, 10000.0, case["rotary_dim"])
     host = random_data(rng, (tokens, case["heads"], case["head_dim"]), case["dtype"])
-    ids = _ids_case(rng, tokens, max_position, case["id_dtype"])
+    ids = random_position_ids(rng, tokens, max_position, case["id_dtype"])
     y = op(host, ids)
     freqs = standard_frequencies(case["rotary_dim"] or case["head_dim"])
     assert_matches_oracle(
