@@ -78,32 +78,37 @@ class ParamStruct:
     """A kernel's single by-value struct parameter, laid out as the C struct in the .cu file.
 
     ``fields`` uses ``struct`` codes (P pointer, q long long, i int, f float) in the C field
-    order; native alignment ("@") gives the same layout as the device ABI. Packing one
-    buffer costs about a microsecond, where CuPy boxes every scalar argument separately.
+    order; native alignment ("@") gives the same layout as the device ABI. Packing into one
+    reused buffer costs about a microsecond, where CuPy boxes every scalar separately.
     """
 
     def __init__(self, fields: str) -> None:
         self._struct = struct.Struct("@" + fields)
+        if self._struct.size > _PARAM_BYTES:
+            raise ValueError(
+                f"kernel parameters of {self._struct.size} bytes exceed {_PARAM_BYTES}"
+            )
 
-    def pack(self, *values) -> bytes:
-        return self._struct.pack(*values)
+    def pack_into(self, buffer, values: tuple) -> None:
+        self._struct.pack_into(buffer, 0, *values)
 
 
-_thread_state = threading.local()
+_PARAM_BYTES = 4096  # CUDA allows 4 KB of kernel parameters everywhere; ours are ~200 bytes
 
 
-def _make_current(device: int) -> None:
-    """Make ``device``'s primary context current on this thread (driver launches need it)."""
-    runtime = cupy().cuda.runtime
-    ready = getattr(_thread_state, "devices", None)
-    if ready is None:
-        ready = _thread_state.devices = set()
-    if device not in ready:
-        runtime.setDevice(device)
-        runtime.free(0)  # the runtime binds the primary context to this thread
-        ready.add(device)
-    elif runtime.getDevice() != device:
-        runtime.setDevice(device)
+class _ThreadLaunchState(threading.local):
+    """Per thread: a parameter buffer and its pointer array, reused by every launch
+    (cuLaunchKernel copies the bytes at the call), and the devices whose primary context
+    this thread has bound."""
+
+    def __init__(self) -> None:
+        self.params = ctypes.create_string_buffer(_PARAM_BYTES)
+        self.pointers = (ctypes.c_void_p * 1)(ctypes.addressof(self.params))
+        self.pointers_address = ctypes.addressof(self.pointers)
+        self.devices: set[int] = set()
+
+
+_thread_state = _ThreadLaunchState()
 
 
 def launch(
@@ -112,23 +117,24 @@ def launch(
     where: Operand,
     grid: tuple[int, ...],
     block: tuple[int, ...],
-    args: tuple | bytes,
+    args: tuple,
     shared_mem: int = 0,
     stream: int | None = None,
 ) -> None:
     """Launch on ``where``'s device, on ``stream`` (a raw handle) or the caller's current
     stream for that device.
 
-    ``args`` is either one packed :class:`ParamStruct` buffer (the kernel takes one struct
-    by value) or a tuple of CuPy-convertible scalars, pointers given as ints.
+    ``args`` is either ``(ParamStruct, values)`` (the kernel takes one struct by value) or
+    a tuple of CuPy-convertible scalars, pointers given as ints.
     """
     kernel = function(spec, name_expression, where.device)
     if stream is None:
         stream = stream_handle(where)
     elif not isinstance(stream, int):
         stream = stream.ptr  # a CuPy stream object
-    if isinstance(args, bytes):
-        launch_packed(kernel, where.device, grid, block, args, stream, shared_mem)
+    if len(args) == 2 and isinstance(args[0], ParamStruct):
+        grid, block = (*grid, 1, 1)[:3], (*block, 1, 1)[:3]
+        launch_packed(kernel, where.device, grid, block, args[0], args[1], stream, shared_mem)
         return
     cp = cupy()
     with cp.cuda.Device(where.device):
@@ -138,23 +144,28 @@ def launch(
 def launch_packed(
     kernel: Any,
     device: int,
-    grid: tuple[int, ...],
-    block: tuple[int, ...],
-    params: bytes,
+    grid: tuple[int, int, int],
+    block: tuple[int, int, int],
+    fields: ParamStruct,
+    values: tuple,
     stream: int,
     shared_mem: int = 0,
 ) -> None:
-    """Launch a compiled ``kernel`` whose one parameter is the struct packed in ``params``,
-    through the driver (``cuLaunchKernel`` copies the parameter bytes at the call)."""
+    """Launch a compiled ``kernel`` whose one parameter is the struct ``fields`` holding
+    ``values``, through the driver, on ``device`` and the raw ``stream`` handle."""
+    state = _thread_state
+    fields.pack_into(state.params, values)
     runtime = cupy().cuda.runtime
     previous = runtime.getDevice()
-    _make_current(device)
+    if device not in state.devices:
+        runtime.setDevice(device)
+        runtime.free(0)  # binds the device's primary context to this thread for the driver
+        state.devices.add(device)
+    elif previous != device:
+        runtime.setDevice(device)
     try:
-        buffer = ctypes.create_string_buffer(params, len(params))
-        pointers = (ctypes.c_void_p * 1)(ctypes.addressof(buffer))
-        grid, block = (*grid, 1, 1)[:3], (*block, 1, 1)[:3]
         cupy().cuda.driver.launchKernel(
-            kernel.ptr, *grid, *block, shared_mem, stream, ctypes.addressof(pointers), 0
+            kernel.ptr, *grid, *block, shared_mem, stream, state.pointers_address, 0
         )
     finally:
         if previous != device:

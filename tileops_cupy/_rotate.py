@@ -281,7 +281,7 @@ def _rotate_cuda(table, neox, inverse, q, k, positions: Positions, flag: ErrorFl
 
     k_in, k_out = (q_in, q_out) if k is None else k
     ids, offsets = positions.ids, positions.offsets
-    params = ROPE_PARAMS.pack(
+    params = (
         q_in.operand.ptr, q_out.operand.ptr, *q_in.strides[:3], *q_out.strides[:3],
         k_in.operand.ptr, k_out.operand.ptr, *k_in.strides[:3], *k_out.strides[:3],
         ids.ptr if ids is not None else 0,
@@ -295,4 +295,4 @@ def _rotate_cuda(table, neox, inverse, q, k, positions: Positions, flag: ErrorFl
     )  # fmt: skip
     if stream is None:
         stream = stream_handle(q_in.operand)
-    _cuda.launch_packed(plan.kernel, device, plan.grid, plan.block, params, stream)
+    _cuda.launch_packed(plan.kernel, device, plan.grid, plan.block, ROPE_PARAMS, params, stream)

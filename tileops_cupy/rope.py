@@ -134,14 +134,14 @@ class _RotaryOp:
 
     def _rows(self, operand: Operand, name: str) -> HeadRows:
         """``operand`` as [batch, seq, heads, head_dim] rows for this op's input layout."""
-        expected = {"1d": "[seq, head_dim]", "2d": "[batch, seq, heads, head_dim]"}
-        ndim = {"1d": 2, "2d": 4}[self.input_layout]
-        if operand.ndim != ndim:
+        two_d = self.input_layout == "2d"
+        if operand.ndim != (4 if two_d else 2):
+            expected = "[batch, seq, heads, head_dim]" if two_d else "[seq, head_dim]"
             raise ValueError(
-                f"{name} must be {expected[self.input_layout]} for input_layout="
-                f"{self.input_layout!r}, got shape {operand.shape}"
+                f"{name} must be {expected} for input_layout={self.input_layout!r}, "
+                f"got shape {operand.shape}"
             )
-        if ndim == 2:
+        if not two_d:
             (seq, head_dim), (seq_stride, _) = operand.shape, operand.strides
             return HeadRows(operand, (1, seq, 1, head_dim), (0, seq_stride, 0, 1))
         return HeadRows(operand, operand.shape, (*operand.strides[:3], 1))

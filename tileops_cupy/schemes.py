@@ -25,10 +25,13 @@ __all__ = ["Standard", "Llama31", "YaRN", "LongRoPE", "Scheme"]
 
 
 def _require_positive(name: str, value: float) -> float:
-    value = float(value)
-    if not (math.isfinite(value) and value > 0):
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number, got {value!r}") from None
+    if not (math.isfinite(number) and number > 0):
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    return value
+    return number
 
 
 def _base_inv_freq(base: float, rotary_dim: int) -> np.ndarray:
@@ -149,6 +152,15 @@ class LongRoPE:
         object.__setattr__(self, "base", _require_positive("base", self.base))
         _require_positive("max_position_embeddings", self.max_position_embeddings)
         _require_positive("original_max_position_embeddings", self.original_max_position_embeddings)
+        if (
+            self.max_position_embeddings > self.original_max_position_embeddings
+            and self.original_max_position_embeddings <= 1
+        ):
+            raise ValueError(
+                "original_max_position_embeddings must be > 1 when max_position_embeddings "
+                "exceeds it (the amplitude divides by its logarithm), got "
+                f"original_max_position_embeddings={self.original_max_position_embeddings!r}"
+            )
         if self.rescale_factors is not None:
             factors = np.asarray(_host_values(self.rescale_factors), dtype=np.float64).reshape(-1)
             bad = ~np.isfinite(factors) | (factors == 0)
