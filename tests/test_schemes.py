@@ -9,6 +9,7 @@ a few float64 ulps.
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -246,3 +247,23 @@ def test_equal_schemes_share_a_table_key():
     assert YaRN() != YaRN(attn_factor=0.5)
     with pytest.raises(AttributeError):
         Standard().base = 5.0  # frozen: a key cannot change under the table registry
+
+
+@pytest.mark.parametrize("bad", (None, "abc", [2.0], {}))
+@pytest.mark.parametrize(
+    ("scheme", "name"),
+    [(Standard, "base"), (Llama31, "scale_factor"), (YaRN, "scale"), (YaRN, "beta_fast"),
+     (LongRoPE, "max_position_embeddings")],
+)  # fmt: skip
+def test_non_numbers_name_the_argument(scheme, name, bad):
+    with pytest.raises(TypeError, match=rf"(?s)\b{name} must be a number.*{re.escape(repr(bad))}"):
+        scheme(**{name: bad})
+
+
+@pytest.mark.parametrize("original", (1, 0.5))
+def test_longrope_amplitude_needs_an_original_length_above_one(original):
+    """``a = sqrt(1 + ln(s)/ln(original))`` is undefined at original <= 1 when s > 1: a
+    ValueError at construction, not a ZeroDivisionError (or math domain error) later."""
+    with pytest.raises(ValueError, match="original_max_position_embeddings"):
+        LongRoPE(max_position_embeddings=8, original_max_position_embeddings=original)
+    assert LongRoPE(max_position_embeddings=1, original_max_position_embeddings=1).amplitude(8) == 1
