@@ -36,7 +36,9 @@ def coefficients(
     rms = rms[:, None]
     with np.errstate(over="ignore"):  # exp(-z) overflowing to inf gives the gate 0, as on device
         h_pre = 1 / (1 + np.exp(-(gates.alpha_pre * h[:, :n] / rms + bias[:n])))
-        h_post = 2 * (1 / (1 + np.exp(-(gates.alpha_post * h[:, n : 2 * n] / rms + bias[n : 2 * n]))))
+        h_post = 2 * (
+            1 / (1 + np.exp(-(gates.alpha_post * h[:, n : 2 * n] / rms + bias[n : 2 * n])))
+        )
     logits = (gates.alpha_res * h[:, 2 * n :] / rms + bias[2 * n :]).reshape(-1, n, n)
     matrix = np.exp(logits - logits.max(axis=2, keepdims=True))
     eps = gates.sinkhorn_eps

@@ -1,0 +1,691 @@
+// Manifold-constrained hyper-connections (mHC, TileOPs semantics): the pre-layer reduction
+// and the post-layer mix. Header-free: NVRTC here has no toolkit headers, so 16-bit floats
+// are converted with inline PTX and the tensor-core product is inline PTX `mma.sync`.
+//
+// Pre is two kernels per call, or one when the batch is tiny:
+//   mhc_project  h = x @ phi and sum(x*x) for a tile of 128 tokens over one range of K.
+//                phi is split into three bf16 pieces (hi + mid + lo == phi exactly), x into
+//                one (bf16), two (fp16) or three (fp32) pieces, and every piece product whose
+//                weight is at least 2^-16 goes through the bf16 tensor cores with float32
+//                accumulation: float32-accurate h at tensor-core speed (TF32 alone is not).
+//                Results go to a scratch [k_splits, batch, Q+1] (the Q+1-th is sum(x*x)).
+//   mhc_mix      one token per block: the k_splits partials are summed in a fixed order,
+//                the gates and the Sinkhorn matrix computed by one warp, and the row mixed
+//                into x_layer and x_res with 16-byte accesses.
+// With `fuse` set (batch <= 8) the last mhc_project block to finish does the mix itself,
+// so a decode step is a single launch with no host synchronisation.
+//
+// Post (mhc_post) is one pass: each thread reads 8 columns of x_layer_out once and reuses
+// them for the n streams of x_res.
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+
+struct mhc_bf16 {
+  u16 bits;
+};
+struct mhc_fp16 {
+  u16 bits;
+};
+
+struct alignas(16) U4 {
+  u32 x, y, z, w;
+};
+struct alignas(8) U2 {
+  u32 x, y;
+};
+
+// ------------------------------------------------------------------ conversions and PTX
+
+__device__ __forceinline__ float bf16_bits_to_float(u32 bits) { return __uint_as_float(bits << 16); }
+
+__device__ __forceinline__ u16 float_to_bf16_bits(float f) {
+  u16 r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+  return r;
+}
+
+__device__ __forceinline__ float fp16_bits_to_float(u16 h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+
+__device__ __forceinline__ u16 float_to_fp16_bits(float f) {
+  u16 r;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
+  return r;
+}
+
+template <typename T>
+struct Io;
+
+template <>
+struct Io<mhc_bf16> {
+  typedef u16 elem;
+  static constexpr int x_pieces = 1;  // bf16 x is exact in the bf16 tensor cores
+  static __device__ __forceinline__ float to_float(u16 v) { return bf16_bits_to_float(v); }
+  static __device__ __forceinline__ u16 from_float(float f) { return float_to_bf16_bits(f); }
+};
+
+template <>
+struct Io<mhc_fp16> {
+  typedef u16 elem;
+  static constexpr int x_pieces = 2;  // 11 significant bits: bf16 hi + bf16 lo is exact
+  static __device__ __forceinline__ float to_float(u16 v) { return fp16_bits_to_float(v); }
+  static __device__ __forceinline__ u16 from_float(float f) { return float_to_fp16_bits(f); }
+};
+
+template <>
+struct Io<float> {
+  typedef float elem;
+  static constexpr int x_pieces = 3;  // 24 significant bits: three bf16 pieces are exact
+  static __device__ __forceinline__ float to_float(float v) { return v; }
+  static __device__ __forceinline__ float from_float(float f) { return f; }
+};
+
+// v == pieces[0] + pieces[1] + pieces[2] exactly (each rounding error is a float32 value
+// with at most 16, then 8, significant bits left).
+template <int P>
+__device__ __forceinline__ void split_bf16(float v, u32 (&pieces)[P]) {
+#pragma unroll
+  for (int i = 0; i < P; ++i) {
+    const u16 bits = float_to_bf16_bits(v);
+    pieces[i] = bits;
+    v -= bf16_bits_to_float(bits);
+  }
+}
+
+__device__ __forceinline__ u32 smem_address(const void* p) {
+  u32 a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_address(smem)), "l"(gmem)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+__device__ __forceinline__ void cp_async_wait_all_but(int pending) {
+  // wait_group takes an immediate; the pipeline depth is a launch parameter (2..4 stages)
+  if (pending <= 0)
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+  else if (pending == 1)
+    asm volatile("cp.async.wait_group 1;" ::: "memory");
+  else
+    asm volatile("cp.async.wait_group 2;" ::: "memory");
+}
+
+__device__ __forceinline__ float load_cg(const float* p) {
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ U4 load_stream16(const void* p) {
+  U4 r;
+  asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+      : "l"(p));
+  return r;
+}
+
+// Outputs are written once and not read again by this kernel: evict-first keeps them from
+// pushing inputs out of L2.
+__device__ __forceinline__ void store_stream16(void* p, U4 v) {
+  asm volatile("st.global.cs.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
+               : "memory");
+}
+
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const u32 (&a)[4], U2 b) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b.x), "r"(b.y));
+}
+
+// 8 consecutive elements as floats. Vector form: p is 16-byte aligned.
+template <typename T>
+__device__ __forceinline__ void load8(const typename Io<T>::elem* p, float (&v)[8]) {
+  if constexpr (sizeof(typename Io<T>::elem) == 2) {
+    const U4 w = load_stream16(p);
+    const u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      v[2 * i] = Io<T>::to_float((u16)(words[i] & 0xffffu));
+      v[2 * i + 1] = Io<T>::to_float((u16)(words[i] >> 16));
+    }
+  } else {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const U4 w = load_stream16(p + 4 * h);
+      v[4 * h] = __uint_as_float(w.x);
+      v[4 * h + 1] = __uint_as_float(w.y);
+      v[4 * h + 2] = __uint_as_float(w.z);
+      v[4 * h + 3] = __uint_as_float(w.w);
+    }
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void store8(typename Io<T>::elem* p, const float (&v)[8]) {
+  if constexpr (sizeof(typename Io<T>::elem) == 2) {
+    u32 words[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      words[i] = (u32)Io<T>::from_float(v[2 * i]) | ((u32)Io<T>::from_float(v[2 * i + 1]) << 16);
+    store_stream16(p, U4{words[0], words[1], words[2], words[3]});
+  } else {
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      store_stream16(p + 4 * h, U4{__float_as_uint(v[4 * h]), __float_as_uint(v[4 * h + 1]),
+                                   __float_as_uint(v[4 * h + 2]), __float_as_uint(v[4 * h + 3])});
+  }
+}
+
+// The first `count` (< 8) elements, element by element, for rows that are not 16-byte aligned.
+template <typename T>
+__device__ __forceinline__ void load_some(const typename Io<T>::elem* p, int count, float (&v)[8]) {
+#pragma unroll
+  for (int e = 0; e < 8; ++e) v[e] = e < count ? Io<T>::to_float(p[e]) : 0.f;
+}
+
+template <typename T>
+__device__ __forceinline__ void store_some(typename Io<T>::elem* p, int count, const float (&v)[8]) {
+#pragma unroll
+  for (int e = 0; e < 8; ++e)
+    if (e < count) p[e] = Io<T>::from_float(v[e]);
+}
+
+__device__ __forceinline__ float sigmoid(float z) { return 1.f / (1.f + expf(-z)); }
+
+// ------------------------------------------------------------------ parameters
+
+// One by-value parameter per launch (tileops_cupy.sequence_modeling._PRE_PARAMS mirrors it).
+struct PreParams {
+  const void* x;          // [batch, n*c_x], rows x_stride elements apart, columns dense
+  const float* phi;       // [n*c_x, Q] through (phi_stride_k, phi_stride_q)
+  const float* bias;      // [Q] through bias_stride
+  float* partial;         // scratch [k_splits, batch, Q+1]
+  unsigned int* counter;  // fused launches: blocks done so far; the last block resets it to 0
+  void* x_res;            // [batch, n*c_x], contiguous
+  void* x_layer;          // [batch, c_x], contiguous
+  float* h_post;          // [batch, n], contiguous
+  i64 x_stride, phi_stride_k, phi_stride_q, bias_stride;
+  i64 batch, c_x, k_range, k_splits;
+  int stages, vector_io, fuse, repeat;
+  float alpha_pre, alpha_post, alpha_res, eps;
+};
+
+struct PostParams {
+  const void* x_layer_out;  // [batch, c_x], rows layer_stride apart, columns dense
+  const float* h_post;      // [batch, n] through (h_stride_row, h_stride_col)
+  const void* x_res;        // [batch, n*c_x], rows res_stride apart, columns dense
+  void* out;                // [batch, n*c_x], contiguous
+  i64 layer_stride, h_stride_row, h_stride_col, res_stride;
+  i64 batch, n, c_x, units;  // units = ceil(c_x / 8): one thread per 8 columns of a row
+  int vector_io, unused;
+};
+
+template <int N>
+struct Dims {
+  static constexpr int Q = N * N + 2 * N;  // h width: n pre gates, n post gates, n*n residual
+  static constexpr int QP = Q + 1;         // partial row: h, then sum(x*x)
+  static constexpr int NT = (Q + 7) / 8;   // mma n-tiles (8 columns of h each)
+  static constexpr int NC = N + N * N;     // per-token coefficients: h_pre, then M row-major
+};
+
+constexpr int TILE_ROWS = 128;  // tokens per mhc_project block: 4 warp rows of 32 tokens
+constexpr int BLOCK_K = 64;     // K elements per pipeline stage (4 mma k-steps)
+constexpr int STAGE_PITCH = BLOCK_K + 8;  // elements per smem row: 16 (or 32) bytes of padding
+                                          // puts the 8 rows of a fragment load in distinct banks
+constexpr int PROJECT_THREADS = 256;
+constexpr int MIX_THREADS = 128;
+constexpr int MAX_FUSED_ROWS = 8;
+
+// ------------------------------------------------------------------ coefficients and mix
+
+// One warp computes one token's coefficients; lane i < N owns row i of the Sinkhorn matrix.
+// Column sums are read across lanes with shuffles, so the whole iteration stays in registers.
+template <int N>
+__device__ void token_coefficients(const PreParams& p, const float* h, float* coef, i64 row) {
+  constexpr int Q = Dims<N>::Q;
+  const int lane = threadIdx.x & 31;
+  const int i = lane < N ? lane : 0;  // idle lanes shadow row 0 and never publish
+  const float rms = sqrtf(h[Q]) / sqrtf((float)(N * p.c_x)) + 1e-4f;
+  const float pre = sigmoid(p.alpha_pre * h[i] / rms + p.bias[i * p.bias_stride]);
+  const float post = 2.f * sigmoid(p.alpha_post * h[N + i] / rms + p.bias[(N + i) * p.bias_stride]);
+  float m[N];
+  float row_max = __uint_as_float(0xff800000u);  // -inf
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    const int j = 2 * N + i * N + k;
+    m[k] = p.alpha_res * h[j] / rms + p.bias[j * p.bias_stride];
+    row_max = fmaxf(row_max, m[k]);
+  }
+#pragma unroll
+  for (int k = 0; k < N; ++k) m[k] = expf(m[k] - row_max);
+  for (int it = 0; it < p.repeat; ++it) {
+    // A sum of non-negative entries plus eps is 0 only when every entry is 0 (eps = 0 and
+    // the exponentials underflowed): dividing by 1 keeps those zeros instead of 0/0.
+    float s = 0.f;
+#pragma unroll
+    for (int k = 0; k < N; ++k) s += m[k];
+    s += p.eps;
+    s = s == 0.f ? 1.f : s;
+#pragma unroll
+    for (int k = 0; k < N; ++k) m[k] = m[k] / s;
+    float col[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      float c = 0.f;
+#pragma unroll
+      for (int src = 0; src < N; ++src) c += __shfl_sync(0xffffffffu, m[k], src);
+      c += p.eps;
+      col[k] = c == 0.f ? 1.f : c;
+    }
+#pragma unroll
+    for (int k = 0; k < N; ++k) m[k] = m[k] / col[k];
+  }
+  if (lane < N) {
+    coef[lane] = pre;
+#pragma unroll
+    for (int k = 0; k < N; ++k) coef[N + lane * N + k] = m[k];
+    p.h_post[row * N + lane] = post;
+  }
+}
+
+// x_layer and x_res for 8 columns (c0 .. c0+7) of one token.
+template <typename T, int N>
+__device__ __forceinline__ void mix_columns(const PreParams& p, i64 row, i64 c0, const float (&pre)[N],
+                                            const float (&m)[N][N]) {
+  typedef typename Io<T>::elem E;
+  const E* x = (const E*)p.x + row * p.x_stride + c0;
+  E* layer = (E*)p.x_layer + row * p.c_x + c0;
+  E* res = (E*)p.x_res + row * (N * p.c_x) + c0;
+  const int count = p.c_x - c0 < 8 ? (int)(p.c_x - c0) : 8;
+  float v[N][8];
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    if (p.vector_io)
+      load8<T>(x + k * p.c_x, v[k]);
+    else
+      load_some<T>(x + k * p.c_x, count, v[k]);
+  }
+  float o[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    o[e] = pre[0] * v[0][e];
+#pragma unroll
+    for (int k = 1; k < N; ++k) o[e] = fmaf(pre[k], v[k][e], o[e]);
+  }
+  if (p.vector_io)
+    store8<T>(layer, o);
+  else
+    store_some<T>(layer, count, o);
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      o[e] = m[i][0] * v[0][e];
+#pragma unroll
+      for (int k = 1; k < N; ++k) o[e] = fmaf(m[i][k], v[k][e], o[e]);
+    }
+    if (p.vector_io)
+      store8<T>(res + i * p.c_x, o);
+    else
+      store_some<T>(res + i * p.c_x, count, o);
+  }
+}
+
+// Rows row0 .. row0+rows-1 (rows <= warps per block): sum the k_splits partials, compute the
+// coefficients (warp w takes row w), then mix every row. Every thread of the block calls it.
+// Not inlined: mhc_project (fused decode) and mhc_mix share one compiled body, which halves
+// NVRTC time; the call costs nothing next to the row's memory traffic.
+template <typename T, int N>
+__device__ __attribute__((noinline)) void finish_rows(const PreParams& p, i64 row0, int rows, float* sh_h, float* sh_coef,
+                            float* sh_scratch) {
+  constexpr int QP = Dims<N>::QP, NC = Dims<N>::NC;
+  const int tid = threadIdx.x, threads = blockDim.x;
+  const int pairs = rows * QP;
+  const i64 split_step = p.batch * QP;
+  if (pairs * 2 > threads) {  // one thread per (row, column), all splits in order
+    for (int pair = tid; pair < pairs; pair += threads) {
+      const float* src = p.partial + row0 * QP + pair;
+      float s = 0.f;
+#pragma unroll 8
+      for (i64 k = 0; k < p.k_splits; ++k) s += load_cg(src + k * split_step);
+      sh_h[pair] = s;
+    }
+  } else {  // few columns, many splits (decode): spread the splits, then add in a fixed order
+    const int per_pair = threads / pairs;
+    const int pair = tid / per_pair, sub = tid - pair * per_pair;
+    float s = 0.f;
+    if (pair < pairs) {
+      const float* src = p.partial + row0 * QP + pair;
+#pragma unroll 8
+      for (i64 k = sub; k < p.k_splits; k += per_pair) s += load_cg(src + k * split_step);
+    }
+    sh_scratch[tid] = s;
+    __syncthreads();
+    if (tid < pairs) {
+      float t = 0.f;
+      for (int j = 0; j < per_pair; ++j) t += sh_scratch[tid * per_pair + j];
+      sh_h[tid] = t;
+    }
+  }
+  __syncthreads();
+  const int warp = tid >> 5;
+  if (warp < rows) token_coefficients<N>(p, sh_h + warp * QP, sh_coef + warp * NC, row0 + warp);
+  __syncthreads();
+  const i64 units = (p.c_x + 7) / 8;
+  for (int r = 0; r < rows; ++r) {
+    float pre[N], m[N][N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) pre[k] = sh_coef[r * NC + k];
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+      for (int k = 0; k < N; ++k) m[i][k] = sh_coef[r * NC + N + i * N + k];
+    for (i64 u = tid; u < units; u += threads) mix_columns<T, N>(p, row0 + r, u * 8, pre, m);
+  }
+}
+
+// ------------------------------------------------------------------ projection
+
+// A fragment (16 tokens x 16 K, row-major) of x, split into bf16 pieces; adds the squares of
+// its 8 elements to sumsq[0] (token g) and sumsq[1] (token g+8).
+template <typename T>
+__device__ __forceinline__ void x_fragment(const typename Io<T>::elem* stage, int row, int col,
+                                           u32 (&a)[Io<T>::x_pieces][4], float (&sumsq)[2]) {
+  constexpr int XP = Io<T>::x_pieces;
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {  // a0: (g, k), a1: (g+8, k), a2: (g, k+8), a3: (g+8, k+8)
+    const typename Io<T>::elem* src = stage + (row + (r & 1) * 8) * STAGE_PITCH + col + (r >> 1) * 8;
+    float f0, f1;
+    if constexpr (XP == 1) {
+      const u32 w = *(const u32*)src;
+      a[0][r] = w;
+      f0 = bf16_bits_to_float(w & 0xffffu);
+      f1 = bf16_bits_to_float(w >> 16);
+    } else {
+      if constexpr (sizeof(typename Io<T>::elem) == 2) {
+        const u32 w = *(const u32*)src;
+        f0 = Io<T>::to_float((u16)(w & 0xffffu));
+        f1 = Io<T>::to_float((u16)(w >> 16));
+      } else {
+        const U2 w = *(const U2*)src;
+        f0 = __uint_as_float(w.x);
+        f1 = __uint_as_float(w.y);
+      }
+      u32 p0[XP], p1[XP];
+      split_bf16<XP>(f0, p0);
+      split_bf16<XP>(f1, p1);
+#pragma unroll
+      for (int i = 0; i < XP; ++i) a[i][r] = p0[i] | (p1[i] << 16);
+    }
+    sumsq[r & 1] = fmaf(f0, f0, sumsq[r & 1]);
+    sumsq[r & 1] = fmaf(f1, f1, sumsq[r & 1]);
+  }
+}
+
+// phi values of one K block for this thread's B-fragment slots: NT slots per thread, each
+// two consecutive K rows of one h column (slot = (kstep, n-tile, lane, half)).
+template <int N>
+__device__ __forceinline__ void load_phi_block(const PreParams& p, i64 k0, i64 k_end,
+                                               float (&v)[Dims<N>::NT][2]) {
+  constexpr int Q = Dims<N>::Q, NT = Dims<N>::NT;
+#pragma unroll
+  for (int i = 0; i < NT; ++i) {
+    const int slot = i * PROJECT_THREADS + threadIdx.x;
+    const int half = slot & 1, lane = (slot >> 1) & 31, rest = slot >> 6;
+    const int nt = rest % NT, ks = rest / NT;
+    const int q = nt * 8 + (lane >> 2);
+    const i64 k = k0 + ks * 16 + half * 8 + 2 * (lane & 3);
+    const float* src = p.phi + k * p.phi_stride_k + q * p.phi_stride_q;
+    v[i][0] = q < Q && k < k_end ? src[0] : 0.f;
+    v[i][1] = q < Q && k + 1 < k_end ? src[p.phi_stride_k] : 0.f;
+  }
+}
+
+// Pieces layout: [kstep 4][n-tile NT][piece 3][lane 32] x (b0, b1), one 8-byte load per mma.
+template <int N>
+__device__ __forceinline__ void store_phi_pieces(u32* pieces, const float (&v)[Dims<N>::NT][2]) {
+  constexpr int NT = Dims<N>::NT;
+#pragma unroll
+  for (int i = 0; i < NT; ++i) {
+    const int slot = i * PROJECT_THREADS + threadIdx.x;
+    const int half = slot & 1, lane = (slot >> 1) & 31, rest = slot >> 6;
+    const int nt = rest % NT, ks = rest / NT;
+    u32 lo[3], hi[3];
+    split_bf16<3>(v[i][0], lo);
+    split_bf16<3>(v[i][1], hi);
+#pragma unroll
+    for (int piece = 0; piece < 3; ++piece)
+      pieces[(((ks * NT + nt) * 3 + piece) * 32 + lane) * 2 + half] = lo[piece] | (hi[piece] << 16);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void load_stage(const PreParams& p, typename Io<T>::elem* stage, i64 row0,
+                                           i64 k0, i64 k_end) {
+  typedef typename Io<T>::elem E;
+  const E* x = (const E*)p.x;
+  if (p.vector_io) {
+    constexpr int PER_SEG = 16 / sizeof(E);
+    constexpr int SEGS = BLOCK_K / PER_SEG;
+    for (int s = threadIdx.x; s < TILE_ROWS * SEGS; s += PROJECT_THREADS) {
+      const int r = s / SEGS, seg = s % SEGS;
+      const i64 row = row0 + r;
+      if (row >= p.batch) continue;  // stays zero from the kernel's start
+      const i64 k = k0 + seg * PER_SEG;
+      E* dst = stage + r * STAGE_PITCH + seg * PER_SEG;
+      if (k < k_end)
+        cp_async16(dst, x + row * p.x_stride + k);
+      else  // past this block's K range: zeros, so the padded products vanish
+        *(U4*)dst = U4{0u, 0u, 0u, 0u};
+    }
+  } else {
+    for (int s = threadIdx.x; s < TILE_ROWS * BLOCK_K; s += PROJECT_THREADS) {
+      const int r = s / BLOCK_K, c = s % BLOCK_K;
+      const i64 row = row0 + r;
+      if (row >= p.batch) continue;
+      const i64 k = k0 + c;
+      stage[r * STAGE_PITCH + c] = k < k_end ? x[row * p.x_stride + k] : E{};
+    }
+  }
+}
+
+// Grid: (batch tiles of 128 tokens) x k_splits blocks; block b takes tile b / k_splits and
+// K range [split * k_range, (split+1) * k_range). Warp w: tokens 32*(w%4) .. +32 (two mma
+// m-tiles) and k-steps 2*(w/4), +1 of every 64-wide K block.
+template <typename T, int N>
+__global__ void __launch_bounds__(PROJECT_THREADS, 1) mhc_project(const PreParams p) {
+  typedef typename Io<T>::elem E;
+  constexpr int Q = Dims<N>::Q, QP = Dims<N>::QP, NT = Dims<N>::NT, NC = Dims<N>::NC;
+  constexpr int XP = Io<T>::x_pieces;
+  constexpr int PIECE_WORDS = 4 * NT * 3 * 32 * 2;
+  extern __shared__ U4 dynamic_smem[];
+  __shared__ float fused_h[MAX_FUSED_ROWS * QP], fused_coef[MAX_FUSED_ROWS * NC];
+  __shared__ float fused_scratch[PROJECT_THREADS];
+  __shared__ int is_last_block;
+
+  unsigned char* smem = (unsigned char*)dynamic_smem;
+  const int stage_elems = TILE_ROWS * STAGE_PITCH;
+  const int stage_bytes = p.stages * stage_elems * (int)sizeof(E);
+  E* stages = (E*)smem;
+  u32* pieces = (u32*)(smem + stage_bytes);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, tg = lane & 3;
+  const int row_group = warp & 3, k_half = warp >> 2;
+  const i64 tile = blockIdx.x / p.k_splits, split = blockIdx.x % p.k_splits;
+  const i64 row0 = tile * TILE_ROWS;
+  const i64 K = N * p.c_x;
+  const i64 k_begin = split * p.k_range;
+  const i64 k_end = k_begin + p.k_range < K ? k_begin + p.k_range : K;
+  const int blocks = (int)((k_end - k_begin + BLOCK_K - 1) / BLOCK_K);
+
+  for (int i = tid; i < stage_bytes / 16; i += PROJECT_THREADS) dynamic_smem[i] = U4{0u, 0u, 0u, 0u};
+  __syncthreads();  // the zeros land before any asynchronous copy into the same rows
+
+  float phi_next[NT][2];
+  load_phi_block<N>(p, k_begin, k_end, phi_next);
+  for (int s = 0; s < p.stages - 1; ++s) {
+    if (s < blocks) load_stage<T>(p, stages + s * stage_elems, row0, k_begin + s * BLOCK_K, k_end);
+    cp_async_commit();
+  }
+  store_phi_pieces<N>(pieces, phi_next);
+  if (blocks > 1) load_phi_block<N>(p, k_begin + BLOCK_K, k_end, phi_next);
+
+  float acc[2][NT][4];
+  float sumsq[2][2];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+    sumsq[mt][0] = sumsq[mt][1] = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
+  }
+
+  for (int b = 0; b < blocks; ++b) {
+    cp_async_wait_all_but(p.stages - 2);
+    __syncthreads();  // block b's tile is in; every warp is done with block b-1
+    const int next = b + p.stages - 1;
+    if (next < blocks)
+      load_stage<T>(p, stages + (next % p.stages) * stage_elems, row0, k_begin + (i64)next * BLOCK_K, k_end);
+    cp_async_commit();
+    if (b + 1 < blocks) {  // block b+1's pieces into the buffer block b-1 used
+      store_phi_pieces<N>(pieces + ((b + 1) & 1) * PIECE_WORDS, phi_next);
+      if (b + 2 < blocks) load_phi_block<N>(p, k_begin + (i64)(b + 2) * BLOCK_K, k_end, phi_next);
+    }
+    const E* stage = stages + (b % p.stages) * stage_elems;
+    const U2* frag = (const U2*)(pieces + (b & 1) * PIECE_WORDS);
+#pragma unroll
+    for (int kq = 0; kq < 2; ++kq) {
+      const int ks = k_half * 2 + kq;
+      u32 a[2][XP][4];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+        x_fragment<T>(stage, row_group * 32 + mt * 16 + g, ks * 16 + 2 * tg, a[mt], sumsq[mt]);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int piece = 0; piece < 3; ++piece) {
+          const U2 bw = frag[((ks * NT + nt) * 3 + piece) * 32 + lane];
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int xp = 0; xp < XP; ++xp)
+              if (xp + piece <= 2) mma_bf16_16816(acc[mt][nt], a[mt][xp], bw);
+        }
+      }
+    }
+  }
+
+  // The two k halves of each token group meet in shared memory (the stages are free now).
+  cp_async_wait_all_but(0);
+  __syncthreads();
+  constexpr int RED_WORDS = 2 * NT * 4 + 4;
+  float* red = (float*)smem + (row_group * 32 + lane) * RED_WORDS;
+  if (k_half == 1) {
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) red[(mt * NT + nt) * 4 + e] = acc[mt][nt][e];
+      red[2 * NT * 4 + mt * 2] = sumsq[mt][0];
+      red[2 * NT * 4 + mt * 2 + 1] = sumsq[mt][1];
+    }
+  }
+  __syncthreads();
+  if (k_half == 0) {
+    float* out = p.partial + split * p.batch * QP;
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float s = sumsq[mt][h] + red[2 * NT * 4 + mt * 2 + h];
+        s += __shfl_xor_sync(0xffffffffu, s, 1);  // the 4 lanes of a quad hold one token
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
+        const i64 row = row0 + row_group * 32 + mt * 16 + g + 8 * h;
+        if (row < p.batch) {
+          float* dst = out + row * QP;
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int q = nt * 8 + 2 * tg + e;
+              if (q < Q) dst[q] = acc[mt][nt][2 * h + e] + red[(mt * NT + nt) * 4 + 2 * h + e];
+            }
+          if (tg == 0) dst[Q] = s;
+        }
+      }
+    }
+  }
+  if (!p.fuse) return;
+
+  // Single-tile batch: the last block to finish sums every split and mixes (one launch).
+  __threadfence();  // this thread's partials are visible device-wide before the count moves
+  __syncthreads();
+  if (tid == 0) {
+    const unsigned int done = atomicAdd(p.counter, 1u);
+    is_last_block = done == gridDim.x - 1;
+    if (is_last_block) atomicExch(p.counter, 0u);  // ready for the next launch on this stream
+  }
+  __syncthreads();
+  if (!is_last_block) return;
+  __threadfence();
+  finish_rows<T, N>(p, 0, (int)p.batch, fused_h, fused_coef, fused_scratch);
+}
+
+template <typename T, int N>
+__global__ void __launch_bounds__(MIX_THREADS) mhc_mix(const PreParams p) {
+  __shared__ float sh_h[Dims<N>::QP], sh_coef[Dims<N>::NC], sh_scratch[MIX_THREADS];
+  // Last token first: mhc_project streamed x in increasing token order, so the lines of the
+  // last tiles are the ones still likely in L2.
+  const i64 row = p.batch - 1 - (i64)blockIdx.x;
+  finish_rows<T, N>(p, row, 1, sh_h, sh_coef, sh_scratch);
+}
+
+// ------------------------------------------------------------------ post
+
+// x_out[row, i*c_x + c] = h_post[row, i] * x_layer_out[row, c] + x_res[row, i*c_x + c]
+template <typename T>
+__global__ void __launch_bounds__(256) mhc_post(const PostParams p) {
+  typedef typename Io<T>::elem E;
+  const unsigned long long item = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (item >= (unsigned long long)(p.batch * p.units)) return;
+  // the host keeps batch * units below 2**32, so the division is 32-bit
+  const u32 row = (u32)item / (u32)p.units;
+  const i64 c0 = ((i64)item - (i64)row * p.units) * 8;
+  const int count = p.c_x - c0 < 8 ? (int)(p.c_x - c0) : 8;
+  const E* layer = (const E*)p.x_layer_out + row * p.layer_stride + c0;
+  const E* res = (const E*)p.x_res + row * p.res_stride + c0;
+  E* out = (E*)p.out + row * (p.n * p.c_x) + c0;
+  float xl[8];
+  if (p.vector_io)
+    load8<T>(layer, xl);
+  else
+    load_some<T>(layer, count, xl);
+#pragma unroll 4
+  for (i64 i = 0; i < p.n; ++i) {
+    const float h = p.h_post[row * p.h_stride_row + i * p.h_stride_col];
+    float v[8];
+    if (p.vector_io)
+      load8<T>(res + i * p.c_x, v);
+    else
+      load_some<T>(res + i * p.c_x, count, v);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = fmaf(h, xl[e], v[e]);
+    if (p.vector_io)
+      store8<T>(out + i * p.c_x, v);
+    else
+      store_some<T>(out + i * p.c_x, count, v);
+  }
+}
