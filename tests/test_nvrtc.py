@@ -5,6 +5,9 @@ with no GPU or driver present (this runs in CI), and every launch picks one of t
 from __future__ import annotations
 
 import importlib.util
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
@@ -56,10 +59,24 @@ def test_catalogue_holds_every_rotate_module():
             assert _rotate.module_spec(dtype, rotary_dim) in CATALOGUE, (dtype, rotary_dim)
 
 
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    """Every (spec, arch) compiled once, in parallel over the CPUs (NVRTC holds the GIL, so
+    processes): each is seconds of NVRTC work, and CI has two cores. Values are the lowered
+    names or the exception, re-raised by the test of that (spec, arch)."""
+    jobs = [(spec, arch) for spec in CATALOGUE for arch in ARCHS]
+    context = multiprocessing.get_context("spawn")  # no fork of a process that holds torch
+    with ProcessPoolExecutor(min(len(jobs), os.cpu_count() or 1), mp_context=context) as pool:
+        futures = {job: pool.submit(_cuda.compile_without_device, *job) for job in jobs}
+        return {job: future.exception() or future.result() for job, future in futures.items()}
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("spec", CATALOGUE, ids=_spec_id)
-def test_compiles_without_a_device(spec, arch):
-    lowered = _cuda.compile_without_device(spec, arch)
+def test_compiles_without_a_device(compiled, spec, arch):
+    lowered = compiled[(spec, arch)]
+    if isinstance(lowered, BaseException):
+        raise lowered
     assert set(lowered) == set(spec.name_expressions)
     for name, mangled in lowered.items():
         assert isinstance(mangled, str) and mangled.startswith("_Z"), (name, mangled)
