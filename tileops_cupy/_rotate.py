@@ -52,13 +52,16 @@ class HeadRows:
 class Positions:
     """Position of token (b, s): ``offset + offsets[b] + (ids[b*seq + s] if ids else s)``.
 
-    ``limit`` bounds every position (a device-side check raises ``flag`` and clamps).
+    ``limit`` bounds every position (a device-side check raises ``flag`` and clamps);
+    ``cover`` is how many positions the table must hold for this call (the highest
+    position + 1 when known on the host, else ``limit``).
     """
 
     offset: int = 0
     offsets: Operand | None = None
     ids: Operand | None = None
     limit: int = 1 << 24
+    cover: int = 1
 
     def host_positions(self, batch: int, seq: int) -> np.ndarray:
         positions = np.full((batch, seq), self.offset, dtype=np.int64)
@@ -277,7 +280,7 @@ def _rotate_cuda(table, neox, inverse, q, k, positions: Positions, flag: ErrorFl
     copy_tail = rotary_dim < head_dim and q_out.operand.ptr != q_in.operand.ptr
     rows = [q_in, q_out] if k is None else [q_in, q_out, k[0], k[1]]
     plan = _plan(table, neox, rows, copy_tail)
-    fine_ptr, coarse_ptr, capacity = table.device_tables(device, positions.limit)
+    fine_ptr, coarse_ptr, capacity = table.device_tables(device, positions.cover)
 
     k_in, k_out = (q_in, q_out) if k is None else k
     ids, offsets = positions.ids, positions.offsets

@@ -120,10 +120,21 @@ class RotaryTable:
         sin = c[..., 1] * f[..., 0] + c[..., 0] * f[..., 1]
         return cos, sin
 
+    def device_capacity(self, device: int) -> int:
+        """Positions the float32 copy on ``device`` covers (0 before the first upload)."""
+        entry = self._device.get(device)
+        return 0 if entry is None else entry[1].shape[0] * FINE_ROWS
+
     def bytes(self) -> dict[str, Any]:
+        """Host bytes; live device bytes per device; and bytes of device copies replaced by
+        growth but kept, because a launch in flight or a captured CUDA graph may read them."""
         host = sum(a.nbytes for a in (self.fine64, self.coarse64, self.fine32, self.coarse32))
         device = {dev: fine.nbytes + coarse.nbytes for dev, (fine, coarse) in self._device.items()}
-        return {"host": host, "device": device}
+        retired: dict[int, int] = {}
+        for fine, coarse in self._retired:
+            dev = fine.device.id
+            retired[dev] = retired.get(dev, 0) + fine.nbytes + coarse.nbytes
+        return {"host": host, "device": device, "device_retired": retired}
 
 
 _registry: dict[tuple[Scheme, int], RotaryTable] = {}
@@ -160,12 +171,17 @@ def table_cache_info() -> dict[str, Any]:
                 "scheme": scheme,
                 "rotary_dim": rotary_dim,
                 "positions": table.capacity,
+                "device_positions": {dev: table.device_capacity(dev) for dev in sizes["device"]},
                 "host_bytes": sizes["host"],
                 "device_bytes": sizes["device"],
+                "device_retired_bytes": sizes["device_retired"],
             }
         )
     return {
         "entries": entries,
         "host_bytes": sum(e["host_bytes"] for e in entries),
-        "device_bytes": sum(sum(e["device_bytes"].values()) for e in entries),
+        "device_bytes": sum(
+            sum(e["device_bytes"].values()) + sum(e["device_retired_bytes"].values())
+            for e in entries
+        ),
     }

@@ -156,7 +156,8 @@ class _RotaryOp:
         seq = rows.shape[1]
         if seq > MAX_POSITIONS:
             raise ValueError(f"x has {seq} positions; at most 2**24 are supported")
-        return to_caller(self._run(source, rows, Positions(limit=max(seq, 1))))
+        positions = Positions(limit=max(seq, 1), cover=max(seq, 1))
+        return to_caller(self._run(source, rows, positions))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward(*args, **kwargs)
@@ -391,7 +392,7 @@ class RoPENeoxPositionIdsFwdOp(_RotaryOp):
             ids = contiguous(ids)
         tokens_, heads, head_dim = source.shape
         rows = HeadRows(source, (1, tokens_, heads, head_dim), (0, *source.strides[:2], 1))
-        positions = Positions(ids=ids, limit=self.max_position)
+        positions = Positions(ids=ids, limit=self.max_position, cover=self.max_position)
         result = self._run(source, rows, positions, self._flag)
         if place == "cuda":
             # the ids were checked on the device: wait for this stream once to read the flag
@@ -554,7 +555,7 @@ class RoPE:
         sizes = self.table.bytes()
         return {
             "owned": 0,
-            "shared": {"host": sizes["host"], "device": sizes["device"]},
+            "shared": sizes,
             "shared_key": (self.scheme, self.rotary_dim),
             "positions": self.table.capacity,
         }
@@ -568,19 +569,20 @@ class RoPE:
         rotary_dim: int | None = None,
     ) -> int:
         """Device bytes that building a component for these shapes would add: 0 when the
-        shared table of (scheme, rotary_dim) already covers ``max_position`` on a device."""
+        shared table of (scheme, rotary_dim) already covers ``max_position`` on a device,
+        else the whole grown table (growth uploads a new copy and keeps the old one, which
+        a captured CUDA graph may still read). Not additive across layers: they share."""
         scheme = Standard() if scheme is None else scheme
         rotary_dim = head_dim if rotary_dim is None else rotary_dim
-        needed = table_bytes(rotary_dim, max_position)
-        existing = [
-            entry
+        covered = [
+            max(entry["device_positions"].values(), default=0)
             for entry in table_cache_info()["entries"]
             if entry["scheme"] == scheme and entry["rotary_dim"] == rotary_dim
         ]
-        if existing and existing[0]["device_bytes"]:
-            held = max(existing[0]["device_bytes"].values())
-            return 0 if existing[0]["positions"] >= max_position else max(needed - held, 0)
-        return needed
+        if covered and covered[0] >= max_position:
+            return 0
+        # growth uploads a whole new table; a replaced copy stays (graphs may read it)
+        return table_bytes(rotary_dim, max_position)
 
     def __repr__(self) -> str:
         return (
@@ -626,10 +628,9 @@ class RoPE:
             )
         return self._rows(operand, name, heads)
 
-    def _positions(
-        self, value: Any, name: str, rows: HeadRows, place: str
-    ) -> tuple[Positions, int]:
-        """Positions for a call, and the highest position to cover (-1 when unknown)."""
+    def _positions(self, value: Any, name: str, rows: HeadRows, place: str) -> Positions:
+        """Positions for a call: ints and host tensors checked here, device tensors bounded
+        by the kernel."""
         batch, seq = rows.shape[:2]
         limit = self.max_position or MAX_POSITIONS
         if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
@@ -638,7 +639,7 @@ class RoPE:
                 raise ValueError(
                     f"{name} must keep positions in [0, {limit}): got {name}={value} with T={seq}"
                 )
-            return Positions(offset=value, limit=limit), value + seq
+            return Positions(offset=value, limit=limit, cover=value + seq)
         offsets = as_operand(value, name)
         if offsets.dtype not in ("int32", "int64"):
             raise TypeError(f"{name} must be an int or an int32/int64 tensor, got {offsets.dtype}")
@@ -652,7 +653,7 @@ class RoPE:
             highest = int(offsets.host.max(initial=0)) + seq
             if place == "cuda":
                 offsets = upload(rows.operand, np.ascontiguousarray(offsets.host))
-            return Positions(offsets=offsets, limit=limit), highest
+            return Positions(offsets=offsets, limit=limit, cover=highest)
         if offsets.device != rows.operand.device:
             raise ValueError(f"{name} is on cuda:{offsets.device}, the data on another device")
         if self.max_position is None:
@@ -662,7 +663,7 @@ class RoPE:
             )
         if offsets.strides[0] != 1 and batch > 1:
             raise ValueError(f"{name} must be contiguous, got strides {offsets.strides}")
-        return Positions(offsets=offsets, limit=limit), self.max_position
+        return Positions(offsets=offsets, limit=limit, cover=self.max_position)
 
     def _apply(
         self,
@@ -695,9 +696,8 @@ class RoPE:
             raise ValueError(
                 f"decode takes one token per sequence (T == 1), got T={q_rows.shape[1]}"
             )
-        positions, highest = self._positions(position, name, q_rows, place)
-        if highest > self.table.capacity:
-            self.table.ensure(highest)
+        positions = self._positions(position, name, q_rows, place)
+        self.table.ensure(positions.cover)
         if math.prod(q_rows.shape[:2]) == 0:
             return
         q_pair = (
