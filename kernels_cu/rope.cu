@@ -92,9 +92,12 @@ __device__ __forceinline__ void rotate_chunk(int chunk, int pairs, const float2*
                                              const float2* coarse_row, float sin_sign,
                                              int total_heads, RowIn row_in, RowOut row_out) {
   // Pairs this thread rotates: neox pairs (j, j + pairs); interleaved pairs (2j, 2j+1).
-  constexpr int PAIRS = NEOX ? VEC : VEC / 2;
-  constexpr int LOADS = NEOX ? 2 : 1;
-  const int first_pair = NEOX ? chunk * VEC : chunk * (VEC / 2);
+  // SPLIT: the two members of each pair come from two loads (neox, or interleaved read one
+  // element at a time when the view is not pair-aligned); otherwise one load holds both.
+  constexpr bool SPLIT = NEOX || VEC == 1;
+  constexpr int PAIRS = SPLIT ? VEC : VEC / 2;
+  constexpr int LOADS = SPLIT ? 2 : 1;
+  const int first_pair = chunk * PAIRS;
   float cos_v[PAIRS], sin_v[PAIRS];
 #pragma unroll
   for (int i = 0; i < PAIRS; ++i) {
@@ -104,9 +107,8 @@ __device__ __forceinline__ void rotate_chunk(int chunk, int pairs, const float2*
     sin_v[i] = fmaf(c.y, f.x, c.x * f.y) * sin_sign;
   }
 
-  // neox: x1 and x2 are two chunks half a rotary_dim apart; interleaved: one chunk holds both.
-  const int x1_col = chunk * VEC;
-  const int x2_col = NEOX ? pairs + chunk * VEC : x1_col;
+  const int x1_col = NEOX ? chunk * VEC : 2 * first_pair;
+  const int x2_col = NEOX ? pairs + chunk * VEC : x1_col + 1;  // read only when SPLIT
 
   for (int h0 = threadIdx.y; h0 < total_heads; h0 += blockDim.y * HEADS_IN_FLIGHT) {
     Pack<T, VEC> data[HEADS_IN_FLIGHT][LOADS];
@@ -116,7 +118,7 @@ __device__ __forceinline__ void rotate_chunk(int chunk, int pairs, const float2*
       if (h < total_heads) {
         const T* in = row_in(h);
         data[u][0] = *reinterpret_cast<const Pack<T, VEC>*>(in + x1_col);
-        if (NEOX) data[u][LOADS - 1] = *reinterpret_cast<const Pack<T, VEC>*>(in + x2_col);
+        if (SPLIT) data[u][LOADS - 1] = *reinterpret_cast<const Pack<T, VEC>*>(in + x2_col);
       }
     }
 #pragma unroll
@@ -126,11 +128,11 @@ __device__ __forceinline__ void rotate_chunk(int chunk, int pairs, const float2*
       Pack<T, VEC> y1, y2;
 #pragma unroll
       for (int i = 0; i < PAIRS; ++i) {
-        const float x1 = to_float(NEOX ? data[u][0].v[i] : data[u][0].v[2 * i]);
-        const float x2 = to_float(NEOX ? data[u][LOADS - 1].v[i] : data[u][0].v[2 * i + 1]);
+        const float x1 = to_float(SPLIT ? data[u][0].v[i] : data[u][0].v[2 * i]);
+        const float x2 = to_float(SPLIT ? data[u][LOADS - 1].v[i] : data[u][0].v[2 * i + 1]);
         const float r1 = fmaf(x1, cos_v[i], -x2 * sin_v[i]);
         const float r2 = fmaf(x2, cos_v[i], x1 * sin_v[i]);
-        if (NEOX) {
+        if (SPLIT) {
           y1.v[i] = from_float<T>(r1);
           y2.v[i] = from_float<T>(r2);
         } else {
@@ -140,7 +142,7 @@ __device__ __forceinline__ void rotate_chunk(int chunk, int pairs, const float2*
       }
       T* out = row_out(h);
       *reinterpret_cast<Pack<T, VEC>*>(out + x1_col) = y1;
-      if (NEOX) *reinterpret_cast<Pack<T, VEC>*>(out + x2_col) = y2;
+      if (SPLIT) *reinterpret_cast<Pack<T, VEC>*>(out + x2_col) = y2;
     }
   }
 }
@@ -191,7 +193,7 @@ __global__ void rope_rotate(const RopeParams p) {
   const float2* coarse = p.coarse;
   const int rotary_dim = ROTARY_DIM > 0 ? ROTARY_DIM : p.rotary_dim;
   const int pairs = rotary_dim / 2;
-  const int rotate_chunks = NEOX ? pairs / VEC : rotary_dim / VEC;
+  const int rotate_chunks = pairs / (NEOX || VEC == 1 ? VEC : VEC / 2);
 
   const long long token = static_cast<long long>(blockIdx.x) * blockDim.z + threadIdx.z;
   if (token >= static_cast<long long>(batch) * seq) return;

@@ -726,13 +726,6 @@ def test_gpu_shared_table_device_bytes_and_required_memory(rng):
     assert_matches(y, rotate64(x64, sequence_positions(1, 100, 0), frequencies), x64, "float32")
 
 
-@pytest.mark.xfail(
-    reason="required_memory compares max_position with the table's host capacity, not with "
-    "what the device copy covers: after the host path grew the shared table, it reports 0 "
-    "while a device build would still upload the larger table",
-    raises=AssertionError,
-    strict=True,
-)
 def test_gpu_required_memory_after_host_only_growth(rng):
     scheme = _fresh_standard()
     rope = RoPE(HEAD_DIM, 4, scheme=scheme, max_position=8192)
@@ -745,13 +738,6 @@ def test_gpu_required_memory_after_host_only_growth(rng):
     assert RoPE.required_memory(HEAD_DIM, 100_001, scheme=scheme) > 0
 
 
-@pytest.mark.xfail(
-    reason="growth keeps the old device copy referenced (_retired) and counts it nowhere: "
-    "required_memory predicts needed - held while the device pool grows by the whole new "
-    "table, and memory_stats/table_cache_info under-report what the table holds",
-    raises=AssertionError,
-    strict=True,
-)
 def test_gpu_required_memory_predicts_device_growth(rng):
     cupy = pytest.importorskip("cupy")
     scheme = _fresh_standard()
@@ -765,13 +751,6 @@ def test_gpu_required_memory_predicts_device_growth(rng):
     assert grown == predicted, f"required_memory predicted {predicted} bytes, the pool grew {grown}"
 
 
-@pytest.mark.xfail(
-    reason="without max_position every device call passes the position limit 2**24 to "
-    "RotaryTable.device_tables, so the first call at any position builds (host) and uploads "
-    "(device) the full 2**24-position table instead of growing on demand",
-    raises=AssertionError,
-    strict=True,
-)
 def test_gpu_device_table_grows_on_demand(rng):
     scheme = _fresh_standard()
     small = RoPE.required_memory(HEAD_DIM, 8192, scheme=scheme)

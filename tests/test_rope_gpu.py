@@ -276,14 +276,7 @@ def test_odd_element_offset_neox_view_on_device(rng, dtype):
     assert_matches_oracle(y, to_float64(view), np.arange(13), standard_frequencies(64), dtype)
 
 
-@pytest.mark.xfail(
-    reason="_rotate._vector_width raises ValueError for an interleaved view at an odd "
-    "element offset (last dim contiguous), where SPEC 6 says such views are read through "
-    "their strides (or copied once); the host path accepts the same view",
-    raises=ValueError,
-    strict=True,
-)
-@pytest.mark.parametrize("dtype", ("float16", "float32"))
+@pytest.mark.parametrize("dtype", ("float16", "bfloat16", "float32"))
 def test_odd_element_offset_interleaved_view_on_device(rng, dtype):
     buffer = _on_device(random_data(rng, (13, 1 + 64 + 3), dtype), "torch-cuda")
     view = buffer[:, 1:65]

@@ -177,7 +177,7 @@ def module_spec(dtype: str, rotary_dim: int) -> _cuda.ModuleSpec:
     names = tuple(
         f"rope_rotate<{cuda_type}, {'true' if neox else 'false'}, {vec}, {rotary_dim}>"
         for neox in (True, False)
-        for vec in (wide, 1 if neox else 2)
+        for vec in (wide, 1)
     )
     return _cuda.ModuleSpec("rope", names)
 
@@ -201,8 +201,8 @@ def _catalog():
 def _vector_width(
     dtype: str, neox: bool, rotary_dim: int, head_dim: int, copy_tail: bool, rows: list[HeadRows]
 ) -> int:
-    """16-byte accesses where every row, stride and column boundary allows; else the
-    narrowest access the layout needs (1 element for neox, one pair for interleaved)."""
+    """16-byte accesses where every row, stride and column boundary allows; else one
+    element per access (any view whose last dimension is contiguous)."""
     itemsize = ITEMSIZE[dtype]
     # OR-ing every byte offset that must be a multiple of the access size: one test per width
     offsets = (rotary_dim // 2 if neox else rotary_dim) * itemsize
@@ -213,14 +213,8 @@ def _vector_width(
         for stride, size in zip(r.strides[:3], r.shape[:3], strict=True):
             if size > 1:
                 offsets |= stride * itemsize
-    for vec in (16 // itemsize, 1 if neox else 2):
-        if offsets % (vec * itemsize) == 0:
-            return vec
-    raise ValueError(
-        "interleaved rotation reads each (even, odd) pair as one access, but these views put "
-        f"pairs at odd element offsets (strides {[r.strides for r in rows]}); pass a view "
-        "with even strides or a contiguous copy"
-    )
+    wide = 16 // itemsize
+    return wide if offsets % 16 == 0 else 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,7 +249,7 @@ def _plan(table: RotaryTable, neox: bool, rows: list[HeadRows], copy_tail: bool)
     vec = _vector_width(dtype, neox, rotary_dim, head_dim, copy_tail, rows)
     spec, name = _kernel(dtype, neox, vec, rotary_dim)
     total_heads = q_heads + (rows[2].shape[2] if len(rows) > 2 else 0)
-    rotate_chunks = (rotary_dim // 2 if neox else rotary_dim) // vec
+    rotate_chunks = (rotary_dim // 2) // (vec if neox or vec == 1 else vec // 2)
     tail_chunks = (head_dim - rotary_dim) // vec if copy_tail else 0
     chunks = min(max(rotate_chunks, tail_chunks), _THREADS_PER_BLOCK)
     head_lanes = max(1, min(-(-total_heads // _HEADS_PER_THREAD), _THREADS_PER_BLOCK // chunks))
