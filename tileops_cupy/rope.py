@@ -30,6 +30,7 @@ from ._arrays import (
     as_operand,
     check_target,
     contiguous,
+    contiguous_strides,
     cupy,
     empty_like,
     select_place,
@@ -169,7 +170,7 @@ class _RotaryOp:
         if table is None:  # the shared registry's table, remembered per head size
             table = self._tables[rotary_dim] = shared_table(self.scheme, rotary_dim)
         result = empty_like(source, source.shape)
-        out_rows = HeadRows(result, rows.shape, _contiguous_row_strides(source.shape, rows))
+        out_rows = HeadRows(result, rows.shape, contiguous_strides(rows.shape))
         if math.prod(rows.shape):
             rotate(
                 table, self.rope_layout == "neox", self._inverse, (rows, out_rows), None,
@@ -179,12 +180,6 @@ class _RotaryOp:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.scheme}, rope_layout={self.rope_layout!r})"
-
-
-def _contiguous_row_strides(shape: tuple[int, ...], rows: HeadRows) -> tuple[int, int, int, int]:
-    """Element strides of a contiguous array of ``shape`` seen as ``rows.shape``."""
-    batch, seq, heads, head_dim = rows.shape
-    return (seq * heads * head_dim, heads * head_dim, head_dim, 1)
 
 
 class RoPEFwdOp(_RotaryOp):
