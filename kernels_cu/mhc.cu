@@ -8,12 +8,15 @@
 //                one (bf16), two (fp16) or three (fp32) pieces, and every piece product whose
 //                weight is at least 2^-16 goes through the bf16 tensor cores with float32
 //                accumulation: float32-accurate h at tensor-core speed (TF32 alone is not).
-//                Results go to a scratch [k_splits, batch, Q+1] (the Q+1-th is sum(x*x)).
-//   mhc_mix      one token per block: the k_splits partials are summed in a fixed order,
-//                the gates and the Sinkhorn matrix computed by one warp, and the row mixed
-//                into x_layer and x_res with 16-byte accesses.
-// With `fuse` set (batch <= 8) the last mhc_project block to finish does the mix itself,
-// so a decode step is a single launch with no host synchronisation.
+//                x and phi blocks stream through a cp.async pipeline into a scratch
+//                [k_splits, batch, Q+1] of partial sums (the Q+1-th is sum(x*x)). The block
+//                that completes a tile (the only one, or the last of its K splits) sums the
+//                partials in a fixed order and computes every token's gates and Sinkhorn
+//                matrix (one token per n lanes), into a scratch [batch, n + n*n] and h_post.
+//   mhc_apply    one pass over the rows, one thread per 8 columns: x_layer and x_res.
+// With `fuse` set (batch <= 4: decode) the blocks of one cooperative mhc_project launch
+// split K over every multiprocessor, the last to finish computes the coefficients, and then
+// every block applies them to its share of the columns: one launch, no host synchronisation.
 //
 // Post (mhc_post) is one pass: each thread reads 8 columns of x_layer_out once and reuses
 // them for the n streams of x_res.
@@ -108,6 +111,11 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
                : "memory");
 }
 
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(smem_address(smem)), "l"(gmem)
+               : "memory");
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
 __device__ __forceinline__ void cp_async_wait_all_but(int pending) {
@@ -123,6 +131,12 @@ __device__ __forceinline__ void cp_async_wait_all_but(int pending) {
 __device__ __forceinline__ float load_cg(const float* p) {
   float v;
   asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ unsigned int load_acquire(const unsigned int* p) {
+  unsigned int v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
 
@@ -212,15 +226,18 @@ struct PreParams {
   const float* phi;       // [n*c_x, Q] through (phi_stride_k, phi_stride_q)
   const float* bias;      // [Q] through bias_stride
   float* partial;         // scratch [k_splits, batch, Q+1]
-  unsigned int* counter;  // fused launches: blocks done so far; the last block resets it to 0
+  unsigned int* counter;  // zeroed words, left at zero by every launch (see COUNTER_TILES)
+  float* coef;            // scratch [batch, n + n*n]: h_pre, then M row-major
   void* x_res;            // [batch, n*c_x], contiguous
   void* x_layer;          // [batch, c_x], contiguous
   float* h_post;          // [batch, n], contiguous
   i64 x_stride, phi_stride_k, phi_stride_q, bias_stride;
   i64 batch, c_x, k_range, k_splits;
-  int stages, vector_io, fuse, repeat;
+  int stages, vector_io, phi_vector, fuse, repeat, unused;
   float alpha_pre, alpha_post, alpha_res, eps;
 };
+
+static_assert(sizeof(PreParams) == 176, "PreParams changed: update _PRE_PARAMS");
 
 struct PostParams {
   const void* x_layer_out;  // [batch, c_x], rows layer_stride apart, columns dense
@@ -231,6 +248,8 @@ struct PostParams {
   i64 batch, n, c_x, units;  // units = ceil(c_x / 8): one thread per 8 columns of a row
   int vector_io, unused;
 };
+
+static_assert(sizeof(PostParams) == 104, "PostParams changed: update _POST_PARAMS");
 
 template <int N>
 struct Dims {
@@ -245,112 +264,25 @@ constexpr int BLOCK_K = 64;     // K elements per pipeline stage (4 mma k-steps)
 constexpr int STAGE_PITCH = BLOCK_K + 8;  // elements per smem row: 16 (or 32) bytes of padding
                                           // puts the 8 rows of a fragment load in distinct banks
 constexpr int PROJECT_THREADS = 256;
-constexpr int MIX_THREADS = 128;
-constexpr int MAX_FUSED_ROWS = 8;
+constexpr int APPLY_THREADS = 256;
+constexpr int MAX_FUSED_ROWS = 4;  // = _MAX_FUSED_ROWS in sequence_modeling.py
+// counter words: [0] unused, [1] fused: coefficients ready, [2] fused: blocks done,
+// [COUNTER_TILES + t] blocks of tile t finished (k_splits > 1)
+constexpr int COUNTER_TILES = 4;
+// Bytes of each x row pulled into L2 ahead of the cp.async pipeline (sm_90): a 64-wide K
+// block reads only 128 bytes of a row, and DRAM serves such short runs from 16K rows at a
+// fraction of its bandwidth.
+#ifndef MHC_PREFETCH_BYTES
+#define MHC_PREFETCH_BYTES 512
+#endif
 
 // ------------------------------------------------------------------ coefficients and mix
 
-// One warp computes one token's coefficients; lane i < N owns row i of the Sinkhorn matrix.
-// Column sums are read across lanes with shuffles, so the whole iteration stays in registers.
+// h and sum(x*x) of rows row0 .. row0+rows-1: the k_splits partials summed in a fixed order
+// (deterministic), into sh_h [rows][Q+1]. Every thread of the block calls it.
 template <int N>
-__device__ void token_coefficients(const PreParams& p, const float* h, float* coef, i64 row) {
-  constexpr int Q = Dims<N>::Q;
-  const int lane = threadIdx.x & 31;
-  const int i = lane < N ? lane : 0;  // idle lanes shadow row 0 and never publish
-  const float rms = sqrtf(h[Q]) / sqrtf((float)(N * p.c_x)) + 1e-4f;
-  const float pre = sigmoid(p.alpha_pre * h[i] / rms + p.bias[i * p.bias_stride]);
-  const float post = 2.f * sigmoid(p.alpha_post * h[N + i] / rms + p.bias[(N + i) * p.bias_stride]);
-  float m[N];
-  float row_max = __uint_as_float(0xff800000u);  // -inf
-#pragma unroll
-  for (int k = 0; k < N; ++k) {
-    const int j = 2 * N + i * N + k;
-    m[k] = p.alpha_res * h[j] / rms + p.bias[j * p.bias_stride];
-    row_max = fmaxf(row_max, m[k]);
-  }
-#pragma unroll
-  for (int k = 0; k < N; ++k) m[k] = expf(m[k] - row_max);
-  for (int it = 0; it < p.repeat; ++it) {
-    // A sum of non-negative entries plus eps is 0 only when every entry is 0 (eps = 0 and
-    // the exponentials underflowed): dividing by 1 keeps those zeros instead of 0/0.
-    float s = 0.f;
-#pragma unroll
-    for (int k = 0; k < N; ++k) s += m[k];
-    s += p.eps;
-    s = s == 0.f ? 1.f : s;
-#pragma unroll
-    for (int k = 0; k < N; ++k) m[k] = m[k] / s;
-    float col[N];
-#pragma unroll
-    for (int k = 0; k < N; ++k) {
-      float c = 0.f;
-#pragma unroll
-      for (int src = 0; src < N; ++src) c += __shfl_sync(0xffffffffu, m[k], src);
-      c += p.eps;
-      col[k] = c == 0.f ? 1.f : c;
-    }
-#pragma unroll
-    for (int k = 0; k < N; ++k) m[k] = m[k] / col[k];
-  }
-  if (lane < N) {
-    coef[lane] = pre;
-#pragma unroll
-    for (int k = 0; k < N; ++k) coef[N + lane * N + k] = m[k];
-    p.h_post[row * N + lane] = post;
-  }
-}
-
-// x_layer and x_res for 8 columns (c0 .. c0+7) of one token.
-template <typename T, int N>
-__device__ __forceinline__ void mix_columns(const PreParams& p, i64 row, i64 c0, const float (&pre)[N],
-                                            const float (&m)[N][N]) {
-  typedef typename Io<T>::elem E;
-  const E* x = (const E*)p.x + row * p.x_stride + c0;
-  E* layer = (E*)p.x_layer + row * p.c_x + c0;
-  E* res = (E*)p.x_res + row * (N * p.c_x) + c0;
-  const int count = p.c_x - c0 < 8 ? (int)(p.c_x - c0) : 8;
-  float v[N][8];
-#pragma unroll
-  for (int k = 0; k < N; ++k) {
-    if (p.vector_io)
-      load8<T>(x + k * p.c_x, v[k]);
-    else
-      load_some<T>(x + k * p.c_x, count, v[k]);
-  }
-  float o[8];
-#pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    o[e] = pre[0] * v[0][e];
-#pragma unroll
-    for (int k = 1; k < N; ++k) o[e] = fmaf(pre[k], v[k][e], o[e]);
-  }
-  if (p.vector_io)
-    store8<T>(layer, o);
-  else
-    store_some<T>(layer, count, o);
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      o[e] = m[i][0] * v[0][e];
-#pragma unroll
-      for (int k = 1; k < N; ++k) o[e] = fmaf(m[i][k], v[k][e], o[e]);
-    }
-    if (p.vector_io)
-      store8<T>(res + i * p.c_x, o);
-    else
-      store_some<T>(res + i * p.c_x, count, o);
-  }
-}
-
-// Rows row0 .. row0+rows-1 (rows <= warps per block): sum the k_splits partials, compute the
-// coefficients (warp w takes row w), then mix every row. Every thread of the block calls it.
-// Not inlined: mhc_project (fused decode) and mhc_mix share one compiled body, which halves
-// NVRTC time; the call costs nothing next to the row's memory traffic.
-template <typename T, int N>
-__device__ __attribute__((noinline)) void finish_rows(const PreParams& p, i64 row0, int rows, float* sh_h, float* sh_coef,
-                            float* sh_scratch) {
-  constexpr int QP = Dims<N>::QP, NC = Dims<N>::NC;
+__device__ void sum_partials(const PreParams& p, i64 row0, int rows, float* sh_h, float* sh_scratch) {
+  constexpr int QP = Dims<N>::QP;
   const int tid = threadIdx.x, threads = blockDim.x;
   const int pairs = rows * QP;
   const i64 split_step = p.batch * QP;
@@ -358,7 +290,7 @@ __device__ __attribute__((noinline)) void finish_rows(const PreParams& p, i64 ro
     for (int pair = tid; pair < pairs; pair += threads) {
       const float* src = p.partial + row0 * QP + pair;
       float s = 0.f;
-#pragma unroll 8
+#pragma unroll 4
       for (i64 k = 0; k < p.k_splits; ++k) s += load_cg(src + k * split_step);
       sh_h[pair] = s;
     }
@@ -368,7 +300,7 @@ __device__ __attribute__((noinline)) void finish_rows(const PreParams& p, i64 ro
     float s = 0.f;
     if (pair < pairs) {
       const float* src = p.partial + row0 * QP + pair;
-#pragma unroll 8
+#pragma unroll 16
       for (i64 k = sub; k < p.k_splits; k += per_pair) s += load_cg(src + k * split_step);
     }
     sh_scratch[tid] = s;
@@ -380,19 +312,154 @@ __device__ __attribute__((noinline)) void finish_rows(const PreParams& p, i64 ro
     }
   }
   __syncthreads();
-  const int warp = tid >> 5;
-  if (warp < rows) token_coefficients<N>(p, sh_h + warp * QP, sh_coef + warp * NC, row0 + warp);
-  __syncthreads();
-  const i64 units = (p.c_x + 7) / 8;
-  for (int r = 0; r < rows; ++r) {
-    float pre[N], m[N][N];
+}
+
+// Gates and Sinkhorn matrix of rows row0 .. row0+rows-1 from sh_h [rows][Q+1], into
+// p.coef [row][n + n*n] and p.h_post. Each warp takes 32/N tokens at a time: lane i of a
+// token's group owns row i of its matrix, and column sums are shuffles within the group, so
+// the Sinkhorn loop stays in registers. Not inlined: one compiled body for every caller.
+template <int N>
+__device__ __attribute__((noinline)) void tile_coefficients(const PreParams& p, const float* sh_h,
+                                                             i64 row0, int rows) {
+  constexpr int Q = Dims<N>::Q, QP = Dims<N>::QP, NC = Dims<N>::NC;
+  constexpr int PER_WARP = 32 / N;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const int slot = lane / N, i = lane - slot * N;
+  const int group = slot * N;  // first lane of this token's group
+  const float width = (float)(N * p.c_x);
+  for (int t0 = warp * PER_WARP; t0 < rows; t0 += warps * PER_WARP) {  // warp-uniform
+    const int t = t0 + slot;
+    const bool active = slot < PER_WARP && t < rows;  // idle lanes shadow token t0
+    const float* h = sh_h + (active ? t : t0) * QP;
+    const float rms = sqrtf(h[Q]) / sqrtf(width) + 1e-4f;
+    const float pre = sigmoid(p.alpha_pre * h[i] / rms + p.bias[i * p.bias_stride]);
+    const float post = 2.f * sigmoid(p.alpha_post * h[N + i] / rms + p.bias[(N + i) * p.bias_stride]);
+    float m[N];
+    float row_max = __uint_as_float(0xff800000u);  // -inf
 #pragma unroll
-    for (int k = 0; k < N; ++k) pre[k] = sh_coef[r * NC + k];
+    for (int k = 0; k < N; ++k) {
+      const int j = 2 * N + i * N + k;
+      m[k] = p.alpha_res * h[j] / rms + p.bias[j * p.bias_stride];
+      row_max = fmaxf(row_max, m[k]);
+    }
 #pragma unroll
-    for (int i = 0; i < N; ++i)
+    for (int k = 0; k < N; ++k) m[k] = expf(m[k] - row_max);
+    for (int it = 0; it < p.repeat; ++it) {
+      // A sum of non-negative entries plus eps is 0 only when every entry is 0 (eps = 0
+      // and the exponentials underflowed): dividing by 1 keeps those zeros, not 0/0.
+      float s = 0.f;
 #pragma unroll
-      for (int k = 0; k < N; ++k) m[i][k] = sh_coef[r * NC + N + i * N + k];
-    for (i64 u = tid; u < units; u += threads) mix_columns<T, N>(p, row0 + r, u * 8, pre, m);
+      for (int k = 0; k < N; ++k) s += m[k];
+      s += p.eps;
+      s = s == 0.f ? 1.f : s;
+#pragma unroll
+      for (int k = 0; k < N; ++k) m[k] = m[k] / s;
+      float col[N];
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        float c = 0.f;
+#pragma unroll
+        for (int src = 0; src < N; ++src) c += __shfl_sync(0xffffffffu, m[k], (group + src) & 31);
+        c += p.eps;
+        col[k] = c == 0.f ? 1.f : c;
+      }
+#pragma unroll
+      for (int k = 0; k < N; ++k) m[k] = m[k] / col[k];
+    }
+    if (active) {
+      const i64 row = row0 + t;
+      float* dst = p.coef + row * NC;
+      dst[i] = pre;
+#pragma unroll
+      for (int k = 0; k < N; ++k) dst[N + i * N + k] = m[k];
+      p.h_post[row * N + i] = post;
+    }
+  }
+}
+
+// 8 consecutive elements in their storage format: one 16-byte word for 16-bit types, two
+// for float.
+template <typename T>
+struct Raw8 {
+  U4 w[sizeof(typename Io<T>::elem) == 2 ? 1 : 2];
+};
+
+template <typename T>
+__device__ __forceinline__ void load_raw8(const typename Io<T>::elem* p, bool vector, int count,
+                                          Raw8<T>& r) {
+  typedef typename Io<T>::elem E;
+  constexpr int WORDS = sizeof(E) == 2 ? 1 : 2;
+  if (vector) {
+#pragma unroll
+    for (int h = 0; h < WORDS; ++h) r.w[h] = load_stream16(p + h * (16 / sizeof(E)));
+  } else {
+    E e[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) e[i] = i < count ? p[i] : E{};
+    if constexpr (sizeof(E) == 2) {
+      r.w[0] = U4{e[0] | ((u32)e[1] << 16), e[2] | ((u32)e[3] << 16), e[4] | ((u32)e[5] << 16),
+                  e[6] | ((u32)e[7] << 16)};
+    } else {
+      r.w[0] = U4{__float_as_uint(e[0]), __float_as_uint(e[1]), __float_as_uint(e[2]),
+                  __float_as_uint(e[3])};
+      r.w[1] = U4{__float_as_uint(e[4]), __float_as_uint(e[5]), __float_as_uint(e[6]),
+                  __float_as_uint(e[7])};
+    }
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void unpack8(const Raw8<T>& r, float (&v)[8]) {
+  if constexpr (sizeof(typename Io<T>::elem) == 2) {
+    const u32 words[4] = {r.w[0].x, r.w[0].y, r.w[0].z, r.w[0].w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      v[2 * i] = Io<T>::to_float((u16)(words[i] & 0xffffu));
+      v[2 * i + 1] = Io<T>::to_float((u16)(words[i] >> 16));
+    }
+  } else {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      v[4 * h] = __uint_as_float(r.w[h].x);
+      v[4 * h + 1] = __uint_as_float(r.w[h].y);
+      v[4 * h + 2] = __uint_as_float(r.w[h].z);
+      v[4 * h + 3] = __uint_as_float(r.w[h].w);
+    }
+  }
+}
+
+// x_layer and x_res for 8 columns (c0 .. c0+7) of one token, with its coefficients at coef
+// (h_pre then M). x is held in its raw format and widened per use, and the weights are
+// read as they are needed: few registers, so many threads keep loads in flight. `coherent`:
+// the coefficients were written by this very launch (fused), so they bypass L1.
+template <typename T, int N>
+__device__ __forceinline__ void apply_unit(const PreParams& p, i64 row, i64 c0, const float* coef,
+                                           bool coherent) {
+  typedef typename Io<T>::elem E;
+  const E* x = (const E*)p.x + row * p.x_stride + c0;
+  const int count = p.c_x - c0 < 8 ? (int)(p.c_x - c0) : 8;
+  Raw8<T> raw[N];
+#pragma unroll
+  for (int k = 0; k < N; ++k) load_raw8<T>(x + k * p.c_x, p.vector_io, count, raw[k]);
+  E* layer = (E*)p.x_layer + row * p.c_x + c0;
+  E* res = (E*)p.x_res + row * (N * p.c_x) + c0;
+#pragma unroll
+  for (int i = 0; i <= N; ++i) {  // i == 0: x_layer with h_pre; i > 0: x_res stream i-1 with M
+    const float* w = coef + (i == 0 ? 0 : N + (i - 1) * N);
+    E* out = i == 0 ? layer : res + (i - 1) * p.c_x;
+    float o[8];
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const float wk = coherent ? load_cg(w + k) : w[k];
+      float v[8];
+      unpack8<T>(raw[k], v);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) o[e] = k == 0 ? wk * v[e] : fmaf(wk, v[e], o[e]);
+    }
+    if (p.vector_io)
+      store8<T>(out, o);
+    else
+      store_some<T>(out, count, o);
   }
 }
 
@@ -434,11 +501,39 @@ __device__ __forceinline__ void x_fragment(const typename Io<T>::elem* stage, in
   }
 }
 
-// phi values of one K block for this thread's B-fragment slots: NT slots per thread, each
-// two consecutive K rows of one h column (slot = (kstep, n-tile, lane, half)).
+// One K block of phi (BLOCK_K rows x Q) into shared memory as [row][Q] floats; rows past K
+// read as zeros. Dense row-major phi moves in 16-byte pieces, any other layout by element.
 template <int N>
-__device__ __forceinline__ void load_phi_block(const PreParams& p, i64 k0, i64 k_end,
-                                               float (&v)[Dims<N>::NT][2]) {
+__device__ __forceinline__ void load_phi_stage(const PreParams& p, float* dst, i64 k0, i64 K) {
+  constexpr int Q = Dims<N>::Q;
+  if (p.phi_vector) {
+    const float* src = p.phi + k0 * Q;
+    const i64 left = (K - k0) * Q;  // floats from the block start to phi's end
+    for (int c = threadIdx.x; c < BLOCK_K * Q / 4; c += PROJECT_THREADS) {
+      if (4 * c + 4 <= left) {
+        cp_async16(dst + 4 * c, src + 4 * c);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) dst[4 * c + j] = 4 * c + j < left ? src[4 * c + j] : 0.f;
+      }
+    }
+  } else {
+    for (int e = threadIdx.x; e < BLOCK_K * Q; e += PROJECT_THREADS) {
+      const int r = e / Q, q = e - r * Q;
+      const i64 k = k0 + r;
+      if (k < K)
+        cp_async4(dst + e, p.phi + k * p.phi_stride_k + q * p.phi_stride_q);
+      else
+        dst[e] = 0.f;
+    }
+  }
+}
+
+// The B fragments of one K block, each phi value split into three bf16 pieces. Slot =
+// (kstep, n-tile, lane, half): two consecutive K rows of one h column; NT slots per thread.
+// Layout: [kstep 4][n-tile NT][piece 3][lane 32] x (b0, b1), one 8-byte load per mma.
+template <int N>
+__device__ __forceinline__ void build_phi_pieces(u32* pieces, const float* stage, i64 k0, i64 k_end) {
   constexpr int Q = Dims<N>::Q, NT = Dims<N>::NT;
 #pragma unroll
   for (int i = 0; i < NT; ++i) {
@@ -446,25 +541,13 @@ __device__ __forceinline__ void load_phi_block(const PreParams& p, i64 k0, i64 k
     const int half = slot & 1, lane = (slot >> 1) & 31, rest = slot >> 6;
     const int nt = rest % NT, ks = rest / NT;
     const int q = nt * 8 + (lane >> 2);
-    const i64 k = k0 + ks * 16 + half * 8 + 2 * (lane & 3);
-    const float* src = p.phi + k * p.phi_stride_k + q * p.phi_stride_q;
-    v[i][0] = q < Q && k < k_end ? src[0] : 0.f;
-    v[i][1] = q < Q && k + 1 < k_end ? src[p.phi_stride_k] : 0.f;
-  }
-}
-
-// Pieces layout: [kstep 4][n-tile NT][piece 3][lane 32] x (b0, b1), one 8-byte load per mma.
-template <int N>
-__device__ __forceinline__ void store_phi_pieces(u32* pieces, const float (&v)[Dims<N>::NT][2]) {
-  constexpr int NT = Dims<N>::NT;
-#pragma unroll
-  for (int i = 0; i < NT; ++i) {
-    const int slot = i * PROJECT_THREADS + threadIdx.x;
-    const int half = slot & 1, lane = (slot >> 1) & 31, rest = slot >> 6;
-    const int nt = rest % NT, ks = rest / NT;
+    const int kk = ks * 16 + half * 8 + 2 * (lane & 3);
+    // rows past this block's K range belong to the next split: they must count as zero
+    const float v0 = q < Q && k0 + kk < k_end ? stage[kk * Q + q] : 0.f;
+    const float v1 = q < Q && k0 + kk + 1 < k_end ? stage[(kk + 1) * Q + q] : 0.f;
     u32 lo[3], hi[3];
-    split_bf16<3>(v[i][0], lo);
-    split_bf16<3>(v[i][1], hi);
+    split_bf16<3>(v0, lo);
+    split_bf16<3>(v1, hi);
 #pragma unroll
     for (int piece = 0; piece < 3; ++piece)
       pieces[(((ks * NT + nt) * 3 + piece) * 32 + lane) * 2 + half] = lo[piece] | (hi[piece] << 16);
@@ -501,6 +584,23 @@ __device__ __forceinline__ void load_stage(const PreParams& p, typename Io<T>::e
   }
 }
 
+// L2 prefetch of run `chunk` (MHC_PREFETCH_BYTES of K from k_begin) of every row of the
+// tile, one row per thread; the cp.async pipeline then finds its 128-byte pieces in L2.
+template <typename T>
+__device__ __forceinline__ void prefetch_rows(const PreParams& p, i64 row0, i64 k_begin, i64 k_end,
+                                              int chunk) {
+#if __CUDA_ARCH__ >= 900 && MHC_PREFETCH_BYTES > 0
+  typedef typename Io<T>::elem E;
+  constexpr int RUN = MHC_PREFETCH_BYTES / sizeof(E);  // elements
+  const i64 row = row0 + threadIdx.x;
+  const i64 k = k_begin + (i64)chunk * RUN;
+  if (!p.vector_io || threadIdx.x >= TILE_ROWS || row >= p.batch || k >= k_end) return;
+  const E* src = (const E*)p.x + row * p.x_stride + k;
+  const u32 bytes = (u32)((k_end - k < RUN ? k_end - k : RUN) * sizeof(E));  // a multiple of 16
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+#endif
+}
+
 // Grid: (batch tiles of 128 tokens) x k_splits blocks; block b takes tile b / k_splits and
 // K range [split * k_range, (split+1) * k_range). Warp w: tokens 32*(w%4) .. +32 (two mma
 // m-tiles) and k-steps 2*(w/4), +1 of every 64-wide K block.
@@ -509,17 +609,21 @@ __global__ void __launch_bounds__(PROJECT_THREADS, 1) mhc_project(const PreParam
   typedef typename Io<T>::elem E;
   constexpr int Q = Dims<N>::Q, QP = Dims<N>::QP, NT = Dims<N>::NT, NC = Dims<N>::NC;
   constexpr int XP = Io<T>::x_pieces;
-  constexpr int PIECE_WORDS = 4 * NT * 3 * 32 * 2;
+  constexpr int X_STAGE = TILE_ROWS * STAGE_PITCH;  // elements
+  constexpr int PHI_STAGE = BLOCK_K * Q;            // floats
   extern __shared__ U4 dynamic_smem[];
-  __shared__ float fused_h[MAX_FUSED_ROWS * QP], fused_coef[MAX_FUSED_ROWS * NC];
+  // K blocks per prefetched run of each row
+  constexpr int PREFETCH_BLOCKS =
+      MHC_PREFETCH_BYTES > 0 ? MHC_PREFETCH_BYTES / (BLOCK_K * (int)sizeof(E)) : 1 << 30;
   __shared__ float fused_scratch[PROJECT_THREADS];
   __shared__ int is_last_block;
 
+  // [x stages][phi stages][pieces]; sizes as in sequence_modeling._pre_plan
   unsigned char* smem = (unsigned char*)dynamic_smem;
-  const int stage_elems = TILE_ROWS * STAGE_PITCH;
-  const int stage_bytes = p.stages * stage_elems * (int)sizeof(E);
-  E* stages = (E*)smem;
-  u32* pieces = (u32*)(smem + stage_bytes);
+  const int x_bytes = p.stages * X_STAGE * (int)sizeof(E);
+  E* x_stages = (E*)smem;
+  float* phi_stages = (float*)(smem + x_bytes);
+  u32* pieces = (u32*)(smem + x_bytes + p.stages * PHI_STAGE * 4);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, tg = lane & 3;
@@ -531,17 +635,20 @@ __global__ void __launch_bounds__(PROJECT_THREADS, 1) mhc_project(const PreParam
   const i64 k_end = k_begin + p.k_range < K ? k_begin + p.k_range : K;
   const int blocks = (int)((k_end - k_begin + BLOCK_K - 1) / BLOCK_K);
 
-  for (int i = tid; i < stage_bytes / 16; i += PROJECT_THREADS) dynamic_smem[i] = U4{0u, 0u, 0u, 0u};
+  // rows past the batch are never loaded: they must read as zeros
+  for (int i = tid; i < x_bytes / 16; i += PROJECT_THREADS) dynamic_smem[i] = U4{0u, 0u, 0u, 0u};
   __syncthreads();  // the zeros land before any asynchronous copy into the same rows
 
-  float phi_next[NT][2];
-  load_phi_block<N>(p, k_begin, k_end, phi_next);
   for (int s = 0; s < p.stages - 1; ++s) {
-    if (s < blocks) load_stage<T>(p, stages + s * stage_elems, row0, k_begin + s * BLOCK_K, k_end);
+    if (s < blocks) {
+      const i64 k0 = k_begin + (i64)s * BLOCK_K;
+      load_stage<T>(p, x_stages + s * X_STAGE, row0, k0, k_end);
+      load_phi_stage<N>(p, phi_stages + s * PHI_STAGE, k0, K);
+    }
     cp_async_commit();
   }
-  store_phi_pieces<N>(pieces, phi_next);
-  if (blocks > 1) load_phi_block<N>(p, k_begin + BLOCK_K, k_end, phi_next);
+  prefetch_rows<T>(p, row0, k_begin, k_end, 0);
+  prefetch_rows<T>(p, row0, k_begin, k_end, 1);
 
   float acc[2][NT][4];
   float sumsq[2][2];
@@ -554,17 +661,20 @@ __global__ void __launch_bounds__(PROJECT_THREADS, 1) mhc_project(const PreParam
 
   for (int b = 0; b < blocks; ++b) {
     cp_async_wait_all_but(p.stages - 2);
-    __syncthreads();  // block b's tile is in; every warp is done with block b-1
+    __syncthreads();  // block b's x and phi are in; every warp is done with block b-1
     const int next = b + p.stages - 1;
-    if (next < blocks)
-      load_stage<T>(p, stages + (next % p.stages) * stage_elems, row0, k_begin + (i64)next * BLOCK_K, k_end);
-    cp_async_commit();
-    if (b + 1 < blocks) {  // block b+1's pieces into the buffer block b-1 used
-      store_phi_pieces<N>(pieces + ((b + 1) & 1) * PIECE_WORDS, phi_next);
-      if (b + 2 < blocks) load_phi_block<N>(p, k_begin + (i64)(b + 2) * BLOCK_K, k_end, phi_next);
+    if (next % PREFETCH_BLOCKS == 0)  // the run after the one block `next` starts
+      prefetch_rows<T>(p, row0, k_begin, k_end, next / PREFETCH_BLOCKS + 1);
+    if (next < blocks) {  // into the stage block b-1 used
+      const i64 k0 = k_begin + (i64)next * BLOCK_K;
+      load_stage<T>(p, x_stages + (next % p.stages) * X_STAGE, row0, k0, k_end);
+      load_phi_stage<N>(p, phi_stages + (next % p.stages) * PHI_STAGE, k0, K);
     }
-    const E* stage = stages + (b % p.stages) * stage_elems;
-    const U2* frag = (const U2*)(pieces + (b & 1) * PIECE_WORDS);
+    cp_async_commit();
+    build_phi_pieces<N>(pieces, phi_stages + (b % p.stages) * PHI_STAGE, k_begin + (i64)b * BLOCK_K, k_end);
+    __syncthreads();  // pieces complete
+    const E* stage = x_stages + (b % p.stages) * X_STAGE;
+    const U2* frag = (const U2*)pieces;
 #pragma unroll
     for (int kq = 0; kq < 2; ++kq) {
       const int ks = k_half * 2 + kq;
@@ -587,7 +697,7 @@ __global__ void __launch_bounds__(PROJECT_THREADS, 1) mhc_project(const PreParam
     }
   }
 
-  // The two k halves of each token group meet in shared memory (the stages are free now).
+  // The two k halves of each token group meet in shared memory (the x stages are free now).
   cp_async_wait_all_but(0);
   __syncthreads();
   constexpr int RED_WORDS = 2 * NT * 4 + 4;
@@ -628,29 +738,74 @@ __global__ void __launch_bounds__(PROJECT_THREADS, 1) mhc_project(const PreParam
       }
     }
   }
-  if (!p.fuse) return;
 
-  // Single-tile batch: the last block to finish sums every split and mixes (one launch).
+  // The block that completes the tile computes its tokens' coefficients: the only block of
+  // the tile, or the last of its K splits to finish (the others' partials are then final).
+  const int tile_rows = p.batch - row0 < TILE_ROWS ? (int)(p.batch - row0) : TILE_ROWS;
   __threadfence();  // this thread's partials are visible device-wide before the count moves
   __syncthreads();
   if (tid == 0) {
-    const unsigned int done = atomicAdd(p.counter, 1u);
-    is_last_block = done == gridDim.x - 1;
-    if (is_last_block) atomicExch(p.counter, 0u);  // ready for the next launch on this stream
+    is_last_block = 1;
+    if (p.k_splits > 1) {
+      unsigned int* arrived = p.counter + COUNTER_TILES + tile;
+      is_last_block = atomicAdd(arrived, 1u) == p.k_splits - 1;
+      if (is_last_block) atomicExch(arrived, 0u);  // every split is in: ready for the next launch
+    }
   }
   __syncthreads();
-  if (!is_last_block) return;
-  __threadfence();
-  finish_rows<T, N>(p, 0, (int)p.batch, fused_h, fused_coef, fused_scratch);
+  if (is_last_block) {
+    __threadfence();
+    float* sh_h = (float*)smem;  // the x stages are free
+    sum_partials<N>(p, row0, tile_rows, sh_h, fused_scratch);
+    tile_coefficients<N>(p, sh_h, row0, tile_rows);
+  }
+  if (!p.fuse) return;
+
+  // Decode: one tile, K split over every block, all co-resident (cooperative launch). The
+  // block that computed the coefficients publishes them; every block then applies them to
+  // its share of the columns.
+  if (is_last_block) {
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) atomicExch(&p.counter[1], 1u);
+  } else {
+    if (tid == 0) {
+      // bounded: a missing block would otherwise hang the device; ~2 s, then a trap
+      for (unsigned int spins = 0; load_acquire(&p.counter[1]) == 0u; ++spins) {
+        if (spins > (1u << 24)) __trap();
+        asm volatile("nanosleep.u32 100;");
+      }
+    }
+    __syncthreads();
+  }
+  const i64 units = (p.c_x + 7) / 8;
+  const i64 share = (units + gridDim.x - 1) / gridDim.x;
+  const i64 u_begin = blockIdx.x * share;
+  const i64 u_end = u_begin + share < units ? u_begin + share : units;
+  for (i64 item = tid; item < (i64)tile_rows * (u_end - u_begin); item += PROJECT_THREADS) {
+    const i64 r = item / (u_end - u_begin), u = u_begin + item % (u_end - u_begin);
+    apply_unit<T, N>(p, r, u * 8, p.coef + r * NC, true);
+  }
+  __syncthreads();
+  if (tid == 0 && atomicAdd(&p.counter[2], 1u) == gridDim.x - 1) {
+    // every block has read the coefficients: ready for the next launch on this stream
+    atomicExch(&p.counter[1], 0u);
+    atomicExch(&p.counter[2], 0u);
+  }
 }
 
+// One thread per 8 columns of a row, last rows first: mhc_project streamed x in increasing
+// token order, so the lines of the last tiles are the likeliest still in L2.
 template <typename T, int N>
-__global__ void __launch_bounds__(MIX_THREADS) mhc_mix(const PreParams p) {
-  __shared__ float sh_h[Dims<N>::QP], sh_coef[Dims<N>::NC], sh_scratch[MIX_THREADS];
-  // Last token first: mhc_project streamed x in increasing token order, so the lines of the
-  // last tiles are the ones still likely in L2.
-  const i64 row = p.batch - 1 - (i64)blockIdx.x;
-  finish_rows<T, N>(p, row, 1, sh_h, sh_coef, sh_scratch);
+__global__ void __launch_bounds__(APPLY_THREADS) mhc_apply(const PreParams p) {
+  const i64 units = (p.c_x + 7) / 8;
+  const unsigned long long item = (unsigned long long)blockIdx.x * APPLY_THREADS + threadIdx.x;
+  if (item >= (unsigned long long)(p.batch * units)) return;
+  // the host keeps batch * units below 2**32, so the division is 32-bit
+  const u32 r = (u32)item / (u32)units;
+  const i64 u = (i64)item - (i64)r * units;
+  const i64 row = p.batch - 1 - r;
+  apply_unit<T, N>(p, row, u * 8, p.coef + row * Dims<N>::NC, false);
 }
 
 // ------------------------------------------------------------------ post

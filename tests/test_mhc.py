@@ -258,6 +258,40 @@ def test_plan_geometry_covers_k(batch, width):
     assert tiles * k_splits <= 2 * 132 or k_splits == 1
 
 
+def _device_operand(shape, dtype, strides=None, ptr=1 << 20):
+    from tileops_cupy._arrays import Operand, contiguous_strides
+
+    strides = strides or contiguous_strides(shape)
+    return Operand(None, "cupy", 0, dtype, shape, strides, ptr)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_launch_values_pack_into_the_kernel_structs(dtype):
+    """Field counts and types match PreParams/PostParams (whose sizes mhc.cu asserts)."""
+    import ctypes
+
+    n, c_x, batch = 4, 130, 3
+    gates = MHCPreFwdOp(1.0, 1.0, 1.0, 20)._gates
+    k_range, k_splits, fuse = plan_geometry(batch, n * c_x, 132)
+    plan = sequence_modeling._PrePlan(
+        None, None, (k_splits, 1, 1), (1, 1, 1), 1 << 16, k_range, k_splits, 4, fuse, (1, 1, 1)
+    )
+    x = _device_operand((batch, n * c_x), dtype)
+    phi = _device_operand((n * c_x, 24), "float32")
+    b = _device_operand((24,), "float32")
+    outputs = [
+        _device_operand(s, d)
+        for s, d in (((3, 520), dtype), ((3, 130), dtype), ((3, 4), "float32"))
+    ]
+    values = sequence_modeling.pre_launch_values(gates, plan, x, phi, b, *outputs, (1, 2, 3))
+    buffer = ctypes.create_string_buffer(512)
+    sequence_modeling._PRE_PARAMS.pack_into(buffer, values)
+    assert sequence_modeling._PRE_PARAMS._struct.size == 176
+    values = sequence_modeling.post_launch_values(outputs[1], outputs[2], outputs[0], outputs[0])
+    sequence_modeling._POST_PARAMS.pack_into(buffer, values)
+    assert sequence_modeling._POST_PARAMS._struct.size == 104
+
+
 # --------------------------------------------------------------------------- NVRTC
 
 MHC_SPECS = [spec for spec in sequence_modeling._catalog()]

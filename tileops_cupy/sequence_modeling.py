@@ -32,6 +32,7 @@ Example (host, runs anywhere)::
 
 from __future__ import annotations
 
+import ctypes
 import math
 import threading
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ from ._arrays import (
     as_operand,
     check_target,
     contiguous,
+    contiguous_strides,
     cupy,
     empty_like,
     select_place,
@@ -64,12 +66,13 @@ _CUDA_TYPES = {"bfloat16": "mhc_bf16", "float16": "mhc_fp16", "float32": "float"
 CUDA_STREAMS = tuple(range(1, 9))  # n the CUDA kernels are compiled for (registers bound n)
 
 # Mirrors PreParams / PostParams in kernels_cu/mhc.cu, field by field.
-_PRE_PARAMS = _cuda.ParamStruct("PPPPPPPPqqqqqqqqiiiiffff")
-_POST_PARAMS = _cuda.ParamStruct("PPPPqqqqqqqqii")
+_PRE_PARAMS = _cuda.ParamStruct(9 * "P" + 8 * "q" + 6 * "i" + 4 * "f")  # 176 bytes
+_POST_PARAMS = _cuda.ParamStruct(4 * "P" + 8 * "q" + 2 * "i")  # 104 bytes
 # Launch geometry fixed by the kernels (TILE_ROWS, BLOCK_K, STAGE_PITCH, thread counts).
 _TILE_ROWS, _BLOCK_K, _STAGE_PITCH = 128, 64, 72
-_PROJECT_THREADS, _MIX_THREADS, _POST_THREADS = 256, 128, 256
-_MAX_FUSED_ROWS = 4  # batches this small run as one launch (decode)
+_PROJECT_THREADS, _APPLY_THREADS, _POST_THREADS = 256, 256, 256
+_MAX_FUSED_ROWS = 4  # batches this small run as one cooperative launch (decode)
+_COUNTER_TILES = 4  # first per-tile counter word (COUNTER_TILES in mhc.cu)
 
 
 # --------------------------------------------------------------------------- ops
@@ -154,9 +157,12 @@ class MHCPreFwdOp:
         n, c_x = _check_pre(phi_op, x_op, b_op)
         place = select_place(self.target, {"phi": phi_op, "x": x_op, "b": b_op})
         batch = x_op.shape[0]
-        x_res = empty_like(phi_op, (batch, n * c_x), x_op.dtype)
-        x_layer = empty_like(phi_op, (batch, c_x), x_op.dtype)
-        h_post = empty_like(phi_op, (batch, n), "float32")
+        layouts = (
+            ((batch, n * c_x), x_op.dtype),
+            ((batch, c_x), x_op.dtype),
+            ((batch, n), "float32"),
+        )
+        x_res, x_layer, h_post = _new_outputs(phi_op, *layouts)
         if batch:
             mhc_pre(place, self._gates, phi_op, x_op, b_op, x_res, x_layer, h_post)
         return to_caller(x_res), to_caller(x_layer), to_caller(h_post)
@@ -211,7 +217,7 @@ class MHCPostFwdOp:
         place = select_place(
             self.target, {"x_layer_out": layer_op, "h_post": gates_op, "x_res": res_op}
         )
-        x_out = empty_like(layer_op, res_op.shape, res_op.dtype)
+        (x_out,) = _new_outputs(layer_op, (res_op.shape, res_op.dtype))
         if res_op.shape[0] and res_op.shape[1]:
             mhc_post(place, layer_op, gates_op, res_op, x_out)
         return to_caller(x_out)
@@ -220,6 +226,38 @@ class MHCPostFwdOp:
 
     def __repr__(self) -> str:
         return f"MHCPostFwdOp(target={self.target!r})"
+
+
+_TORCH_DTYPES: dict[str, Any] = {}
+
+
+def _new_outputs(template: Operand, *layouts: tuple[tuple[int, ...], str]) -> list[Operand]:
+    """Fresh contiguous arrays (shape, dtype) in ``template``'s framework and device, as
+    ``empty_like`` makes them; for torch CUDA tensors without re-reading each new tensor's
+    metadata (a decode step allocates three outputs, and that bookkeeping was most of the
+    host time)."""
+    if template.framework != "torch" or not template.is_cuda:
+        return [empty_like(template, shape, dtype) for shape, dtype in layouts]
+    import torch
+
+    if not _TORCH_DTYPES:
+        _TORCH_DTYPES.update({name: getattr(torch, name) for name in (*X_DTYPES, "float32")})
+    device = template.obj.device
+    outputs = []
+    for shape, dtype in layouts:
+        tensor = torch.empty(shape, dtype=_TORCH_DTYPES[dtype], device=device)
+        outputs.append(
+            Operand(
+                obj=tensor,
+                framework="torch",
+                device=template.device,
+                dtype=dtype,
+                shape=tuple(shape),
+                strides=contiguous_strides(shape),
+                ptr=tensor.data_ptr(),
+            )
+        )
+    return outputs
 
 
 # --------------------------------------------------------------------------- validation
@@ -333,9 +371,10 @@ def mhc_post(place: str, layer: Operand, gates: Operand, res: Operand, x_out: Op
 
 
 def pre_module(dtype: str, n: int) -> _cuda.ModuleSpec:
-    """The projection and mix kernels of one x dtype and stream count."""
+    """The projection (with the coefficients) and apply kernels of one x dtype and n."""
     cuda_type = _CUDA_TYPES[dtype]
-    return _cuda.ModuleSpec("mhc", (f"mhc_project<{cuda_type}, {n}>", f"mhc_mix<{cuda_type}, {n}>"))
+    names = (f"mhc_project<{cuda_type}, {n}>", f"mhc_apply<{cuda_type}, {n}>")
+    return _cuda.ModuleSpec("mhc", names)
 
 
 def post_module() -> _cuda.ModuleSpec:
@@ -356,14 +395,15 @@ class _PrePlan:
     """Launch geometry of one (device, dtype, n, c_x, batch), computed once."""
 
     project: Any
-    mix: Any
-    project_grid: int
+    apply: Any
+    project_grid: tuple[int, int, int]
+    apply_grid: tuple[int, int, int]
     project_smem: int
     k_range: int
     k_splits: int
     stages: int
     fuse: bool
-    partial_floats: int
+    scratch: tuple[int, int, int]  # partial floats, coefficient floats, counter words
 
 
 _plans: dict[tuple, _PrePlan] = {}
@@ -419,25 +459,33 @@ def _pre_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan
             "(phi width n*n+2n); run on the host (target='cpu' with host arrays) instead"
         )
     spec = pre_module(dtype, n)
-    project_name, mix_name = spec.name_expressions
+    project_name, apply_name = spec.name_expressions
     project = _cuda.function(spec, project_name, device)
     width = n * c_x
     k_range, k_splits, fuse = plan_geometry(batch, width, _multiprocessor_count(device))
     stages = 4 if ITEMSIZE[dtype] == 2 else 3
-    n_tiles = (n * n + 2 * n + 7) // 8
-    smem = stages * _TILE_ROWS * _STAGE_PITCH * ITEMSIZE[dtype] + 2 * 4 * n_tiles * 3 * 32 * 8
+    q = n * n + 2 * n
+    x_stages = stages * _TILE_ROWS * _STAGE_PITCH * ITEMSIZE[dtype]
+    phi_stages = stages * _BLOCK_K * q * 4
+    pieces = 4 * ((q + 7) // 8) * 3 * 32 * 8  # bf16 B fragments of one K block
+    smem = x_stages + phi_stages + pieces
     with _lock:
         _raise_smem_limit(project, device, smem)
+    items = batch * -(-c_x // 8)  # mhc_apply: one thread per 8 columns of a row
+    if items >= 1 << 32:
+        raise ValueError(f"mHC pre takes batch * ceil(c_x / 8) < 2**32, got {items}")
+    tiles = -(-batch // _TILE_ROWS)
     plan = _PrePlan(
         project=project,
-        mix=_cuda.function(spec, mix_name, device),
-        project_grid=-(-batch // _TILE_ROWS) * k_splits,
+        apply=_cuda.function(spec, apply_name, device),
+        project_grid=(tiles * k_splits, 1, 1),
+        apply_grid=(-(-items // _APPLY_THREADS), 1, 1),
         project_smem=smem,
         k_range=k_range,
         k_splits=k_splits,
         stages=stages,
         fuse=fuse,
-        partial_floats=k_splits * batch * (n * n + 2 * n + 1),
+        scratch=(k_splits * batch * (q + 1), batch * (n + n * n), _COUNTER_TILES + tiles),
     )
     if len(_plans) > 4096:  # shapes churn (e.g. growing prefill chunks): start over
         _plans.clear()
@@ -446,39 +494,104 @@ def _pre_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan
 
 
 class _Scratch:
-    """Per (device, stream): the float32 partial sums mhc_project hands to mhc_mix, and the
-    counter a fused launch's blocks count themselves on (zero between launches: the last
-    block resets it). Launches on one stream run in order, so they can share both."""
+    """Per (device, stream): the float32 partial sums of mhc_project, the per-token
+    coefficients it hands to mhc_apply, and zeroed counter words (every launch leaves them
+    at zero: the block that last uses one resets it). Launches on one stream run in order,
+    so they can share all three."""
 
     def __init__(self) -> None:
-        self._entries: dict[tuple[int, int], tuple[Any, Any]] = {}
-        self._retired: list[Any] = []  # replaced buffers a queued launch may still read
+        self._entries: dict[tuple[int, int], list[Any]] = {}
+        self._retired: list[Any] = []  # replaced buffers a queued launch may still use
         self._lock = threading.Lock()
 
-    def get(self, device: int, stream: int, floats: int) -> tuple[int, int]:
+    def get(self, device: int, stream: int, sizes: tuple[int, int, int]) -> tuple[int, int, int]:
+        """(partial, coefficients, counters) device pointers, each of at least ``sizes``."""
         entry = self._entries.get((device, stream))
-        if entry is None or entry[0].size < floats:
+        if entry is None or any(a.size < n for a, n in zip(entry, sizes, strict=True)):
             with self._lock:
-                entry = self._grow(device, stream, floats)
-        return entry[0].data.ptr, entry[1].data.ptr
+                entry = self._grow(device, stream, sizes)
+        return entry[0].data.ptr, entry[1].data.ptr, entry[2].data.ptr
 
-    def _grow(self, device: int, stream: int, floats: int) -> tuple[Any, Any]:
+    def _grow(self, device: int, stream: int, sizes: tuple[int, int, int]) -> list[Any]:
         key = (device, stream)
-        entry = self._entries.get(key)
-        if entry is not None and entry[0].size >= floats:
-            return entry
+        entry = self._entries.get(key) or [None, None, None]
         cp = cupy()
         with cp.cuda.Device(device), cp.cuda.ExternalStream(stream, device):
-            size = max(floats, 1 << 16, 2 * entry[0].size if entry else 0)
-            partial = cp.empty(size, dtype=cp.float32)
-            counter = entry[1] if entry else cp.zeros(1, dtype=cp.uint32)  # zeroed on `stream`
-        if entry is not None:
-            self._retired.append(entry[0])
-        self._entries[key] = (partial, counter)
-        return self._entries[key]
+            dtypes = (cp.float32, cp.float32, cp.uint32)
+            for i, (dtype, wanted) in enumerate(zip(dtypes, sizes, strict=True)):
+                old = entry[i]
+                if old is not None and old.size >= wanted:
+                    continue
+                size = max(wanted, 1 << 12, 2 * old.size if old is not None else 0)
+                # counters are zeroed on `stream`, ordered before every launch that uses them
+                entry[i] = cp.zeros(size, dtype) if i == 2 else cp.empty(size, dtype)
+                if old is not None:
+                    self._retired.append(old)
+        self._entries[key] = entry
+        return entry
 
 
+class _CooperativeLauncher(threading.local):
+    """cuLaunchCooperativeKernel for the fused decode launch, whose blocks wait for each
+    other and so must all be resident at once (the driver refuses a grid that cannot be,
+    rather than letting it hang). Per thread: a reused parameter buffer, as
+    ``_cuda.launch_packed`` keeps for cuLaunchKernel."""
+
+    def __init__(self) -> None:
+        self.params = ctypes.create_string_buffer(512)
+        self.pointers = (ctypes.c_void_p * 1)(ctypes.addressof(self.params))
+        self.devices: set[int] = set()
+
+    def __call__(self, kernel, device, grid, block, fields, values, stream, shared_mem) -> None:
+        fields.pack_into(self.params, values)
+        runtime = cupy().cuda.runtime
+        previous = runtime.getDevice()
+        if device not in self.devices:
+            runtime.setDevice(device)
+            runtime.free(0)  # binds the device's primary context to this thread
+            self.devices.add(device)
+        elif previous != device:
+            runtime.setDevice(device)
+        try:
+            cupy().cuda.driver.launchCooperativeKernel(
+                kernel.ptr, *grid, *block, shared_mem, stream, ctypes.addressof(self.pointers)
+            )
+        finally:
+            if previous != device:
+                runtime.setDevice(previous)
+
+
+_launch_cooperative = _CooperativeLauncher()
 _scratch = _Scratch()
+
+
+def pre_launch_values(
+    gates: SinkhornGates,
+    plan: _PrePlan,
+    x: Operand,
+    phi: Operand,
+    b: Operand,
+    x_res: Operand,
+    x_layer: Operand,
+    h_post: Operand,
+    scratch: tuple[int, int, int],
+) -> tuple:
+    """PreParams (kernels_cu/mhc.cu) field by field, for ``_PRE_PARAMS``; ``scratch`` holds
+    the (partial, coefficients, counters) pointers."""
+    batch, width = x.shape
+    n = h_post.shape[1]
+    c_x, q = width // n, n * n + 2 * n
+    row_bytes = x.strides[0] * ITEMSIZE[x.dtype] if batch > 1 else 0
+    vector_io = c_x % 8 == 0 and (x.ptr | row_bytes) % 16 == 0
+    phi_vector = phi.strides == (q, 1) and phi.ptr % 16 == 0
+    partial, coef, counter = scratch
+    return (
+        x.ptr, phi.ptr, b.ptr, partial, counter, coef, x_res.ptr, x_layer.ptr, h_post.ptr,
+        x.strides[0], phi.strides[0], phi.strides[1], b.strides[0],
+        batch, c_x, plan.k_range, plan.k_splits,
+        plan.stages, vector_io, phi_vector, plan.fuse, gates.sinkhorn_repeat, 0,
+        gates.alpha_pre, gates.alpha_post, gates.alpha_res, gates.sinkhorn_eps,
+    )  # fmt: skip
 
 
 def _pre_cuda(
@@ -498,22 +611,37 @@ def _pre_cuda(
     c_x = width // n
     device = x.device
     plan = _pre_plan(device, x.dtype, n, c_x, batch)
-    row_bytes = x.strides[0] * ITEMSIZE[x.dtype] if batch > 1 else 0
-    vector_io = c_x % 8 == 0 and (x.ptr | row_bytes) % 16 == 0
-    partial, counter = _scratch.get(device, stream, plan.partial_floats)
-    params = _PRE_PARAMS.pack(
-        x.ptr, phi.ptr, b.ptr, partial, counter, x_res.ptr, x_layer.ptr, h_post.ptr,
-        x.strides[0], phi.strides[0], phi.strides[1], b.strides[0],
-        batch, c_x, plan.k_range, plan.k_splits,
-        plan.stages, vector_io, plan.fuse, gates.sinkhorn_repeat,
-        gates.alpha_pre, gates.alpha_post, gates.alpha_res, gates.sinkhorn_eps,
+    scratch = _scratch.get(device, stream, plan.scratch)
+    params = pre_launch_values(gates, plan, x, phi, b, x_res, x_layer, h_post, scratch)
+    if plan.fuse:
+        _launch_cooperative(
+            plan.project, device, plan.project_grid, (_PROJECT_THREADS, 1, 1), _PRE_PARAMS,
+            params, stream, plan.project_smem,
+        )  # fmt: skip
+        return
+    _cuda.launch_packed(
+        plan.project, device, plan.project_grid, (_PROJECT_THREADS, 1, 1), _PRE_PARAMS, params,
+        stream, plan.project_smem,
     )  # fmt: skip
     _cuda.launch_packed(
-        plan.project, device, (plan.project_grid,), (_PROJECT_THREADS,), params, stream,
-        plan.project_smem,
+        plan.apply, device, plan.apply_grid, (_APPLY_THREADS, 1, 1), _PRE_PARAMS, params, stream
+    )
+
+
+def post_launch_values(layer: Operand, gates: Operand, res: Operand, x_out: Operand) -> tuple:
+    """PostParams (kernels_cu/mhc.cu) field by field, for ``_POST_PARAMS``."""
+    batch, c_x = layer.shape
+    n = gates.shape[1]
+    itemsize = ITEMSIZE[layer.dtype]
+    alignment = layer.ptr | res.ptr
+    if batch > 1:
+        alignment |= (layer.strides[0] | res.strides[0]) * itemsize
+    vector_io = c_x % 8 == 0 and alignment % 16 == 0
+    return (
+        layer.ptr, gates.ptr, res.ptr, x_out.ptr,
+        layer.strides[0], gates.strides[0], gates.strides[1], res.strides[0],
+        batch, n, c_x, -(-c_x // 8), vector_io, 0,
     )  # fmt: skip
-    if not plan.fuse:
-        _cuda.launch_packed(plan.mix, device, (batch,), (_MIX_THREADS,), params, stream)
 
 
 def _post_cuda(layer: Operand, gates: Operand, res: Operand, x_out: Operand, stream: int) -> None:
@@ -522,22 +650,13 @@ def _post_cuda(layer: Operand, gates: Operand, res: Operand, x_out: Operand, str
     if not res.last_dim_contiguous:
         res = contiguous(res)
     batch, c_x = layer.shape
-    n = gates.shape[1]
-    units = -(-c_x // 8)
-    items = batch * units
+    items = batch * -(-c_x // 8)
     if items >= 1 << 32:
         raise ValueError(f"mHC post takes batch * ceil(c_x / 8) < 2**32, got {items}")
-    itemsize = ITEMSIZE[layer.dtype]
-    alignment = layer.ptr | res.ptr
-    if batch > 1:
-        alignment |= (layer.strides[0] | res.strides[0]) * itemsize
-    vector_io = c_x % 8 == 0 and alignment % 16 == 0
     spec = post_module()
     kernel = _cuda.function(spec, f"mhc_post<{_CUDA_TYPES[layer.dtype]}>", layer.device)
-    params = _POST_PARAMS.pack(
-        layer.ptr, gates.ptr, res.ptr, x_out.ptr,
-        layer.strides[0], gates.strides[0], gates.strides[1], res.strides[0],
-        batch, n, c_x, units, vector_io, 0,
-    )  # fmt: skip
-    grid = -(-items // _POST_THREADS)
-    _cuda.launch_packed(kernel, layer.device, (grid,), (_POST_THREADS,), params, stream)
+    params = post_launch_values(layer, gates, res, x_out)
+    grid = (-(-items // _POST_THREADS), 1, 1)
+    _cuda.launch_packed(
+        kernel, layer.device, grid, (_POST_THREADS, 1, 1), _POST_PARAMS, params, stream
+    )
