@@ -2,21 +2,23 @@
 // and the post-layer mix. Header-free: NVRTC here has no toolkit headers, so 16-bit floats
 // are converted with inline PTX and the tensor-core product is inline PTX `mma.sync`.
 //
-// Pre is two kernels per call, or one when the batch is tiny:
+// Pre is three kernels per call, two when the batch is small:
+//   mhc_phi_pieces  phi as bf16 B fragments (below), once per call.
 //   mhc_project  h = x @ phi and sum(x*x) for a tile of 128 tokens over one range of K.
 //                phi is split into three bf16 pieces (hi + mid + lo == phi exactly), x into
 //                one (bf16), two (fp16) or three (fp32) pieces, and every piece product whose
 //                weight is at least 2^-16 goes through the bf16 tensor cores with float32
 //                accumulation: float32-accurate h at tensor-core speed (TF32 alone is not).
-//                x and phi blocks stream through a cp.async pipeline into a scratch
+//                x and phi fragments stream through a cp.async pipeline into a scratch
 //                [k_splits, batch, Q+1] of partial sums (the Q+1-th is sum(x*x)). The block
 //                that completes a tile (the only one, or the last of its K splits) sums the
 //                partials in a fixed order and computes every token's gates and Sinkhorn
 //                matrix (one token per n lanes), into a scratch [batch, n + n*n] and h_post.
 //   mhc_apply    one pass over the rows, one thread per 8 columns: x_layer and x_res.
-// With `fuse` set (batch <= 4: decode) the blocks of one cooperative mhc_project launch
-// split K over every multiprocessor, the last to finish computes the coefficients, and then
-// every block applies them to its share of the columns: one launch, no host synchronisation.
+// With `fuse` set (small batches, decode) the blocks of one cooperative mhc_project launch
+// split K over every multiprocessor, meet at a grid barrier, compute the coefficients of
+// one token each, meet again, and apply them to a share of the columns: no mhc_apply
+// launch, and no host synchronisation anywhere.
 //
 // Post (mhc_post) is one pass: each thread reads 8 columns of x_layer_out once and reuses
 // them for the n streams of x_res.
@@ -228,12 +230,13 @@ struct PreParams {
   float* partial;         // scratch [k_splits, batch, Q+1]
   unsigned int* counter;  // zeroed words, left at zero by every launch (see COUNTER_TILES)
   float* coef;            // scratch [batch, n + n*n]: h_pre, then M row-major
+  u32* pieces;            // scratch: phi as bf16 B fragments, K block by K block (mhc_phi_pieces)
   void* x_res;            // [batch, n*c_x], contiguous
   void* x_layer;          // [batch, c_x], contiguous
   float* h_post;          // [batch, n], contiguous
   i64 x_stride, phi_stride_k, phi_stride_q, bias_stride;
   i64 batch, c_x, k_range, k_splits;
-  int stages, vector_io, phi_vector, fuse, repeat, unused;
+  int vector_io, fuse, repeat, unused;
   float alpha_pre, alpha_post, alpha_res, eps;
 };
 
@@ -265,16 +268,11 @@ constexpr int STAGE_PITCH = BLOCK_K + 8;  // elements per smem row: 16 (or 32) b
                                           // puts the 8 rows of a fragment load in distinct banks
 constexpr int PROJECT_THREADS = 256;
 constexpr int APPLY_THREADS = 256;
-constexpr int MAX_FUSED_ROWS = 4;  // = _MAX_FUSED_ROWS in sequence_modeling.py
-// counter words: [0] unused, [1] fused: coefficients ready, [2] fused: blocks done,
+// counter words: [0], [1] fused: blocks past the two grid barriers, [2] fused: blocks done,
 // [COUNTER_TILES + t] blocks of tile t finished (k_splits > 1)
 constexpr int COUNTER_TILES = 4;
-// Bytes of each x row pulled into L2 ahead of the cp.async pipeline (sm_90): a 64-wide K
-// block reads only 128 bytes of a row, and DRAM serves such short runs from 16K rows at a
-// fraction of its bandwidth.
-#ifndef MHC_PREFETCH_BYTES
-#define MHC_PREFETCH_BYTES 512
-#endif
+constexpr int STAGES = 3;  // cp.async pipeline depth of mhc_project
+
 
 // ------------------------------------------------------------------ coefficients and mix
 
@@ -501,40 +499,13 @@ __device__ __forceinline__ void x_fragment(const typename Io<T>::elem* stage, in
   }
 }
 
-// One K block of phi (BLOCK_K rows x Q) into shared memory as [row][Q] floats; rows past K
-// read as zeros. Dense row-major phi moves in 16-byte pieces, any other layout by element.
-template <int N>
-__device__ __forceinline__ void load_phi_stage(const PreParams& p, float* dst, i64 k0, i64 K) {
-  constexpr int Q = Dims<N>::Q;
-  if (p.phi_vector) {
-    const float* src = p.phi + k0 * Q;
-    const i64 left = (K - k0) * Q;  // floats from the block start to phi's end
-    for (int c = threadIdx.x; c < BLOCK_K * Q / 4; c += PROJECT_THREADS) {
-      if (4 * c + 4 <= left) {
-        cp_async16(dst + 4 * c, src + 4 * c);
-      } else {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) dst[4 * c + j] = 4 * c + j < left ? src[4 * c + j] : 0.f;
-      }
-    }
-  } else {
-    for (int e = threadIdx.x; e < BLOCK_K * Q; e += PROJECT_THREADS) {
-      const int r = e / Q, q = e - r * Q;
-      const i64 k = k0 + r;
-      if (k < K)
-        cp_async4(dst + e, p.phi + k * p.phi_stride_k + q * p.phi_stride_q);
-      else
-        dst[e] = 0.f;
-    }
-  }
-}
-
-// The B fragments of one K block, each phi value split into three bf16 pieces. Slot =
-// (kstep, n-tile, lane, half): two consecutive K rows of one h column; NT slots per thread.
-// Layout: [kstep 4][n-tile NT][piece 3][lane 32] x (b0, b1), one 8-byte load per mma.
-template <int N>
-__device__ __forceinline__ void build_phi_pieces(u32* pieces, const float* stage, i64 k0, i64 k_end) {
-  constexpr int Q = Dims<N>::Q, NT = Dims<N>::NT;
+// The B fragments of one K block, each phi value split into three bf16 pieces, from
+// phi_at(kk, q) (kk within the block; 0 outside phi). Slot = (kstep, n-tile, lane, half): two
+// consecutive K rows of one h column; NT slots per thread. Layout: [kstep 4][n-tile NT]
+// [piece 3][lane 32] x (b0, b1), one 8-byte load per mma.
+template <int N, typename PhiAt>
+__device__ __forceinline__ void build_pieces(u32* pieces, PhiAt phi_at) {
+  constexpr int NT = Dims<N>::NT;
 #pragma unroll
   for (int i = 0; i < NT; ++i) {
     const int slot = i * PROJECT_THREADS + threadIdx.x;
@@ -542,16 +513,40 @@ __device__ __forceinline__ void build_phi_pieces(u32* pieces, const float* stage
     const int nt = rest % NT, ks = rest / NT;
     const int q = nt * 8 + (lane >> 2);
     const int kk = ks * 16 + half * 8 + 2 * (lane & 3);
-    // rows past this block's K range belong to the next split: they must count as zero
-    const float v0 = q < Q && k0 + kk < k_end ? stage[kk * Q + q] : 0.f;
-    const float v1 = q < Q && k0 + kk + 1 < k_end ? stage[(kk + 1) * Q + q] : 0.f;
     u32 lo[3], hi[3];
-    split_bf16<3>(v0, lo);
-    split_bf16<3>(v1, hi);
+    split_bf16<3>(phi_at(kk, q), lo);
+    split_bf16<3>(phi_at(kk + 1, q), hi);
 #pragma unroll
     for (int piece = 0; piece < 3; ++piece)
       pieces[(((ks * NT + nt) * 3 + piece) * 32 + lane) * 2 + half] = lo[piece] | (hi[piece] << 16);
   }
+}
+
+template <int N>
+__host__ __device__ constexpr int piece_words() {
+  return 4 * Dims<N>::NT * 3 * 32 * 2;  // u32 words of one K block's B fragments
+}
+
+// phi as B fragments, once per call, one K block per block: every mhc_project block then
+// streams them instead of splitting phi again for each tile. K ranges are whole K blocks,
+// so a block's fragments never mix two ranges.
+template <int N>
+__global__ void __launch_bounds__(PROJECT_THREADS) mhc_phi_pieces(const PreParams p) {
+  constexpr int Q = Dims<N>::Q;
+  const i64 K = N * p.c_x;
+  const i64 k0 = (i64)blockIdx.x * BLOCK_K;
+  build_pieces<N>(p.pieces + (i64)blockIdx.x * piece_words<N>(), [&](int kk, int q) {
+    const i64 k = k0 + kk;
+    return k < K && q < Q ? p.phi[k * p.phi_stride_k + q * p.phi_stride_q] : 0.f;
+  });
+}
+
+// One K block of B fragments into a shared-memory stage.
+template <int N>
+__device__ __forceinline__ void load_pieces_stage(const PreParams& p, u32* dst, i64 k0) {
+  const u32* src = p.pieces + (k0 / BLOCK_K) * piece_words<N>();
+  for (int c = threadIdx.x; c < piece_words<N>() / 4; c += PROJECT_THREADS)
+    cp_async16(dst + 4 * c, src + 4 * c);
 }
 
 template <typename T>
@@ -584,46 +579,44 @@ __device__ __forceinline__ void load_stage(const PreParams& p, typename Io<T>::e
   }
 }
 
-// L2 prefetch of run `chunk` (MHC_PREFETCH_BYTES of K from k_begin) of every row of the
-// tile, one row per thread; the cp.async pipeline then finds its 128-byte pieces in L2.
-template <typename T>
-__device__ __forceinline__ void prefetch_rows(const PreParams& p, i64 row0, i64 k_begin, i64 k_end,
-                                              int chunk) {
-#if __CUDA_ARCH__ >= 900 && MHC_PREFETCH_BYTES > 0
-  typedef typename Io<T>::elem E;
-  constexpr int RUN = MHC_PREFETCH_BYTES / sizeof(E);  // elements
-  const i64 row = row0 + threadIdx.x;
-  const i64 k = k_begin + (i64)chunk * RUN;
-  if (!p.vector_io || threadIdx.x >= TILE_ROWS || row >= p.batch || k >= k_end) return;
-  const E* src = (const E*)p.x + row * p.x_stride + k;
-  const u32 bytes = (u32)((k_end - k < RUN ? k_end - k : RUN) * sizeof(E));  // a multiple of 16
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
-#endif
+// Every block of a cooperative launch waits here until all have arrived on `count`.
+__device__ __forceinline__ void grid_barrier(unsigned int* count) {
+  __threadfence();  // this thread's writes are visible device-wide before the count moves
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    atomicAdd(count, 1u);
+    // bounded: a missing block would otherwise hang the device; ~2 s, then a trap
+    for (unsigned int spins = 0; load_acquire(count) < gridDim.x; ++spins) {
+      if (spins > (1u << 24)) __trap();
+      asm volatile("nanosleep.u32 64;");
+    }
+  }
+  __syncthreads();
 }
 
 // Grid: (batch tiles of 128 tokens) x k_splits blocks; block b takes tile b / k_splits and
-// K range [split * k_range, (split+1) * k_range). Warp w: tokens 32*(w%4) .. +32 (two mma
-// m-tiles) and k-steps 2*(w/4), +1 of every 64-wide K block.
+// K range [split * k_range, (split+1) * k_range), a multiple of BLOCK_K. Warp w: tokens
+// 32*(w%4) .. +32 (two mma m-tiles) and k-steps 2*(w/4), +1 of every 64-wide K block.
+// Shared memory (size as in sequence_modeling._pre_plan): STAGES x stages, then STAGES
+// B-fragment stages.
 template <typename T, int N>
-__global__ void __launch_bounds__(PROJECT_THREADS, 1) mhc_project(const PreParams p) {
+// Two blocks per multiprocessor where the registers allow (bf16 x, n <= 4): twice the
+// warps to hide the pipeline's latencies.
+__global__ void __launch_bounds__(PROJECT_THREADS, N <= 4 && Io<T>::x_pieces == 1 ? 2 : 1)
+    mhc_project(const PreParams p) {
   typedef typename Io<T>::elem E;
   constexpr int Q = Dims<N>::Q, QP = Dims<N>::QP, NT = Dims<N>::NT, NC = Dims<N>::NC;
   constexpr int XP = Io<T>::x_pieces;
   constexpr int X_STAGE = TILE_ROWS * STAGE_PITCH;  // elements
-  constexpr int PHI_STAGE = BLOCK_K * Q;            // floats
+  constexpr int X_BYTES = STAGES * X_STAGE * (int)sizeof(E);
+  constexpr int PIECES = piece_words<N>();          // u32 words
   extern __shared__ U4 dynamic_smem[];
-  // K blocks per prefetched run of each row
-  constexpr int PREFETCH_BLOCKS =
-      MHC_PREFETCH_BYTES > 0 ? MHC_PREFETCH_BYTES / (BLOCK_K * (int)sizeof(E)) : 1 << 30;
-  __shared__ float fused_scratch[PROJECT_THREADS];
+  __shared__ float sh_scratch[PROJECT_THREADS];
   __shared__ int is_last_block;
 
-  // [x stages][phi stages][pieces]; sizes as in sequence_modeling._pre_plan
   unsigned char* smem = (unsigned char*)dynamic_smem;
-  const int x_bytes = p.stages * X_STAGE * (int)sizeof(E);
   E* x_stages = (E*)smem;
-  float* phi_stages = (float*)(smem + x_bytes);
-  u32* pieces = (u32*)(smem + x_bytes + p.stages * PHI_STAGE * 4);
+  u32* piece_stages = (u32*)(smem + X_BYTES);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, tg = lane & 3;
@@ -636,19 +629,19 @@ __global__ void __launch_bounds__(PROJECT_THREADS, 1) mhc_project(const PreParam
   const int blocks = (int)((k_end - k_begin + BLOCK_K - 1) / BLOCK_K);
 
   // rows past the batch are never loaded: they must read as zeros
-  for (int i = tid; i < x_bytes / 16; i += PROJECT_THREADS) dynamic_smem[i] = U4{0u, 0u, 0u, 0u};
+  for (int i = tid; i < X_BYTES / 16; i += PROJECT_THREADS) dynamic_smem[i] = U4{0u, 0u, 0u, 0u};
   __syncthreads();  // the zeros land before any asynchronous copy into the same rows
 
-  for (int s = 0; s < p.stages - 1; ++s) {
-    if (s < blocks) {
-      const i64 k0 = k_begin + (i64)s * BLOCK_K;
-      load_stage<T>(p, x_stages + s * X_STAGE, row0, k0, k_end);
-      load_phi_stage<N>(p, phi_stages + s * PHI_STAGE, k0, K);
-    }
+  auto load_block = [&](int blk) {
+    const int s = blk % STAGES;
+    const i64 k0 = k_begin + (i64)blk * BLOCK_K;
+    load_stage<T>(p, x_stages + s * X_STAGE, row0, k0, k_end);
+    load_pieces_stage<N>(p, piece_stages + s * PIECES, k0);
+  };
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < blocks) load_block(s);
     cp_async_commit();
   }
-  prefetch_rows<T>(p, row0, k_begin, k_end, 0);
-  prefetch_rows<T>(p, row0, k_begin, k_end, 1);
 
   float acc[2][NT][4];
   float sumsq[2][2];
@@ -660,21 +653,12 @@ __global__ void __launch_bounds__(PROJECT_THREADS, 1) mhc_project(const PreParam
   }
 
   for (int b = 0; b < blocks; ++b) {
-    cp_async_wait_all_but(p.stages - 2);
-    __syncthreads();  // block b's x and phi are in; every warp is done with block b-1
-    const int next = b + p.stages - 1;
-    if (next % PREFETCH_BLOCKS == 0)  // the run after the one block `next` starts
-      prefetch_rows<T>(p, row0, k_begin, k_end, next / PREFETCH_BLOCKS + 1);
-    if (next < blocks) {  // into the stage block b-1 used
-      const i64 k0 = k_begin + (i64)next * BLOCK_K;
-      load_stage<T>(p, x_stages + (next % p.stages) * X_STAGE, row0, k0, k_end);
-      load_phi_stage<N>(p, phi_stages + (next % p.stages) * PHI_STAGE, k0, K);
-    }
+    cp_async_wait_all_but(STAGES - 2);
+    __syncthreads();  // block b's stage is in; every warp is done with block b-1
+    if (b + STAGES - 1 < blocks) load_block(b + STAGES - 1);  // into the stage b-1 used
     cp_async_commit();
-    build_phi_pieces<N>(pieces, phi_stages + (b % p.stages) * PHI_STAGE, k_begin + (i64)b * BLOCK_K, k_end);
-    __syncthreads();  // pieces complete
-    const E* stage = x_stages + (b % p.stages) * X_STAGE;
-    const U2* frag = (const U2*)pieces;
+    const U2* frag = (const U2*)(piece_stages + (b % STAGES) * PIECES);
+    const E* stage = x_stages + (b % STAGES) * X_STAGE;
 #pragma unroll
     for (int kq = 0; kq < 2; ++kq) {
       const int ks = k_half * 2 + kq;
@@ -738,10 +722,37 @@ __global__ void __launch_bounds__(PROJECT_THREADS, 1) mhc_project(const PreParam
       }
     }
   }
+  float* sh_h = (float*)smem;  // reused once every thread is past the next barrier
+
+  if (p.fuse) {
+    // Small batch, every block co-resident (cooperative launch): once all partials are in,
+    // block j computes the coefficients of rows j, j + grid, ...; once those are all
+    // published, every thread of the grid applies them to its share of (row, 8 columns).
+    grid_barrier(&p.counter[0]);
+    for (i64 row = blockIdx.x; row < p.batch; row += gridDim.x) {
+      sum_partials<N>(p, row, 1, sh_h, sh_scratch);
+      tile_coefficients<N>(p, sh_h, row, 1);
+      __syncthreads();  // sh_h is rewritten for the next row
+    }
+    grid_barrier(&p.counter[1]);
+    const i64 units = (p.c_x + 7) / 8;
+    for (i64 item = (i64)blockIdx.x * PROJECT_THREADS + tid; item < p.batch * units;
+         item += (i64)gridDim.x * PROJECT_THREADS) {
+      const i64 row = item / units, u = item - row * units;
+      apply_unit<T, N>(p, row, u * 8, p.coef + row * NC, true);
+    }
+    __syncthreads();
+    if (tid == 0 && atomicAdd(&p.counter[2], 1u) == gridDim.x - 1) {
+      // every block is past both barriers: ready for the next launch on this stream
+      atomicExch(&p.counter[0], 0u);
+      atomicExch(&p.counter[1], 0u);
+      atomicExch(&p.counter[2], 0u);
+    }
+    return;
+  }
 
   // The block that completes the tile computes its tokens' coefficients: the only block of
   // the tile, or the last of its K splits to finish (the others' partials are then final).
-  const int tile_rows = p.batch - row0 < TILE_ROWS ? (int)(p.batch - row0) : TILE_ROWS;
   __threadfence();  // this thread's partials are visible device-wide before the count moves
   __syncthreads();
   if (tid == 0) {
@@ -753,45 +764,11 @@ __global__ void __launch_bounds__(PROJECT_THREADS, 1) mhc_project(const PreParam
     }
   }
   __syncthreads();
-  if (is_last_block) {
-    __threadfence();
-    float* sh_h = (float*)smem;  // the x stages are free
-    sum_partials<N>(p, row0, tile_rows, sh_h, fused_scratch);
-    tile_coefficients<N>(p, sh_h, row0, tile_rows);
-  }
-  if (!p.fuse) return;
-
-  // Decode: one tile, K split over every block, all co-resident (cooperative launch). The
-  // block that computed the coefficients publishes them; every block then applies them to
-  // its share of the columns.
-  if (is_last_block) {
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) atomicExch(&p.counter[1], 1u);
-  } else {
-    if (tid == 0) {
-      // bounded: a missing block would otherwise hang the device; ~2 s, then a trap
-      for (unsigned int spins = 0; load_acquire(&p.counter[1]) == 0u; ++spins) {
-        if (spins > (1u << 24)) __trap();
-        asm volatile("nanosleep.u32 100;");
-      }
-    }
-    __syncthreads();
-  }
-  const i64 units = (p.c_x + 7) / 8;
-  const i64 share = (units + gridDim.x - 1) / gridDim.x;
-  const i64 u_begin = blockIdx.x * share;
-  const i64 u_end = u_begin + share < units ? u_begin + share : units;
-  for (i64 item = tid; item < (i64)tile_rows * (u_end - u_begin); item += PROJECT_THREADS) {
-    const i64 r = item / (u_end - u_begin), u = u_begin + item % (u_end - u_begin);
-    apply_unit<T, N>(p, r, u * 8, p.coef + r * NC, true);
-  }
-  __syncthreads();
-  if (tid == 0 && atomicAdd(&p.counter[2], 1u) == gridDim.x - 1) {
-    // every block has read the coefficients: ready for the next launch on this stream
-    atomicExch(&p.counter[1], 0u);
-    atomicExch(&p.counter[2], 0u);
-  }
+  if (!is_last_block) return;
+  __threadfence();
+  const int tile_rows = p.batch - row0 < TILE_ROWS ? (int)(p.batch - row0) : TILE_ROWS;
+  sum_partials<N>(p, row0, tile_rows, sh_h, sh_scratch);
+  tile_coefficients<N>(p, sh_h, row0, tile_rows);
 }
 
 // One thread per 8 columns of a row, last rows first: mhc_project streamed x in increasing

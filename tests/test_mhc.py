@@ -245,17 +245,19 @@ def test_streams_of():
         assert streams_of(n * n + 2 * n) == n
 
 
-@pytest.mark.parametrize("batch", (1, 4, 5, 128, 129, 4096, 16384, 40000))
+@pytest.mark.parametrize("resident", (132, 264))
+@pytest.mark.parametrize("batch", (1, 4, 5, 128, 129, 256, 257, 4096, 16384, 40000))
 @pytest.mark.parametrize("width", (4 * 1280, 4 * 4096, 4 * 7168, 8 * 130, 64))
-def test_plan_geometry_covers_k(batch, width):
-    k_range, k_splits, fuse = plan_geometry(batch, width, 132)
+def test_plan_geometry_covers_k(batch, width, resident):
+    k_range, k_splits, fuse = plan_geometry(batch, width, resident)
     assert k_range % 64 == 0 and k_range >= 64
     assert (k_splits - 1) * k_range < width <= k_splits * k_range  # every split has work
-    assert fuse == (batch <= 4)
+    assert fuse == (batch <= 256)
     tiles = -(-batch // 128)
-    if tiles >= 132:
+    if tiles >= resident:
         assert k_splits == 1
-    assert tiles * k_splits <= 2 * 132 or k_splits == 1
+    else:  # one wave: a cooperative launch needs every block resident
+        assert tiles * k_splits <= resident
 
 
 def _device_operand(shape, dtype, strides=None, ptr=1 << 20):
@@ -273,8 +275,9 @@ def test_launch_values_pack_into_the_kernel_structs(dtype):
     n, c_x, batch = 4, 130, 3
     gates = MHCPreFwdOp(1.0, 1.0, 1.0, 20)._gates
     k_range, k_splits, fuse = plan_geometry(batch, n * c_x, 132)
+    grid = (k_splits, 1, 1)
     plan = sequence_modeling._PrePlan(
-        None, None, (k_splits, 1, 1), (1, 1, 1), 1 << 16, k_range, k_splits, 4, fuse, (1, 1, 1)
+        None, None, None, grid, grid, grid, 1 << 16, k_range, k_splits, fuse, (1, 1, 1, 1)
     )
     x = _device_operand((batch, n * c_x), dtype)
     phi = _device_operand((n * c_x, 24), "float32")
@@ -283,7 +286,7 @@ def test_launch_values_pack_into_the_kernel_structs(dtype):
         _device_operand(s, d)
         for s, d in (((3, 520), dtype), ((3, 130), dtype), ((3, 4), "float32"))
     ]
-    values = sequence_modeling.pre_launch_values(gates, plan, x, phi, b, *outputs, (1, 2, 3))
+    values = sequence_modeling.pre_launch_values(gates, plan, x, phi, b, *outputs, (1, 2, 3, 4))
     buffer = ctypes.create_string_buffer(512)
     sequence_modeling._PRE_PARAMS.pack_into(buffer, values)
     assert sequence_modeling._PRE_PARAMS._struct.size == 176

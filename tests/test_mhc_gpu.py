@@ -47,12 +47,13 @@ def run_pre_torch(case, **kwargs):
 # --------------------------------------------------------------------------- pre
 
 
-# batch 1 and 4 run fused (one launch); 37 one tile with K split over all multiprocessors;
-# 300 three tiles; every c_x that no vector width divides (130) takes the scalar path
+# batch <= 256 runs as one cooperative launch (K split over every multiprocessor; 200 is two
+# tiles); 300 is three tiles whose K splits' last block computes the coefficients; a c_x that
+# no vector width divides (130) takes the element-wise path
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", (1, 2, 4, 6, 8))
 def test_pre_matches_oracle(rng, n, dtype):
-    for c_x, batch in ((1000, 1), (130, 4), (1000, 37), (130, 300), (64, 5)):
+    for c_x, batch in ((1000, 1), (130, 4), (1000, 37), (136, 200), (130, 300), (64, 5)):
         case = random_pre_case(rng, n, c_x, batch, dtype=dtype)
         outputs = run_pre_torch(case)
         torch = _torch()

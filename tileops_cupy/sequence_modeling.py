@@ -66,12 +66,12 @@ _CUDA_TYPES = {"bfloat16": "mhc_bf16", "float16": "mhc_fp16", "float32": "float"
 CUDA_STREAMS = tuple(range(1, 9))  # n the CUDA kernels are compiled for (registers bound n)
 
 # Mirrors PreParams / PostParams in kernels_cu/mhc.cu, field by field.
-_PRE_PARAMS = _cuda.ParamStruct(9 * "P" + 8 * "q" + 6 * "i" + 4 * "f")  # 176 bytes
+_PRE_PARAMS = _cuda.ParamStruct(10 * "P" + 8 * "q" + 4 * "i" + 4 * "f")  # 176 bytes
 _POST_PARAMS = _cuda.ParamStruct(4 * "P" + 8 * "q" + 2 * "i")  # 104 bytes
 # Launch geometry fixed by the kernels (TILE_ROWS, BLOCK_K, STAGE_PITCH, thread counts).
-_TILE_ROWS, _BLOCK_K, _STAGE_PITCH = 128, 64, 72
+_TILE_ROWS, _BLOCK_K, _STAGE_PITCH, _STAGES = 128, 64, 72, 3
 _PROJECT_THREADS, _APPLY_THREADS, _POST_THREADS = 256, 256, 256
-_MAX_FUSED_ROWS = 4  # batches this small run as one cooperative launch (decode)
+_MAX_FUSED_ROWS = 256  # batches this small: cooperative mhc_project, no mhc_apply launch
 _COUNTER_TILES = 4  # first per-tile counter word (COUNTER_TILES in mhc.cu)
 
 
@@ -371,9 +371,14 @@ def mhc_post(place: str, layer: Operand, gates: Operand, res: Operand, x_out: Op
 
 
 def pre_module(dtype: str, n: int) -> _cuda.ModuleSpec:
-    """The projection (with the coefficients) and apply kernels of one x dtype and n."""
+    """The phi-fragment, projection (with the coefficients) and apply kernels of one x
+    dtype and n."""
     cuda_type = _CUDA_TYPES[dtype]
-    names = (f"mhc_project<{cuda_type}, {n}>", f"mhc_apply<{cuda_type}, {n}>")
+    names = (
+        f"mhc_phi_pieces<{n}>",
+        f"mhc_project<{cuda_type}, {n}>",
+        f"mhc_apply<{cuda_type}, {n}>",
+    )
     return _cuda.ModuleSpec("mhc", names)
 
 
@@ -394,16 +399,17 @@ def _catalog():
 class _PrePlan:
     """Launch geometry of one (device, dtype, n, c_x, batch), computed once."""
 
+    pieces: Any
     project: Any
     apply: Any
+    pieces_grid: tuple[int, int, int]
     project_grid: tuple[int, int, int]
     apply_grid: tuple[int, int, int]
     project_smem: int
     k_range: int
     k_splits: int
-    stages: int
     fuse: bool
-    scratch: tuple[int, int, int]  # partial floats, coefficient floats, counter words
+    scratch: tuple[int, int, int, int]  # words of partials, coefficients, counters, pieces
 
 
 _plans: dict[tuple, _PrePlan] = {}
@@ -420,32 +426,36 @@ def _multiprocessor_count(device: int) -> int:
     return count
 
 
-def _raise_smem_limit(kernel: Any, device: int, nbytes: int) -> None:
-    """Kernels get more than 48 KB of dynamic shared memory only after asking for it."""
-    key = (kernel.ptr, device)
-    if key in _smem_raised:
-        return
+def _raise_smem_limit(kernel: Any, device: int, nbytes: int) -> int:
+    """Kernels get more than 48 KB of dynamic shared memory only after asking for it.
+    Returns how many blocks of 256 threads then fit on one multiprocessor."""
     cp = cupy()
+    driver = cp.cuda.driver
     with cp.cuda.Device(device):
-        driver = cp.cuda.driver
-        driver.funcSetAttribute(
-            kernel.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes
+        key = (kernel.ptr, device)
+        if key not in _smem_raised:
+            driver.funcSetAttribute(
+                kernel.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes
+            )
+            _smem_raised.add(key)
+        return driver.occupancyMaxActiveBlocksPerMultiprocessor(
+            kernel.ptr, _PROJECT_THREADS, nbytes
         )
-    _smem_raised.add(key)
 
 
-def plan_geometry(batch: int, width: int, multiprocessors: int) -> tuple[int, int, bool]:
-    """(k_range, k_splits, fuse): how mhc_project splits K.
+def plan_geometry(batch: int, width: int, resident_blocks: int) -> tuple[int, int, bool]:
+    """(k_range, k_splits, fuse): how mhc_project splits K over its blocks.
 
-    Enough (tile, K range) blocks to cover every multiprocessor once: a large batch has a
-    tile per multiprocessor and splits nothing; a decode batch (one tile) splits K over all
-    of them, since reading phi is then most of the work.
+    At most ``resident_blocks`` (tile, K range) blocks, as many as fit at once: a large
+    batch has about one tile per block and splits K little; a small batch splits K over
+    every block, since reading phi is then much of the work. K ranges are whole 64-wide K
+    blocks. Small batches (``fuse``) run as one cooperative launch, which needs every block
+    resident at once.
     """
     tiles = -(-batch // _TILE_ROWS)
-    fuse = batch <= _MAX_FUSED_ROWS
-    wanted = max(1, round(multiprocessors / tiles))
+    wanted = max(1, resident_blocks // tiles)
     k_range = max(_BLOCK_K, -(-width // (wanted * _BLOCK_K)) * _BLOCK_K)
-    return k_range, -(-width // k_range), fuse
+    return k_range, -(-width // k_range), batch <= _MAX_FUSED_ROWS
 
 
 def _pre_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan:
@@ -459,33 +469,37 @@ def _pre_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan
             "(phi width n*n+2n); run on the host (target='cpu' with host arrays) instead"
         )
     spec = pre_module(dtype, n)
-    project_name, apply_name = spec.name_expressions
+    pieces_name, project_name, apply_name = spec.name_expressions
     project = _cuda.function(spec, project_name, device)
-    width = n * c_x
-    k_range, k_splits, fuse = plan_geometry(batch, width, _multiprocessor_count(device))
-    stages = 4 if ITEMSIZE[dtype] == 2 else 3
-    q = n * n + 2 * n
-    x_stages = stages * _TILE_ROWS * _STAGE_PITCH * ITEMSIZE[dtype]
-    phi_stages = stages * _BLOCK_K * q * 4
-    pieces = 4 * ((q + 7) // 8) * 3 * 32 * 8  # bf16 B fragments of one K block
-    smem = x_stages + phi_stages + pieces
+    width, q = n * c_x, n * n + 2 * n
+    piece_bytes = 4 * ((q + 7) // 8) * 3 * 32 * 8  # bf16 B fragments of one K block
+    smem = _STAGES * (_TILE_ROWS * _STAGE_PITCH * ITEMSIZE[dtype] + piece_bytes)
     with _lock:
-        _raise_smem_limit(project, device, smem)
+        per_multiprocessor = _raise_smem_limit(project, device, smem)
+    resident = per_multiprocessor * _multiprocessor_count(device)
+    k_range, k_splits, fuse = plan_geometry(batch, width, resident)
     items = batch * -(-c_x // 8)  # mhc_apply: one thread per 8 columns of a row
     if items >= 1 << 32:
         raise ValueError(f"mHC pre takes batch * ceil(c_x / 8) < 2**32, got {items}")
     tiles = -(-batch // _TILE_ROWS)
+    k_blocks = -(-width // _BLOCK_K)
     plan = _PrePlan(
+        pieces=_cuda.function(spec, pieces_name, device),
         project=project,
         apply=_cuda.function(spec, apply_name, device),
+        pieces_grid=(k_blocks, 1, 1),
         project_grid=(tiles * k_splits, 1, 1),
         apply_grid=(-(-items // _APPLY_THREADS), 1, 1),
         project_smem=smem,
         k_range=k_range,
         k_splits=k_splits,
-        stages=stages,
         fuse=fuse,
-        scratch=(k_splits * batch * (q + 1), batch * (n + n * n), _COUNTER_TILES + tiles),
+        scratch=(
+            k_splits * batch * (q + 1),
+            batch * (n + n * n),
+            _COUNTER_TILES + tiles,
+            k_blocks * piece_bytes // 4,
+        ),
     )
     if len(_plans) > 4096:  # shapes churn (e.g. growing prefill chunks): start over
         _plans.clear()
@@ -495,30 +509,32 @@ def _pre_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan
 
 class _Scratch:
     """Per (device, stream): the float32 partial sums of mhc_project, the per-token
-    coefficients it hands to mhc_apply, and zeroed counter words (every launch leaves them
-    at zero: the block that last uses one resets it). Launches on one stream run in order,
-    so they can share all three."""
+    coefficients it hands to mhc_apply, zeroed counter words (every launch leaves them at
+    zero: the block that last uses one resets it) and phi's B fragments. Launches on one
+    stream run in order, so they can share all of it."""
+
+    _DTYPES = ("float32", "float32", "uint32", "uint32")
 
     def __init__(self) -> None:
         self._entries: dict[tuple[int, int], list[Any]] = {}
         self._retired: list[Any] = []  # replaced buffers a queued launch may still use
         self._lock = threading.Lock()
 
-    def get(self, device: int, stream: int, sizes: tuple[int, int, int]) -> tuple[int, int, int]:
-        """(partial, coefficients, counters) device pointers, each of at least ``sizes``."""
+    def get(self, device: int, stream: int, sizes: tuple[int, ...]) -> tuple[int, ...]:
+        """Device pointers of (partials, coefficients, counters, pieces), each holding at
+        least ``sizes`` elements."""
         entry = self._entries.get((device, stream))
         if entry is None or any(a.size < n for a, n in zip(entry, sizes, strict=True)):
             with self._lock:
                 entry = self._grow(device, stream, sizes)
-        return entry[0].data.ptr, entry[1].data.ptr, entry[2].data.ptr
+        return tuple(a.data.ptr for a in entry)
 
-    def _grow(self, device: int, stream: int, sizes: tuple[int, int, int]) -> list[Any]:
+    def _grow(self, device: int, stream: int, sizes: tuple[int, ...]) -> list[Any]:
         key = (device, stream)
-        entry = self._entries.get(key) or [None, None, None]
+        entry = self._entries.get(key) or [None] * len(self._DTYPES)
         cp = cupy()
         with cp.cuda.Device(device), cp.cuda.ExternalStream(stream, device):
-            dtypes = (cp.float32, cp.float32, cp.uint32)
-            for i, (dtype, wanted) in enumerate(zip(dtypes, sizes, strict=True)):
+            for i, (dtype, wanted) in enumerate(zip(self._DTYPES, sizes, strict=True)):
                 old = entry[i]
                 if old is not None and old.size >= wanted:
                     continue
@@ -574,22 +590,21 @@ def pre_launch_values(
     x_res: Operand,
     x_layer: Operand,
     h_post: Operand,
-    scratch: tuple[int, int, int],
+    scratch: tuple[int, ...],
 ) -> tuple:
     """PreParams (kernels_cu/mhc.cu) field by field, for ``_PRE_PARAMS``; ``scratch`` holds
-    the (partial, coefficients, counters) pointers."""
+    the (partials, coefficients, counters, pieces) pointers."""
     batch, width = x.shape
     n = h_post.shape[1]
-    c_x, q = width // n, n * n + 2 * n
+    c_x = width // n
     row_bytes = x.strides[0] * ITEMSIZE[x.dtype] if batch > 1 else 0
     vector_io = c_x % 8 == 0 and (x.ptr | row_bytes) % 16 == 0
-    phi_vector = phi.strides == (q, 1) and phi.ptr % 16 == 0
-    partial, coef, counter = scratch
+    partial, coef, counter, pieces = scratch
     return (
-        x.ptr, phi.ptr, b.ptr, partial, counter, coef, x_res.ptr, x_layer.ptr, h_post.ptr,
+        x.ptr, phi.ptr, b.ptr, partial, counter, coef, pieces, x_res.ptr, x_layer.ptr, h_post.ptr,
         x.strides[0], phi.strides[0], phi.strides[1], b.strides[0],
         batch, c_x, plan.k_range, plan.k_splits,
-        plan.stages, vector_io, phi_vector, plan.fuse, gates.sinkhorn_repeat, 0,
+        vector_io, plan.fuse, gates.sinkhorn_repeat, 0,
         gates.alpha_pre, gates.alpha_post, gates.alpha_res, gates.sinkhorn_eps,
     )  # fmt: skip
 
@@ -613,15 +628,17 @@ def _pre_cuda(
     plan = _pre_plan(device, x.dtype, n, c_x, batch)
     scratch = _scratch.get(device, stream, plan.scratch)
     params = pre_launch_values(gates, plan, x, phi, b, x_res, x_layer, h_post, scratch)
-    if plan.fuse:
+    threads = (_PROJECT_THREADS, 1, 1)
+    _cuda.launch_packed(plan.pieces, device, plan.pieces_grid, threads, _PRE_PARAMS, params, stream)
+    if plan.fuse:  # the blocks wait for each other: all must be resident at once
         _launch_cooperative(
-            plan.project, device, plan.project_grid, (_PROJECT_THREADS, 1, 1), _PRE_PARAMS,
-            params, stream, plan.project_smem,
+            plan.project, device, plan.project_grid, threads, _PRE_PARAMS, params, stream,
+            plan.project_smem,
         )  # fmt: skip
         return
     _cuda.launch_packed(
-        plan.project, device, plan.project_grid, (_PROJECT_THREADS, 1, 1), _PRE_PARAMS, params,
-        stream, plan.project_smem,
+        plan.project, device, plan.project_grid, threads, _PRE_PARAMS, params, stream,
+        plan.project_smem,
     )  # fmt: skip
     _cuda.launch_packed(
         plan.apply, device, plan.apply_grid, (_APPLY_THREADS, 1, 1), _PRE_PARAMS, params, stream
