@@ -716,7 +716,11 @@ def test_gpu_shared_table_device_bytes_and_required_memory(rng):
     assert first.memory_stats()["shared"]["device"] == {device: needed}
     assert second.memory_stats() == first.memory_stats()
     info = table_cache_info()
-    assert info["device_bytes"] == sum(sum(e["device_bytes"].values()) for e in info["entries"])
+    live_and_retired = (
+        sum(e["device_bytes"].values()) + sum(e["device_retired_bytes"].values())
+        for e in info["entries"]
+    )
+    assert info["device_bytes"] == sum(live_and_retired)
     assert RoPE.required_memory(HEAD_DIM, max_position, scheme=scheme) == 0
     assert RoPE.required_memory(HEAD_DIM, 1000, scheme=scheme) == 0
     assert RoPE.required_memory(HEAD_DIM, 2**20, scheme=scheme) > 0
