@@ -13,6 +13,7 @@ same memory without the per-call capsule round trip, which matters at decode siz
 from __future__ import annotations
 
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,7 +93,8 @@ def _from_numpy(obj: Any, array: np.ndarray, framework: str) -> Operand:
     )
 
 
-_torch_dtype_names: dict[Any, str] = {}
+_torch_dtype_names: dict[Any, str] = {}  # torch.dtype -> our name
+_torch_dtypes: dict[str, Any] = {}  # our name -> torch.dtype
 
 
 def _from_torch(obj: Any) -> Operand:
@@ -211,7 +213,8 @@ def upload(template: Operand, values: np.ndarray) -> Operand:
     if template.framework == "torch":
         return _from_torch(_torch().from_numpy(values).to(template.obj.device))
     cp = cupy()
-    with cp.cuda.Device(template.device), cp.cuda.ExternalStream(stream_handle(template)):
+    stream = cupy_stream(stream_handle(template), template.device)
+    with cp.cuda.Device(template.device), stream:
         return _from_cupy(cp.asarray(values), template.framework)
 
 
@@ -301,9 +304,14 @@ def stream_handle(template: Operand) -> int:
         return cp.cuda.get_current_stream().ptr
 
 
-def current_stream(template: Operand) -> Any:
-    """The caller's current stream (see :func:`stream_handle`) as a CuPy stream object."""
-    return cupy().cuda.ExternalStream(stream_handle(template), template.device)
+def cupy_stream(handle: int, device: int) -> Any:
+    """A CuPy stream object for a raw stream ``handle`` (for CuPy allocations and copies
+    that must be ordered on the caller's stream; launches take the raw handle)."""
+    # Stream.from_external wants an object with __cuda_stream__; from torch we hold a raw
+    # handle, which is what ExternalStream (deprecated in CuPy 14, still supported) takes.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy().cuda.ExternalStream(handle, device)
 
 
 def _torch():

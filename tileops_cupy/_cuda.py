@@ -20,7 +20,7 @@ from typing import Any
 
 import kernels_cu
 
-from ._arrays import Operand, cupy, stream_handle
+from ._arrays import Operand, cupy, cupy_stream, stream_handle
 
 # No --use_fast_math: the angles and the mHC exponentials must keep full float32 accuracy.
 COMPILE_OPTIONS = ("--std=c++17",)
@@ -138,7 +138,7 @@ def launch(
         return
     cp = cupy()
     with cp.cuda.Device(where.device):
-        kernel(grid, block, args, shared_mem, cp.cuda.ExternalStream(stream, where.device))
+        kernel(grid, block, args, shared_mem, cupy_stream(stream, where.device))
 
 
 def launch_packed(
@@ -150,9 +150,14 @@ def launch_packed(
     values: tuple,
     stream: int,
     shared_mem: int = 0,
+    cooperative: bool = False,
 ) -> None:
     """Launch a compiled ``kernel`` whose one parameter is the struct ``fields`` holding
-    ``values``, through the driver, on ``device`` and the raw ``stream`` handle."""
+    ``values``, through the driver, on ``device`` and the raw ``stream`` handle.
+
+    ``cooperative``: cuLaunchCooperativeKernel, for kernels whose blocks wait for each
+    other (the driver refuses a grid that cannot be resident at once instead of hanging).
+    """
     state = _thread_state
     fields.pack_into(state.params, values)
     runtime = cupy().cuda.runtime
@@ -164,9 +169,15 @@ def launch_packed(
     elif previous != device:
         runtime.setDevice(device)
     try:
-        cupy().cuda.driver.launchKernel(
-            kernel.ptr, *grid, *block, shared_mem, stream, state.pointers_address, 0
-        )
+        driver = cupy().cuda.driver
+        if cooperative:
+            driver.launchCooperativeKernel(
+                kernel.ptr, *grid, *block, shared_mem, stream, state.pointers_address
+            )
+        else:
+            driver.launchKernel(
+                kernel.ptr, *grid, *block, shared_mem, stream, state.pointers_address, 0
+            )
     finally:
         if previous != device:
             runtime.setDevice(previous)

@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> None:
     if "mhc" in only:
         from ._bench_mhc import mhc_rows
 
-        for r in mhc_rows(ceiling):
+        for r in mhc_rows(ceiling, not args.no_compile):
             print(_format_row(r), flush=True)
             rows.append(r)
     if args.json:

@@ -32,7 +32,6 @@ Example (host, runs anywhere)::
 
 from __future__ import annotations
 
-import ctypes
 import math
 import threading
 from dataclasses import dataclass
@@ -48,8 +47,8 @@ from ._arrays import (
     as_operand,
     check_target,
     contiguous,
-    contiguous_strides,
     cupy,
+    cupy_stream,
     empty_like,
     select_place,
     stream_handle,
@@ -162,7 +161,7 @@ class MHCPreFwdOp:
             ((batch, c_x), x_op.dtype),
             ((batch, n), "float32"),
         )
-        x_res, x_layer, h_post = _new_outputs(phi_op, *layouts)
+        x_res, x_layer, h_post = (empty_like(phi_op, shape, dtype) for shape, dtype in layouts)
         if batch:
             mhc_pre(place, self._gates, phi_op, x_op, b_op, x_res, x_layer, h_post)
         return to_caller(x_res), to_caller(x_layer), to_caller(h_post)
@@ -217,7 +216,7 @@ class MHCPostFwdOp:
         place = select_place(
             self.target, {"x_layer_out": layer_op, "h_post": gates_op, "x_res": res_op}
         )
-        (x_out,) = _new_outputs(layer_op, (res_op.shape, res_op.dtype))
+        x_out = empty_like(layer_op, res_op.shape, res_op.dtype)
         if res_op.shape[0] and res_op.shape[1]:
             mhc_post(place, layer_op, gates_op, res_op, x_out)
         return to_caller(x_out)
@@ -226,38 +225,6 @@ class MHCPostFwdOp:
 
     def __repr__(self) -> str:
         return f"MHCPostFwdOp(target={self.target!r})"
-
-
-_TORCH_DTYPES: dict[str, Any] = {}
-
-
-def _new_outputs(template: Operand, *layouts: tuple[tuple[int, ...], str]) -> list[Operand]:
-    """Fresh contiguous arrays (shape, dtype) in ``template``'s framework and device, as
-    ``empty_like`` makes them; for torch CUDA tensors without re-reading each new tensor's
-    metadata (a decode step allocates three outputs, and that bookkeeping was most of the
-    host time)."""
-    if template.framework != "torch" or not template.is_cuda:
-        return [empty_like(template, shape, dtype) for shape, dtype in layouts]
-    import torch
-
-    if not _TORCH_DTYPES:
-        _TORCH_DTYPES.update({name: getattr(torch, name) for name in (*X_DTYPES, "float32")})
-    device = template.obj.device
-    outputs = []
-    for shape, dtype in layouts:
-        tensor = torch.empty(shape, dtype=_TORCH_DTYPES[dtype], device=device)
-        outputs.append(
-            Operand(
-                obj=tensor,
-                framework="torch",
-                device=template.device,
-                dtype=dtype,
-                shape=tuple(shape),
-                strides=contiguous_strides(shape),
-                ptr=tensor.data_ptr(),
-            )
-        )
-    return outputs
 
 
 # --------------------------------------------------------------------------- validation
@@ -533,7 +500,7 @@ class _Scratch:
         key = (device, stream)
         entry = self._entries.get(key) or [None] * len(self._DTYPES)
         cp = cupy()
-        with cp.cuda.Device(device), cp.cuda.ExternalStream(stream, device):
+        with cp.cuda.Device(device), cupy_stream(stream, device):
             for i, (dtype, wanted) in enumerate(zip(self._DTYPES, sizes, strict=True)):
                 old = entry[i]
                 if old is not None and old.size >= wanted:
@@ -547,37 +514,6 @@ class _Scratch:
         return entry
 
 
-class _CooperativeLauncher(threading.local):
-    """cuLaunchCooperativeKernel for the fused decode launch, whose blocks wait for each
-    other and so must all be resident at once (the driver refuses a grid that cannot be,
-    rather than letting it hang). Per thread: a reused parameter buffer, as
-    ``_cuda.launch_packed`` keeps for cuLaunchKernel."""
-
-    def __init__(self) -> None:
-        self.params = ctypes.create_string_buffer(512)
-        self.pointers = (ctypes.c_void_p * 1)(ctypes.addressof(self.params))
-        self.devices: set[int] = set()
-
-    def __call__(self, kernel, device, grid, block, fields, values, stream, shared_mem) -> None:
-        fields.pack_into(self.params, values)
-        runtime = cupy().cuda.runtime
-        previous = runtime.getDevice()
-        if device not in self.devices:
-            runtime.setDevice(device)
-            runtime.free(0)  # binds the device's primary context to this thread
-            self.devices.add(device)
-        elif previous != device:
-            runtime.setDevice(device)
-        try:
-            cupy().cuda.driver.launchCooperativeKernel(
-                kernel.ptr, *grid, *block, shared_mem, stream, ctypes.addressof(self.pointers)
-            )
-        finally:
-            if previous != device:
-                runtime.setDevice(previous)
-
-
-_launch_cooperative = _CooperativeLauncher()
 _scratch = _Scratch()
 
 
@@ -631,9 +567,9 @@ def _pre_cuda(
     threads = (_PROJECT_THREADS, 1, 1)
     _cuda.launch_packed(plan.pieces, device, plan.pieces_grid, threads, _PRE_PARAMS, params, stream)
     if plan.fuse:  # the blocks wait for each other: all must be resident at once
-        _launch_cooperative(
+        _cuda.launch_packed(
             plan.project, device, plan.project_grid, threads, _PRE_PARAMS, params, stream,
-            plan.project_smem,
+            plan.project_smem, cooperative=True,
         )  # fmt: skip
         return
     _cuda.launch_packed(
