@@ -47,3 +47,17 @@ step = rng.standard_normal((2, 1, (8 + 2 + 2) * 64)).astype(np.float32)
 rope.decode(step[..., : 8 * 64], step[..., 8 * 64 : 10 * 64], position=np.array([48, 48]))
 print("component tables:", rope.memory_stats()["shared"]["host"], "host bytes, shared")
 print("shared tables in this process:", len(table_cache_info()["entries"]))
+
+# 5. mHC: reduce a 4-stream hyper-connection to the layer input, then mix the layer output
+#    back. phi is [n*c_x, n*n+2n] float32; x is [batch, n*c_x] (bf16 in models, any float here).
+from tileops_cupy.sequence_modeling import MHCPostFwdOp, MHCPreFwdOp  # noqa: E402
+
+n, c_x, batch = 4, 256, 8
+phi = (rng.standard_normal((n * c_x, n * n + 2 * n)) * 0.02).astype(np.float32)
+bias = np.zeros(n * n + 2 * n, np.float32)
+streams = rng.standard_normal((batch, n * c_x)).astype(np.float32)
+pre = MHCPreFwdOp(alpha_pre=1.0, alpha_post=1.0, alpha_res=1.0, sinkhorn_repeat=20)
+x_res, x_layer, h_post = pre(phi, streams, bias)
+layer_out = np.tanh(x_layer)  # stands in for the transformer layer
+x_next = MHCPostFwdOp()(layer_out, h_post, x_res)
+print("mHC: layer input", x_layer.shape, "-> next streams", x_next.shape)

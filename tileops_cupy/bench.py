@@ -286,9 +286,7 @@ def main(argv: list[str] | None = None) -> None:
     if "mhc" in only:
         from ._bench_mhc import mhc_rows
 
-        for r in mhc_rows(ceiling, not args.no_compile):
-            print(_format_row(r), flush=True)
-            rows.append(r)
+        rows += mhc_rows(ceiling, not args.no_compile)
     if args.json:
         print(json.dumps({"copy_ceiling_gbs": ceiling, "rows": rows, **extra}, indent=1))
 
