@@ -173,10 +173,18 @@ def empty_like(template: Operand, shape: tuple[int, ...], dtype: str | None = No
     """A new contiguous array in ``template``'s framework and device."""
     dtype = dtype or template.dtype
     if template.framework == "torch":
-        torch = _torch()
-        return _from_torch(
-            torch.empty(shape, dtype=getattr(torch, dtype), device=template.obj.device)
-        )
+        torch_dtype = _torch_dtypes.get(dtype)
+        if torch_dtype is None:
+            torch_dtype = _torch_dtypes[dtype] = getattr(_torch(), dtype)
+        tensor = _torch().empty(shape, dtype=torch_dtype, device=template.obj.device)
+        if not template.is_cuda:
+            return _from_torch(tensor)
+        # a fresh CUDA tensor's layout is known: skip re-reading its metadata (a decode step
+        # allocates up to three outputs, and that bookkeeping is a visible share of it)
+        return Operand(
+            tensor, "torch", template.device, dtype, tuple(shape), contiguous_strides(shape),
+            tensor.data_ptr(),
+        )  # fmt: skip
     if template.is_cuda:
         cp = cupy()
         with cp.cuda.Device(template.device):
