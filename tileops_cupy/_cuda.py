@@ -20,7 +20,7 @@ from typing import Any
 
 import kernels_cu
 
-from ._arrays import Operand, cupy, cupy_stream, stream_handle
+from ._arrays import cupy
 
 # No --use_fast_math: the angles and the mHC exponentials must keep full float32 accuracy.
 COMPILE_OPTIONS = ("--std=c++17",)
@@ -109,36 +109,6 @@ class _ThreadLaunchState(threading.local):
 
 
 _thread_state = _ThreadLaunchState()
-
-
-def launch(
-    spec: ModuleSpec,
-    name_expression: str,
-    where: Operand,
-    grid: tuple[int, ...],
-    block: tuple[int, ...],
-    args: tuple,
-    shared_mem: int = 0,
-    stream: int | None = None,
-) -> None:
-    """Launch on ``where``'s device, on ``stream`` (a raw handle) or the caller's current
-    stream for that device.
-
-    ``args`` is either ``(ParamStruct, values)`` (the kernel takes one struct by value) or
-    a tuple of CuPy-convertible scalars, pointers given as ints.
-    """
-    kernel = function(spec, name_expression, where.device)
-    if stream is None:
-        stream = stream_handle(where)
-    elif not isinstance(stream, int):
-        stream = stream.ptr  # a CuPy stream object
-    if len(args) == 2 and isinstance(args[0], ParamStruct):
-        grid, block = (*grid, 1, 1)[:3], (*block, 1, 1)[:3]
-        launch_packed(kernel, where.device, grid, block, args[0], args[1], stream, shared_mem)
-        return
-    cp = cupy()
-    with cp.cuda.Device(where.device):
-        kernel(grid, block, args, shared_mem, cupy_stream(stream, where.device))
 
 
 def launch_packed(
