@@ -21,7 +21,7 @@ from . import _cuda
 from ._arrays import ITEMSIZE, Operand, cupy, stream_handle
 from ._tables import RotaryTable
 
-__all__ = ["HeadRows", "Positions", "rotate", "ErrorFlag"]
+__all__ = ["HeadRows", "Positions", "rotate", "ErrorFlag", "error_flag"]
 
 _CUDA_TYPES = {"float16": "half_t", "bfloat16": "bfloat16_t", "float32": "float"}
 SHIPPED_ROTARY_DIMS = (64, 128)  # compiled with rotary_dim as a constant; others use 0 (runtime)
@@ -107,8 +107,37 @@ class ErrorFlag:
                 cell.value = 0
         return raised
 
+    def raise_if_set(self, message: str) -> None:
+        """ValueError(``message``) if a kernel raised the flag since the last look. Costs no
+        synchronisation: a kernel still running is caught at a later look."""
+        if self._pointers and self.take():
+            raise ValueError(message)
+
+    def check(self, message: str) -> None:
+        """Wait for every device this flag has seen, then :meth:`raise_if_set`."""
+        if self._pointers:
+            runtime = cupy().cuda.runtime
+            previous = runtime.getDevice()
+            try:
+                for device in self._pointers:
+                    runtime.setDevice(device)
+                    runtime.deviceSynchronize()
+            finally:
+                runtime.setDevice(previous)
+        self.raise_if_set(message)
+
 
 _ANY_FLAG = ErrorFlag()  # for launches whose positions were validated on the host
+_flags: dict[tuple, ErrorFlag] = {}
+_flags_lock = threading.Lock()
+
+
+def error_flag(config: tuple) -> ErrorFlag:
+    """The flag of one op configuration. Ops are rebuilt from their configuration behind
+    the torch dispatcher: keyed by it, the caller's op and its rebuilt twin share a flag,
+    so an error surfaces at the caller's next call whichever path launched the kernel."""
+    with _flags_lock:
+        return _flags.setdefault(config, ErrorFlag())
 
 
 def rotate(

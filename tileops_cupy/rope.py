@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _torch_ops as torch_ops
 from ._arrays import (
     BUILTIN,
     FLOAT_DTYPES,
@@ -31,16 +32,14 @@ from ._arrays import (
     check_target,
     contiguous,
     contiguous_strides,
-    cupy,
     empty_like,
     select_place,
-    stream_handle,
     to_caller,
     upload,
 )
-from ._rotate import ErrorFlag, HeadRows, Positions, rotate
+from ._rotate import HeadRows, Positions, error_flag, rotate
 from ._tables import MAX_POSITIONS, shared_table, table_bytes, table_cache_info
-from .schemes import Llama31, LongRoPE, Scheme, Standard, YaRN
+from .schemes import Llama31, LongRoPE, Scheme, Standard, YaRN, scheme_args, scheme_from_args
 
 __all__ = [
     "BUILTIN",
@@ -124,14 +123,28 @@ class _RotaryOp:
     _inverse = False
 
     def _setup(
-        self, scheme: Scheme, rope_layout: str, input_layout: str, target: Any, rotary_dim=None
+        self,
+        scheme: Scheme,
+        rope_layout: str,
+        input_layout: str,
+        target: Any,
+        rotary_dim=None,
+        max_position: int | None = None,
     ) -> None:
         self.scheme = scheme
         self.rope_layout = _check_choice("rope_layout", rope_layout, ROPE_LAYOUTS)
         self.input_layout = _check_choice("input_layout", input_layout, INPUT_LAYOUTS)
         self.target = check_target(target)
         self.rotary_dim = _check_rotary_dim(rotary_dim)
+        self.max_position = None if max_position is None else _check_max_position(max_position)
         self._tables: dict[int, Any] = {}
+        # the op by value: what the torch custom op carries, and the key of its error flag
+        self.config = (
+            *scheme_args(scheme), self.rotary_dim or 0, self.rope_layout == "neox",
+            self._inverse, self.input_layout, self.max_position or 0, self.target or "",
+        )  # fmt: skip
+        self._flag = error_flag(self.config)
+        torch_ops.register_if_torch_imported()
 
     def _rows(self, operand: Operand, name: str) -> HeadRows:
         """``operand`` as [batch, seq, heads, head_dim] rows for this op's input layout."""
@@ -150,7 +163,17 @@ class _RotaryOp:
     def forward(self, x: Any) -> Any:
         """Rotate ``x`` (``[seq, head_dim]`` for "1d", ``[batch, seq, heads, head_dim]``
         for "2d"; the row's seq index is its position). Returns a new array of x's shape,
-        dtype, framework and device; x is not modified."""
+        dtype, framework and device; x is not modified. On torch tensors that require
+        grad the result carries a ``grad_fn`` (the Bwd twin's rotation)."""
+        if torch_ops.needs_dispatcher(x):
+            return torch_ops.rope(self.config, x, None)
+        return self.direct(x)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def direct(self, x: Any, position_ids: Any = None) -> Any:
+        """:meth:`forward` without the torch dispatcher (what the custom op runs)."""
         source = _float_operand(x, "x")
         rows = self._rows(source, "x")
         select_place(self.target, {"x": source})
@@ -159,9 +182,6 @@ class _RotaryOp:
             raise ValueError(f"x has {seq} positions; at most 2**24 are supported")
         positions = Positions(limit=max(seq, 1), cover=max(seq, 1))
         return to_caller(self._run(source, rows, positions))
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.forward(*args, **kwargs)
 
     def _run(self, source: Operand, rows: HeadRows, positions: Positions, flag=None) -> Any:
         head_dim = rows.shape[3]
@@ -343,9 +363,12 @@ class RoPENeoxPositionIdsFwdOp(_RotaryOp):
 
     ``forward(x, position_ids)``: x ``[tokens, heads, head_dim]`` float16/bfloat16/float32
     (float64 on the host); position_ids ``[tokens]`` int32 or int64 on x's device, read
-    natively. Any id outside ``[0, max_position)`` raises ValueError (int64 ids are compared
-    as int64); on a GPU the kernel clamps such an id, raises a flag, and the op waits for
-    the stream once to read it, so no table is ever read out of bounds.
+    natively. Host ids outside ``[0, max_position)`` raise ValueError before the launch
+    (int64 ids are compared as int64). Device ids are not read on the host, since that
+    would need a sync: the kernel clamps an out-of-range id (no table is ever read out of
+    bounds) and raises a device flag, which surfaces as ValueError at this op's next call
+    (once the faulty kernel has finished) or at :meth:`check`, which synchronises. So a
+    call with device ids never waits for the device and can be captured in a CUDA graph.
 
     Example::
 
@@ -364,11 +387,28 @@ class RoPENeoxPositionIdsFwdOp(_RotaryOp):
         *,
         target: Any = None,
     ) -> None:
-        self._setup(Standard(base), "neox", "2d", target, rotary_dim)
-        self.max_position = _check_max_position(max_position)
-        self._flag = ErrorFlag()
+        max_position = _check_max_position(max_position)  # required here: ids are bounded by it
+        self._setup(Standard(base), "neox", "2d", target, rotary_dim, max_position)
 
     def forward(self, x: Any, position_ids: Any) -> Any:
+        if torch_ops.needs_dispatcher(x, position_ids):
+            return torch_ops.rope(self.config, x, position_ids)
+        return self.direct(x, position_ids)
+
+    def check(self) -> None:
+        """Wait for the device and raise ValueError if a kernel of this op met an id outside
+        ``[0, max_position)`` since the last look."""
+        self._flag.check(self._flagged_message())
+
+    def _flagged_message(self) -> str:
+        return (
+            f"position_ids given as a device tensor in an earlier call were outside [0, "
+            f"max_position={self.max_position}) (the kernel clamped them; that call's output "
+            "is not valid)"
+        )
+
+    def direct(self, x: Any, position_ids: Any = None) -> Any:
+        self._flag.raise_if_set(self._flagged_message())
         source = _float_operand(x, "x")
         if source.ndim != 3:
             raise ValueError(f"x must be [tokens, heads, head_dim], got shape {source.shape}")
@@ -387,17 +427,9 @@ class RoPENeoxPositionIdsFwdOp(_RotaryOp):
             ids = contiguous(ids)
         tokens_, heads, head_dim = source.shape
         rows = HeadRows(source, (1, tokens_, heads, head_dim), (0, *source.strides[:2], 1))
+        # device ids are bounded by the kernel (clamped, flagged): no sync, capturable
         positions = Positions(ids=ids, limit=self.max_position, cover=self.max_position)
-        result = self._run(source, rows, positions, self._flag)
-        if place == "cuda":
-            # the ids were checked on the device: wait for this stream once to read the flag
-            cupy().cuda.runtime.streamSynchronize(stream_handle(source))
-            if self._flag.take():
-                raise ValueError(
-                    f"position_ids must lie in [0, max_position={self.max_position}); "
-                    "some did not (the kernel clamped them and its output is not valid)"
-                )
-        return to_caller(result)
+        return to_caller(self._run(source, rows, positions, self._flag))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(max_position={self.max_position}, {self.scheme})"
@@ -509,7 +541,13 @@ class RoPE:
         self.max_position = None if max_position is None else _check_max_position(max_position)
         self.target = check_target(target)
         self.table = shared_table(self.scheme, self.rotary_dim)
-        self._flag = ErrorFlag()
+        # the component by value: what the torch custom ops carry, and its flag's key
+        self.config = (
+            *scheme_args(self.scheme), self.rotary_dim, self.rope_layout == "neox",
+            head_dim, num_heads, num_kv_heads, self.max_position or 0, self.target or "",
+        )  # fmt: skip
+        self._flag = error_flag(("RoPE", *self.config))
+        torch_ops.register_if_torch_imported()
 
     # ---- public calls: all in place, all one launch for q and k
 
@@ -519,18 +557,18 @@ class RoPE:
 
     def prefill(self, q: Any, k: Any, position_offset: Any) -> tuple[Any, Any]:
         """Rotate a chunk at positions ``position_offset .. position_offset+T-1``."""
-        self._apply(q, k, position_offset, inverse=False)
+        self._in_place(q, k, position_offset, inverse=False, decode=False)
         return q, k
 
     def decode(self, q: Any, k: Any, position: Any) -> tuple[Any, Any]:
         """Rotate one token per sequence (T must be 1) at ``position`` (int or ``[B]``)."""
-        self._apply(q, k, position, inverse=False, decode=True)
+        self._in_place(q, k, position, inverse=False, decode=True)
         return q, k
 
     def backward(self, grad_q: Any, grad_k: Any, position_offset: Any = 0) -> tuple[Any, Any]:
         """Transpose rotation of the incoming gradients, in place, at the forward's positions
         (amplitude included: ``backward(forward(x)) == a*a*x``)."""
-        self._apply(grad_q, grad_k, position_offset, inverse=True)
+        self._in_place(grad_q, grad_k, position_offset, inverse=True, decode=False)
         return grad_q, grad_k
 
     __call__ = forward
@@ -538,9 +576,7 @@ class RoPE:
     def check(self) -> None:
         """Wait for the device and raise ValueError if any kernel of this component met a
         position outside its range since the last check."""
-        if self._flag._pointers:
-            cupy().cuda.runtime.deviceSynchronize()
-        self._raise_if_flagged()
+        self._flag.check(self._flagged_message())
 
     # ---- memory accounting
 
@@ -588,13 +624,57 @@ class RoPE:
 
     # ---- the one path
 
-    def _raise_if_flagged(self) -> None:
-        if self._flag.take():
-            raise ValueError(
-                "a position given as a device tensor was outside [0, "
-                f"{self.max_position}) in an earlier call (the kernel clamped it; that "
-                "call's output is not valid)"
-            )
+    def _flagged_message(self) -> str:
+        return (
+            "a position given as a device tensor was outside [0, "
+            f"{self.max_position}) in an earlier call (the kernel clamped it; that "
+            "call's output is not valid)"
+        )
+
+    def _in_place(self, q: Any, k: Any, position: Any, inverse: bool, decode: bool) -> None:
+        """The in-place calls' one entry: the direct path, or torch's dispatcher when autograd
+        or a tracer must see the call."""
+        if not torch_ops.needs_dispatcher(q, k, position):
+            self.rotate_in_place(q, k, position, inverse, decode)
+        elif torch_ops.requires_grad(q, k):
+            self._record_in_place(q, k, position, inverse, decode)
+        else:
+            offsets, offset = _split_position(position)
+            torch_ops.rope_qk_(self.config, q, k, offsets, offset, inverse, decode)
+
+    def _record_in_place(self, q: Any, k: Any, position: Any, inverse: bool, decode: bool):
+        """An in-place call on tensors autograd tracks, recorded as torch's own in-place ops
+        are: the rotation out of place (its backward is the inverse rotation), copied back
+        into q and k, so their grad_fn and version counters are right. A leaf that requires
+        grad cannot change in place; torch refuses, and so do we, before any write."""
+        for name, tensor in (("q", q), ("k", k)):
+            if tensor is not None and tensor.requires_grad and tensor.is_leaf:
+                raise ValueError(
+                    f"{name} is a leaf tensor that requires grad, which cannot be rotated in "
+                    f"place (autograd forbids it); use apply_rope(q, k, rope) for a rotated "
+                    "copy, or rotate under torch.no_grad()"
+                )
+        offsets, offset = _split_position(position)
+        q_rot, k_rot = torch_ops.rope_qk(self.config, q, k, offsets, offset, inverse, decode)
+        q.copy_(q_rot)
+        if k is not None:
+            k.copy_(k_rot)
+
+    def rotate_in_place(
+        self, q: Any, k: Any, position: Any, inverse: bool = False, decode: bool = False
+    ) -> None:
+        """The in-place rotation without the torch dispatcher (what its custom op runs)."""
+        self._apply(q, k, position, inverse, decode)
+        torch_ops.bump_versions(q, k)
+
+    def rotated(
+        self, q: Any, k: Any, position: Any, inverse: bool = False, decode: bool = False
+    ) -> tuple[Any, Any]:
+        """New rotated copies of q and k (k None gives None), without the dispatcher."""
+        q_out = empty_like(as_operand(q, "q"), tuple(q.shape))
+        k_out = None if k is None else empty_like(as_operand(k, "k"), tuple(k.shape))
+        self._apply(q, k, position, inverse, decode, out=(q_out, k_out))
+        return to_caller(q_out), None if k_out is None else to_caller(k_out)
 
     def _rows(self, operand: Operand, name: str, heads: int) -> HeadRows:
         head_dim = self.head_dim
@@ -608,7 +688,9 @@ class RoPE:
             f"(heads={heads}, head_dim={head_dim}), got shape {shape}"
         )
 
-    def _operand(self, obj: Any, name: str, heads: int) -> HeadRows:
+    def _operand(self, obj: Any, name: str, heads: int, in_place: bool) -> HeadRows:
+        if not in_place:  # read only: any layout will do, copied once if it must be
+            return self._rows(_float_operand(obj, name), name, heads)
         operand = as_operand(obj, name)
         if operand.framework == "jax":
             raise TypeError(f"{name} is a JAX array, which cannot change in place; use RoPEFwdOp")
@@ -670,9 +752,10 @@ class RoPE:
         out: tuple[Any, Any] | None = None,
     ) -> None:
         """Rotate (q, k) at ``position``: in place, or into ``out`` (same shapes, contiguous)."""
-        self._raise_if_flagged()
-        q_rows = self._operand(q, "q", self.num_heads)
-        k_rows = None if k is None else self._operand(k, "k", self.num_kv_heads)
+        self._flag.raise_if_set(self._flagged_message())
+        in_place = out is None
+        q_rows = self._operand(q, "q", self.num_heads, in_place)
+        k_rows = None if k is None else self._operand(k, "k", self.num_kv_heads, in_place)
         operands = {"q": q_rows.operand}
         if k_rows is not None:
             operands["k"] = k_rows.operand
@@ -695,17 +778,10 @@ class RoPE:
         self.table.ensure(positions.cover)
         if math.prod(q_rows.shape[:2]) == 0:
             return
-        q_pair = (
-            q_rows,
-            q_rows if out is None else self._rows(as_operand(out[0], "out"), "out", self.num_heads),
-        )
+        q_pair = (q_rows, q_rows if out is None else self._rows(out[0], "out", self.num_heads))
         k_pair = None
         if k_rows is not None:
-            k_out = (
-                k_rows
-                if out is None
-                else self._rows(as_operand(out[1], "out"), "out", self.num_kv_heads)
-            )
+            k_out = k_rows if out is None else self._rows(out[1], "out", self.num_kv_heads)
             k_pair = (k_rows, k_out)
         rotate(
             self.table, self.rope_layout == "neox", inverse, q_pair, k_pair, positions, self._flag
@@ -713,8 +789,10 @@ class RoPE:
 
 
 def apply_rope(q: Any, k: Any, rope: RoPE, position_offset: Any = 0) -> tuple[Any, Any]:
-    """Out-of-place RoPE of torch tensors with autograd: returns new (q, k); gradients come
-    from the inverse rotation (the Bwd kernels). k may be None. torch is imported here only.
+    """Out-of-place RoPE: new rotated ``(q, k)`` (k may be None, giving None) at
+    ``position_offset`` (int or ``[B]``), q and k untouched. On torch tensors that require
+    grad the results carry a ``grad_fn``; the gradient is the inverse rotation (the Bwd
+    kernels). Any framework works; this is the form to use inside autograd.
 
     Example::
 
@@ -724,32 +802,53 @@ def apply_rope(q: Any, k: Any, rope: RoPE, position_offset: Any = 0) -> tuple[An
         >>> q_rot, _ = apply_rope(q, None, rope)
         >>> q_rot.sum().backward()
     """
-    return _rope_function()(q, k, rope, position_offset)
+    if not torch_ops.needs_dispatcher(q, k, position_offset):
+        return rope.rotated(q, k, position_offset)
+    offsets, offset = _split_position(position_offset)
+    q_rot, k_rot = torch_ops.rope_qk(rope.config, q, k, offsets, offset, False, False)
+    return q_rot, None if k is None else k_rot
+
+
+def _split_position(position: Any) -> tuple[Any, Any]:
+    """(offsets tensor or None, int offset): a position as the custom ops take it."""
+    if isinstance(position, (int, np.integer)) or type(position).__name__ == "SymInt":
+        return None, position
+    return position, 0
+
+
+# --------------------------------------------------------------------------- rebuilt by value
 
 
 @functools.cache
-def _rope_function():
-    import torch
+def _seed_op(config: tuple) -> _RotaryOp:
+    scheme, numbers, rotary_dim, neox, inverse, input_layout, max_position, target = config
+    if max_position:
+        cls = RoPENeoxPositionIdsBwdOp if inverse else RoPENeoxPositionIdsFwdOp
+    else:
+        cls = RoPEBwdOp if inverse else RoPEFwdOp
+    op = cls.__new__(cls)
+    op._setup(
+        scheme_from_args(scheme, numbers), "neox" if neox else "interleaved", input_layout,
+        target or None, rotary_dim or None, max_position or None,
+    )  # fmt: skip
+    return op
 
-    class ApplyRoPE(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, q, k, rope, position_offset):
-            q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-            k_out = None if k is None else torch.empty(k.shape, dtype=k.dtype, device=k.device)
-            rope._apply(q.detach(), None if k is None else k.detach(), position_offset, False,
-                        out=(q_out, k_out))  # fmt: skip
-            ctx.rope, ctx.position_offset = rope, position_offset
-            if isinstance(position_offset, torch.Tensor):
-                ctx.save_for_backward(position_offset)
-            return q_out, k_out
 
-        @staticmethod
-        def backward(ctx, grad_q, grad_k):
-            grad_q = grad_q.contiguous()
-            grad_k = None if grad_k is None else grad_k.contiguous()
-            dq = torch.empty_like(grad_q)
-            dk = None if grad_k is None else torch.empty_like(grad_k)
-            ctx.rope._apply(grad_q, grad_k, ctx.position_offset, True, out=(dq, dk))
-            return dq, dk, None, None
+def seed_op(config: tuple) -> _RotaryOp:
+    """The seed op a torch custom op's configuration describes (built once)."""
+    return _seed_op((config[0], tuple(config[1]), *config[2:]))
 
-    return ApplyRoPE.apply
+
+@functools.cache
+def _component(config: tuple) -> RoPE:
+    scheme, numbers, rotary_dim, neox, head_dim, heads, kv_heads, max_position, target = config
+    return RoPE(
+        head_dim, heads, kv_heads, scheme=scheme_from_args(scheme, numbers),
+        rotary_dim=rotary_dim, rope_layout="neox" if neox else "interleaved",
+        max_position=max_position or None, target=target or None,
+    )  # fmt: skip
+
+
+def component(config: tuple) -> RoPE:
+    """The component a torch custom op's configuration describes (built once)."""
+    return _component((config[0], tuple(config[1]), *config[2:]))

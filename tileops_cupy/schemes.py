@@ -17,11 +17,11 @@ Example::
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-__all__ = ["Standard", "Llama31", "YaRN", "LongRoPE", "Scheme"]
+__all__ = ["Standard", "Llama31", "YaRN", "LongRoPE", "Scheme", "scheme_args", "scheme_from_args"]
 
 
 def _require_positive(name: str, value: float) -> float:
@@ -199,3 +199,29 @@ def _host_values(values):
 
 
 Scheme = Standard | Llama31 | YaRN | LongRoPE
+
+_SCHEMES = {cls.__name__: cls for cls in (Standard, Llama31, YaRN, LongRoPE)}
+
+
+def scheme_args(scheme: Scheme) -> tuple[str, tuple[float, ...]]:
+    """``(name, numbers)`` that rebuild ``scheme`` through :func:`scheme_from_args`: the
+    form a torch custom op can carry in its schema (``str``, ``float[]``), so a traced or
+    exported graph names its scheme by value. LongRoPE's factors follow its scalars."""
+    scalars = [f.name for f in fields(scheme) if f.name != "rescale_factors"]
+    numbers = tuple(float(getattr(scheme, name)) for name in scalars)
+    if isinstance(scheme, LongRoPE) and scheme.rescale_factors is not None:
+        numbers += scheme.rescale_factors
+    return type(scheme).__name__, numbers
+
+
+def scheme_from_args(name: str, numbers: tuple[float, ...]) -> Scheme:
+    """The scheme :func:`scheme_args` described (equal to the original, so the same table)."""
+    cls = _SCHEMES[name]
+    scalars = [f for f in fields(cls) if f.name != "rescale_factors"]
+    values = dict(zip((f.name for f in scalars), numbers, strict=False))
+    for f in scalars:  # integer fields travel as floats
+        if f.type == "int":
+            values[f.name] = int(values[f.name])
+    if cls is LongRoPE and len(numbers) > len(scalars):
+        values["rescale_factors"] = tuple(numbers[len(scalars) :])
+    return cls(**values)

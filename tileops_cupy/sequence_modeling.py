@@ -32,6 +32,7 @@ Example (host, runs anywhere)::
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from . import _cuda
+from . import _torch_ops as torch_ops
 from ._arrays import (
     BUILTIN,
     ITEMSIZE,
@@ -149,9 +151,22 @@ class MHCPreFwdOp:
             int(sinkhorn_repeat),
             np.float32(sinkhorn_eps),
         )
+        # the op by value, as its torch custom op carries it
+        self.config = (
+            float(alpha_pre), float(alpha_post), float(alpha_res), int(sinkhorn_repeat),
+            float(sinkhorn_eps), self.target or "",
+        )  # fmt: skip
+        torch_ops.register_if_torch_imported()
 
     def forward(self, phi: Array, x: Array, b: Array) -> tuple[Array, Array, Array]:
         """``(x_res, x_layer, h_post)`` for ``phi``, ``x`` and ``b``; see the class docstring."""
+        if torch_ops.needs_dispatcher(phi, x, b):
+            _refuse_autograd(self, phi=phi, x=x, b=b)
+            return torch_ops.mhc_pre(self.config, phi, x, b)
+        return self.direct(phi, x, b)
+
+    def direct(self, phi: Array, x: Array, b: Array) -> tuple[Array, Array, Array]:
+        """:meth:`forward` without the torch dispatcher (what its custom op runs)."""
         phi_op, x_op, b_op = as_operand(phi, "phi"), as_operand(x, "x"), as_operand(b, "b")
         n, c_x = _check_pre(phi_op, x_op, b_op)
         place = select_place(self.target, {"phi": phi_op, "x": x_op, "b": b_op})
@@ -206,9 +221,17 @@ class MHCPostFwdOp:
 
     def __init__(self, *, target: str | None = None) -> None:
         self.target = check_target(target)
+        torch_ops.register_if_torch_imported()
 
     def forward(self, x_layer_out: Array, h_post: Array, x_res: Array) -> Array:
         """``x_out`` for the layer output, the post gates and the residual; see the class."""
+        if torch_ops.needs_dispatcher(x_layer_out, h_post, x_res):
+            _refuse_autograd(self, x_layer_out=x_layer_out, h_post=h_post, x_res=x_res)
+            return torch_ops.mhc_post(self.target or "", x_layer_out, h_post, x_res)
+        return self.direct(x_layer_out, h_post, x_res)
+
+    def direct(self, x_layer_out: Array, h_post: Array, x_res: Array) -> Array:
+        """:meth:`forward` without the torch dispatcher (what its custom op runs)."""
         layer_op = as_operand(x_layer_out, "x_layer_out")
         gates_op = as_operand(h_post, "h_post")
         res_op = as_operand(x_res, "x_res")
@@ -225,6 +248,35 @@ class MHCPostFwdOp:
 
     def __repr__(self) -> str:
         return f"MHCPostFwdOp(target={self.target!r})"
+
+
+def _refuse_autograd(op: Any, **tensors: Any) -> None:
+    """The mHC backward kernels do not exist yet: refuse a call autograd would record,
+    rather than hand back outputs whose gradients silently stop here."""
+    names = [name for name, tensor in tensors.items() if torch_ops.requires_grad(tensor)]
+    if names:
+        raise NotImplementedError(
+            f"{type(op).__name__} has no backward yet, and {', '.join(names)} "
+            f"require{'s' if len(names) == 1 else ''} grad: call it under torch.no_grad() "
+            "or on detached tensors"
+        )
+
+
+@functools.cache
+def _pre_op(config: tuple) -> MHCPreFwdOp:
+    *numbers, target = config
+    return MHCPreFwdOp(*numbers, target=target or None)
+
+
+def pre_op(config: tuple) -> MHCPreFwdOp:
+    """The MHCPreFwdOp a torch custom op's configuration describes (built once)."""
+    return _pre_op(tuple(config))
+
+
+@functools.cache
+def post_op(target: str) -> MHCPostFwdOp:
+    """The MHCPostFwdOp of one target ("" for None), built once."""
+    return MHCPostFwdOp(target=target or None)
 
 
 # --------------------------------------------------------------------------- validation
