@@ -1,0 +1,490 @@
+"""The ops as torch ops: autograd, torch.compile, torch.export, the in-place rules and
+CUDA-graph capture. One file for both places: ``place`` is "cpu" (the host path, in CI)
+or "cuda" (marked ``gpu``).
+
+Gradients: ``torch.autograd.gradcheck`` in float64 on the host (the Bwd op is the exact
+transpose, so the numerical Jacobian must match it); on the device (no float64 kernels)
+the recorded gradient must equal the Bwd op applied to the upstream gradient, bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from _oracle import SEQUENCE_OP_IDS, SEQUENCE_OPS, random_position_ids
+
+from tileops_cupy.rope import (
+    RoPE,
+    RoPENeoxPositionIdsBwdOp,
+    RoPENeoxPositionIdsFwdOp,
+    Standard,
+    YaRN,
+    apply_rope,
+)
+from tileops_cupy.sequence_modeling import MHCPostFwdOp, MHCPreFwdOp
+
+REPO = Path(__file__).resolve().parents[1]
+PLACES = ("cpu", pytest.param("cuda", marks=pytest.mark.gpu))
+SHAPES = {"1d": (37, 16), "2d": (2, 19, 3, 16)}
+GRADCHECK_SHAPES = {"1d": (6, 16), "2d": (2, 3, 2, 16)}  # the Jacobian is checked column by column
+HEAD_DIM, HEADS, KV_HEADS = 16, 4, 2
+
+
+def _dtype(place: str) -> torch.dtype:
+    return torch.float64 if place == "cpu" else torch.float32
+
+
+def _randn(rng, shape, place, requires_grad=False) -> torch.Tensor:
+    data = torch.from_numpy(rng.standard_normal(shape)).to(place, _dtype(place))
+    return data.requires_grad_(requires_grad)
+
+
+def _seed_pair(rng, case, layout):
+    """(Fwd op, Bwd op) of one seed case with equal parameters (LongRoPE draws factors)."""
+    head_dim = SHAPES[layout][-1]
+    state = rng.bit_generator.state
+    fwd = case.make("Fwd", layout, head_dim, rng)[0]
+    rng.bit_generator.state = state
+    bwd = case.make("Bwd", layout, head_dim, rng)[0]
+    return fwd, bwd
+
+
+def _assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------- autograd
+
+
+@pytest.mark.parametrize("place", PLACES)
+@pytest.mark.parametrize("layout", ("1d", "2d"))
+@pytest.mark.parametrize("case", SEQUENCE_OPS, ids=SEQUENCE_OP_IDS)
+def test_seed_op_gradients(rng, case, layout, place):
+    fwd, bwd = _seed_pair(rng, case, layout)
+    x = _randn(rng, SHAPES[layout], place, requires_grad=True)
+    y = fwd(x)
+    assert y.grad_fn is not None, "gradients must flow through the op"
+    grad = _randn(rng, SHAPES[layout], place)
+    y.backward(grad)
+    _assert_same(x.grad, bwd(grad))  # y = a R x  =>  dx = a R^T dy, the Bwd op
+    if place == "cpu":
+        small = _randn(rng, GRADCHECK_SHAPES[layout], place, requires_grad=True)
+        for op in (fwd, bwd):
+            assert torch.autograd.gradcheck(op, (small,))
+            assert torch.autograd.gradgradcheck(op, (small,))
+
+
+@pytest.mark.parametrize("place", PLACES)
+@pytest.mark.parametrize("ids_dtype", (torch.int32, torch.int64))
+def test_position_ids_op_gradients(rng, place, ids_dtype):
+    tokens, max_position = 29, 3000
+    fwd = RoPENeoxPositionIdsFwdOp(max_position=max_position, rotary_dim=8)
+    bwd = RoPENeoxPositionIdsBwdOp(max_position=max_position, rotary_dim=8)
+    ids_host = random_position_ids(rng, tokens, max_position, np.int64)
+    ids = torch.from_numpy(ids_host).to(place, ids_dtype)
+    x = _randn(rng, (tokens, 3, HEAD_DIM), place, requires_grad=True)
+    grad = _randn(rng, (tokens, 3, HEAD_DIM), place)
+    fwd(x, ids).backward(grad)
+    _assert_same(x.grad, bwd(grad, ids))
+    if place == "cpu":
+        x64 = x.detach().requires_grad_()
+        assert torch.autograd.gradcheck(lambda t: fwd(t, ids), (x64,))
+
+
+@pytest.mark.parametrize("place", PLACES)
+@pytest.mark.parametrize("offsets", ("int", "tensor"))
+def test_apply_rope_gradients(rng, place, offsets):
+    rope = RoPE(HEAD_DIM, HEADS, KV_HEADS, scheme=YaRN(scale=4.0), rotary_dim=8)
+    q = _randn(rng, (2, 5, HEADS * HEAD_DIM), place, requires_grad=True)
+    k = _randn(rng, (2, 5, KV_HEADS * HEAD_DIM), place, requires_grad=True)
+    position = 700 if offsets == "int" else torch.tensor([3, 1500], device=place)
+    q_rot, k_rot = apply_rope(q, k, rope, position)
+    gq, gk = _randn(rng, q.shape, place), _randn(rng, k.shape, place)
+    torch.autograd.backward((q_rot, k_rot), (gq, gk))
+    expected = rope.backward(gq.clone(), gk.clone(), position)
+    _assert_same(q.grad, expected[0])
+    _assert_same(k.grad, expected[1])
+    if place == "cpu":
+        inputs = (q.detach().requires_grad_(), k.detach().requires_grad_())
+        assert torch.autograd.gradcheck(lambda a, b: apply_rope(a, b, rope, position), inputs)
+
+
+# --------------------------------------------------------------------------- in-place rules
+
+
+@pytest.mark.parametrize("place", PLACES)
+@pytest.mark.parametrize("call", ("forward", "prefill", "decode", "backward"))
+def test_in_place_on_a_leaf_that_requires_grad_is_refused_before_any_write(rng, place, call):
+    rope = RoPE(HEAD_DIM, HEADS, KV_HEADS)
+    seq = 1 if call == "decode" else 2  # forward's position 0 alone would not rotate
+    q = _randn(rng, (2, seq, HEADS * HEAD_DIM), place)
+    k = _randn(rng, (2, seq, KV_HEADS * HEAD_DIM), place, requires_grad=True)
+    before = q.clone(), k.detach().clone()
+    args = {"forward": (), "prefill": (3,), "decode": (3,), "backward": (3,)}[call]
+    with pytest.raises(ValueError, match="k is a leaf tensor that requires grad.*apply_rope"):
+        getattr(rope, call)(q, k, *args)
+    _assert_same(q, before[0])
+    _assert_same(k.detach(), before[1])
+    with torch.no_grad():  # torch allows in-place writes to leaves under no_grad: so do we
+        getattr(rope, call)(q, k, *args)
+    assert not torch.equal(k.detach(), before[1])
+
+
+@pytest.mark.parametrize("place", PLACES)
+def test_in_place_on_a_non_leaf_is_recorded_by_autograd(rng, place):
+    rope = RoPE(HEAD_DIM, HEADS, KV_HEADS, scheme=Standard(500.0))
+    x = _randn(rng, (2, 6, 8), place, requires_grad=True)
+    w = _randn(rng, (8, (HEADS + 2 * KV_HEADS) * HEAD_DIM), place, requires_grad=True)
+    qkv = x @ w  # a fused projection: q and k are views of it, v follows
+    q, k = qkv[..., : HEADS * HEAD_DIM], qkv[..., HEADS * HEAD_DIM : (HEADS + KV_HEADS) * 16]
+    rope.prefill(q, k, 11)
+    weights = _randn(rng, qkv.shape, place)
+    (qkv * weights).sum().backward()
+
+    # the same model, out of place
+    x2, w2 = x.detach().requires_grad_(), w.detach().requires_grad_()
+    qkv2 = x2 @ w2
+    q2, k2 = qkv2[..., : HEADS * HEAD_DIM], qkv2[..., HEADS * HEAD_DIM : (HEADS + KV_HEADS) * 16]
+    q_rot, k_rot = apply_rope(q2, k2, rope, 11)
+    out = torch.cat([q_rot, k_rot, qkv2[..., (HEADS + KV_HEADS) * 16 :]], dim=-1)
+    (out * weights).sum().backward()
+    torch.testing.assert_close(w.grad, w2.grad)
+    torch.testing.assert_close(x.grad, x2.grad)
+
+
+@pytest.mark.parametrize("place", PLACES)
+@pytest.mark.parametrize("grad_mode", ("recorded", "direct"))
+def test_in_place_after_autograd_saved_the_tensor_makes_backward_raise(rng, place, grad_mode):
+    """``q = x @ w; z = (q*q).sum(); rope.forward(q); z.backward()`` must not give a wrong
+    w.grad: the write bumps q's version counter, so backward raises."""
+    rope = RoPE(HEAD_DIM, HEADS)
+    x = _randn(rng, (1, 3, 8), place)
+    w = _randn(rng, (8, HEADS * HEAD_DIM), place, requires_grad=True)
+    if grad_mode == "recorded":  # q requires grad: the call is recorded
+        q = x @ w
+        z = (q * q).sum()
+        rope.forward(q)
+    else:  # q needs no grad but was saved by a product that does: the direct path bumps it
+        q = _randn(rng, (1, 3, HEADS * HEAD_DIM), place)
+        z = (q * w.sum()).sum()
+        rope.forward(q)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.backward()
+
+
+# --------------------------------------------------------------------------- mHC (forward only)
+
+
+def _mhc_inputs(rng, place, n=2, c_x=16, batch=3, x_dtype=torch.float32):
+    phi = torch.from_numpy(rng.standard_normal((n * c_x, n * n + 2 * n)) / 8).float().to(place)
+    b = torch.from_numpy(rng.standard_normal(n * n + 2 * n) / 4).float().to(place)
+    x = torch.from_numpy(rng.standard_normal((batch, n * c_x))).to(place, x_dtype)
+    return phi, x, b
+
+
+@pytest.mark.parametrize("place", PLACES)
+def test_mhc_refuses_autograd_until_it_has_a_backward(rng, place):
+    phi, x, b = _mhc_inputs(rng, place)
+    pre, post = MHCPreFwdOp(1.0, 1.0, 1.0, 4), MHCPostFwdOp()
+    with pytest.raises(NotImplementedError, match="x requires grad"):
+        pre(phi, x.requires_grad_(), b)
+    x_res, x_layer, h_post = pre(phi, x.detach(), b)
+    with pytest.raises(NotImplementedError, match="x_layer_out requires grad"):
+        post(x_layer.requires_grad_(), h_post, x_res)
+    with torch.no_grad():
+        pre(phi, x, b)
+
+
+# --------------------------------------------------------------------------- torch.compile
+
+
+class _Compiles:
+    """How many graphs a backend was handed (compiles and recompiles)."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend, self.count, self.after_first_call = backend, 0, None
+
+    def __call__(self, graph, example_inputs):
+        self.count += 1
+        return torch._dynamo.lookup_backend(self.backend)(graph, example_inputs)
+
+    def first_call_done(self) -> None:
+        if self.after_first_call is None:
+            self.after_first_call = self.count
+
+    def assert_no_recompile(self) -> None:
+        recompiles = self.count - self.after_first_call
+        assert recompiles == 0, f"{self.backend}: {recompiles} recompiles"
+
+
+def _compiled(fn, dynamic=None, backend="aot_eager"):
+    """``fn`` compiled with fullgraph=True, and a counter of the graphs handed to backend."""
+    torch._dynamo.reset()
+    counter = _Compiles(backend)
+    return torch.compile(fn, fullgraph=True, dynamic=dynamic, backend=counter), counter
+
+
+def _backends(place):
+    return ("aot_eager",) if place == "cpu" else ("aot_eager", "inductor")
+
+
+@pytest.mark.parametrize("place", PLACES)
+@pytest.mark.parametrize("case", SEQUENCE_OPS, ids=SEQUENCE_OP_IDS)
+def test_seed_ops_compile_forward_and_backward(rng, case, place):
+    fwd, _ = _seed_pair(rng, case, "2d")
+    for backend in _backends(place):
+
+        def step(x):
+            return (fwd(x) * 3).sin()
+
+        compiled, counter = _compiled(step, dynamic=True, backend=backend)
+        for seq in (19, 33, 7):  # new sequence lengths: no recompile
+            x = _randn(rng, (2, seq, 3, 16), place, requires_grad=True)
+            x_eager = x.detach().requires_grad_()
+            y, y_eager = compiled(x), step(x_eager)
+            counter.first_call_done()
+            torch.testing.assert_close(y, y_eager)
+            grad = _randn(rng, y.shape, place)
+            y.backward(grad)
+            y_eager.backward(grad)
+            torch.testing.assert_close(x.grad, x_eager.grad)
+        counter.assert_no_recompile()
+
+
+@pytest.mark.parametrize("place", PLACES)
+def test_position_ids_op_compiles(rng, place):
+    op = RoPENeoxPositionIdsFwdOp(max_position=4096, rotary_dim=8)
+    for backend in _backends(place):
+        compiled, counter = _compiled(lambda x, ids: op(x, ids) + 1, dynamic=True, backend=backend)
+        for tokens in (9, 40, 17):
+            x = _randn(rng, (tokens, 2, HEAD_DIM), place)
+            ids = torch.from_numpy(random_position_ids(rng, tokens, 4096, np.int64)).to(place)
+            torch.testing.assert_close(compiled(x, ids), op(x, ids) + 1)
+            counter.first_call_done()
+        counter.assert_no_recompile()
+
+
+@pytest.mark.parametrize("place", PLACES)
+def test_component_compiles_in_place_and_with_autograd(rng, place):
+    rope = RoPE(HEAD_DIM, HEADS, KV_HEADS, scheme=YaRN(scale=2.0), max_position=1 << 16)
+
+    def attention_inputs(qkv, position):
+        q, k = qkv[..., : HEADS * HEAD_DIM], qkv[..., HEADS * HEAD_DIM : (HEADS + KV_HEADS) * 16]
+        rope.prefill(q, k, position)
+        return qkv * 2
+
+    def loss(x, w):
+        return attention_inputs(x @ w, 3).square().sum()
+
+    for backend in _backends(place):
+        compiled, counter = _compiled(attention_inputs, dynamic=True, backend=backend)
+        for seq in (3, 8, 5):
+            positions = torch.tensor([5, 900], device=place)
+            for position in (positions, 17 + seq):
+                qkv = _randn(rng, (2, seq, (HEADS + 2 * KV_HEADS) * HEAD_DIM), place)
+                expected = attention_inputs(qkv.clone(), position)
+                torch.testing.assert_close(compiled(qkv, position), expected)
+            # one graph per kind of position (tensor, int), then none for new lengths
+            counter.first_call_done()
+        counter.assert_no_recompile()
+
+        # under autograd: the rotation is recorded, gradients match eager
+        w = _randn(rng, (8, (HEADS + 2 * KV_HEADS) * HEAD_DIM), place, requires_grad=True)
+        x = _randn(rng, (2, 5, 8), place)
+        compiled, _ = _compiled(loss, backend=backend)
+        compiled(x, w).backward()
+        grad = w.grad.clone()
+        w.grad = None
+        loss(x, w).backward()
+        torch.testing.assert_close(grad, w.grad)
+
+
+@pytest.mark.parametrize("place", PLACES)
+def test_component_decode_and_apply_rope_compile(rng, place):
+    rope = RoPE(HEAD_DIM, HEADS, KV_HEADS, max_position=4096)
+
+    def decode(q, k, positions):
+        rope.decode(q, k, positions)
+        return q + 0, k + 0
+
+    def rotate(q, k):
+        return apply_rope(q, k, rope, 9)
+
+    for backend in _backends(place):
+        compiled_decode, _ = _compiled(decode, backend=backend)
+        compiled_rotate, _ = _compiled(rotate, backend=backend)
+        q = _randn(rng, (3, 1, HEADS * HEAD_DIM), place)
+        k = _randn(rng, (3, 1, KV_HEADS * HEAD_DIM), place)
+        positions = torch.tensor([0, 4095, 77], device=place, dtype=torch.int32)
+        expected = decode(q.clone(), k.clone(), positions)
+        actual = compiled_decode(q.clone(), k.clone(), positions)
+        torch.testing.assert_close(actual, expected)
+        q.requires_grad_()
+        q_rot, _ = compiled_rotate(q, k)
+        q_rot.sum().backward()
+        torch.testing.assert_close(q.grad, rope.backward(torch.ones_like(q), None, 9)[0])
+
+
+@pytest.mark.parametrize("place", PLACES)
+def test_mhc_ops_compile(rng, place):
+    pre, post = MHCPreFwdOp(0.8, 1.1, 0.9, 5), MHCPostFwdOp()
+
+    def block(phi, x, b):
+        x_res, x_layer, h_post = pre(phi, x, b)
+        return post(torch.tanh(x_layer), h_post, x_res)
+
+    for backend in _backends(place):
+        compiled, counter = _compiled(block, dynamic=True, backend=backend)
+        for batch in (3, 6, 9):
+            phi, x, b = _mhc_inputs(rng, place, batch=batch)
+            torch.testing.assert_close(compiled(phi, x, b), block(phi, x, b))
+            counter.first_call_done()
+        counter.assert_no_recompile()
+
+
+def test_export_traces_the_ops(rng):
+    rope = RoPE(HEAD_DIM, HEADS, KV_HEADS)
+    fwd = SEQUENCE_OPS[2].make("Fwd", "2d", HEAD_DIM, rng)[0]
+
+    class Block(torch.nn.Module):
+        def forward(self, x, qkv):
+            q, k = qkv[..., : HEADS * HEAD_DIM], qkv[..., HEADS * HEAD_DIM : 6 * HEAD_DIM]
+            q_rot, k_rot = apply_rope(q, k, rope, 4)
+            return fwd(x), q_rot, k_rot
+
+    x = _randn(rng, (2, 5, 3, HEAD_DIM), "cpu")
+    qkv = _randn(rng, (2, 5, 8 * HEAD_DIM), "cpu")
+    seq = torch.export.Dim("seq", min=2, max=4096)
+    exported = torch.export.export(
+        Block(), (x, qkv), dynamic_shapes=({1: seq}, {1: seq}), strict=True
+    )
+    names = {str(node.target) for node in exported.graph.nodes if node.op == "call_function"}
+    assert {"tileops_cupy.rope.default", "tileops_cupy.rope_qk.default"} <= names
+    x, qkv = _randn(rng, (2, 9, 3, HEAD_DIM), "cpu"), _randn(rng, (2, 9, 8 * HEAD_DIM), "cpu")
+    for actual, expected in zip(exported.module()(x, qkv), Block()(x, qkv), strict=True):
+        _assert_same(actual, expected)
+
+
+def test_torch_is_not_imported_by_the_host_path():
+    script = textwrap.dedent(
+        """
+        import sys
+        import numpy as np
+        from tileops_cupy.rope import RoPE, RoPEFwdOp
+        from tileops_cupy.sequence_modeling import MHCPreFwdOp
+        RoPEFwdOp()(np.ones((4, 8), np.float32))
+        RoPE(8, 1).forward(np.ones((1, 2, 8), np.float32))
+        assert "torch" not in sys.modules, "the numpy path imported torch"
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=REPO)
+
+
+# --------------------------------------------------------------------------- CUDA graphs
+
+# Each capture runs in its own process: a failed capture poisons the CUDA context.
+_CAPTURE = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    import torch
+    from tileops_cupy.rope import (RoPE, RoPEFwdOp, RoPEBwdOp, RoPELlama31FwdOp, YaRNFwdOp,
+        LongRoPEBwdOp, RoPENeoxPositionIdsFwdOp, apply_rope)
+    from tileops_cupy.sequence_modeling import MHCPreFwdOp, MHCPostFwdOp
+
+    rng = np.random.default_rng(int(sys.argv[2]))
+    def randn(*shape, dtype=torch.bfloat16):
+        return torch.from_numpy(rng.standard_normal(shape)).to("cuda", dtype)
+
+    rope = RoPE(128, 8, 2, max_position=8192)
+    ids_op = RoPENeoxPositionIdsFwdOp(max_position=8192, rotary_dim=64)
+    pre, post = MHCPreFwdOp(1.0, 1.0, 1.0, 20), MHCPostFwdOp()
+    phi = randn(4 * 512, 24, dtype=torch.float32) / 16
+    b = randn(24, dtype=torch.float32)
+    ops = {
+        "RoPEFwdOp": (RoPEFwdOp(input_layout="2d"), lambda: [randn(2, 64, 4, 128)]),
+        "RoPEBwdOp": (RoPEBwdOp("interleaved"), lambda: [randn(64, 128)]),
+        "RoPELlama31FwdOp": (RoPELlama31FwdOp(), lambda: [randn(64, 128)]),
+        "YaRNFwdOp": (YaRNFwdOp("2d"), lambda: [randn(1, 32, 4, 64)]),
+        "LongRoPEBwdOp": (LongRoPEBwdOp(), lambda: [randn(64, 128)]),
+        "RoPENeoxPositionIdsFwdOp": (ids_op, lambda: [
+            randn(48, 4, 128), torch.from_numpy(rng.integers(0, 8192, 48)).cuda()]),
+        "prefill": (lambda q, k, p: rope.prefill(q, k, p), lambda: [
+            randn(2, 16, 8 * 128), randn(2, 16, 2 * 128),
+            torch.from_numpy(rng.integers(0, 4096, 2)).cuda()]),
+        "decode": (lambda q, k, p: rope.decode(q, k, p), lambda: [
+            randn(4, 1, 8 * 128), randn(4, 1, 2 * 128),
+            torch.from_numpy(rng.integers(0, 8192, 4).astype(np.int32)).cuda()]),
+        "backward": (lambda q, k: rope.backward(q, k, 100), lambda: [
+            randn(2, 16, 8 * 128), randn(2, 16, 2 * 128)]),
+        "apply_rope": (lambda q, k: apply_rope(q, k, rope, 7), lambda: [
+            randn(2, 16, 8 * 128), randn(2, 16, 2 * 128)]),
+        "MHCPreFwdOp-B4": (lambda x: pre(phi, x, b), lambda: [randn(4, 4 * 512)]),
+        "MHCPreFwdOp-B300": (lambda x: pre(phi, x, b), lambda: [randn(300, 4 * 512)]),
+        "MHCPostFwdOp": (post, lambda: [randn(8, 512), randn(8, 4, dtype=torch.float32),
+                                       randn(8, 4 * 512)]),
+    }
+    op, make = ops[sys.argv[1]]
+    static = make()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: compile, upload tables, map flags
+        op(*[t.clone() for t in static])
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = op(*static)
+    for replay in range(3):
+        fresh = make()
+        expected_inputs = [t.clone() for t in fresh]
+        expected = op(*expected_inputs)  # eager, on copies
+        for target, value in zip(static, fresh):
+            target.copy_(value)
+        graph.replay()
+        torch.cuda.synchronize()
+        if sys.argv[1] in ("prefill", "decode", "backward"):  # in place: q and k
+            outputs, expected = static[:2], expected_inputs[:2]
+        else:
+            outputs = captured
+        if isinstance(outputs, torch.Tensor):
+            outputs, expected = [outputs], [expected]
+        for got, want in zip(outputs, expected):
+            assert torch.equal(got, want), (sys.argv[1], replay)
+    print("replayed", sys.argv[1])
+    """
+)
+_CAPTURED = (
+    "RoPEFwdOp",
+    "RoPEBwdOp",
+    "RoPELlama31FwdOp",
+    "YaRNFwdOp",
+    "LongRoPEBwdOp",
+    "RoPENeoxPositionIdsFwdOp",
+    "prefill",
+    "decode",
+    "backward",
+    "apply_rope",
+    "MHCPreFwdOp-B4",
+    "MHCPreFwdOp-B300",
+    "MHCPostFwdOp",
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", _CAPTURED)
+def test_gpu_cuda_graph_capture_and_replay(name):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run(
+        [sys.executable, "-c", _CAPTURE, name, "7"],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
