@@ -228,7 +228,7 @@ struct PreParams {
   const float* phi;       // [n*c_x, Q] through (phi_stride_k, phi_stride_q)
   const float* bias;      // [Q] through bias_stride
   float* partial;         // scratch [k_splits, batch, Q+1]
-  unsigned int* counter;  // zeroed words, left at zero by every launch (see COUNTER_TILES)
+  unsigned int* counter;  // COUNTER_TILES + tiles words, zeroed by mhc_phi_pieces
   float* coef;            // scratch [batch, n + n*n]: h_pre, then M row-major
   u32* pieces;            // scratch: phi as bf16 B fragments, K block by K block (mhc_phi_pieces)
   void* x_res;            // [batch, n*c_x], contiguous
@@ -268,7 +268,7 @@ constexpr int STAGE_PITCH = BLOCK_K + 8;  // elements per smem row: 16 (or 32) b
                                           // puts the 8 rows of a fragment load in distinct banks
 constexpr int PROJECT_THREADS = 256;
 constexpr int APPLY_THREADS = 256;
-// counter words: [0], [1] fused: blocks past the two grid barriers, [2] fused: blocks done,
+// counter words: [0], [1] fused: blocks past the two grid barriers,
 // [COUNTER_TILES + t] blocks of tile t finished (k_splits > 1)
 constexpr int COUNTER_TILES = 4;
 constexpr int STAGES = 3;  // cp.async pipeline depth of mhc_project
@@ -530,11 +530,18 @@ __host__ __device__ constexpr int piece_words() {
 // phi as B fragments, once per call, one K block per block: every mhc_project block then
 // streams them instead of splitting phi again for each tile. K ranges are whole K blocks,
 // so a block's fragments never mix two ranges.
+// It also zeroes the counters: it runs first on the stream, so mhc_project finds them at
+// zero, and the scratch can be fresh memory from the caller's allocator on every call (what
+// CUDA-graph capture and concurrent streams need).
 template <int N>
 __global__ void __launch_bounds__(PROJECT_THREADS) mhc_phi_pieces(const PreParams p) {
   constexpr int Q = Dims<N>::Q;
   const i64 K = N * p.c_x;
   const i64 k0 = (i64)blockIdx.x * BLOCK_K;
+  if (blockIdx.x == 0) {
+    const i64 words = COUNTER_TILES + (p.batch + TILE_ROWS - 1) / TILE_ROWS;
+    for (i64 i = threadIdx.x; i < words; i += blockDim.x) p.counter[i] = 0u;
+  }
   build_pieces<N>(p.pieces + (i64)blockIdx.x * piece_words<N>(), [&](int kk, int q) {
     const i64 k = k0 + kk;
     return k < K && q < Q ? p.phi[k * p.phi_stride_k + q * p.phi_stride_q] : 0.f;
@@ -741,13 +748,6 @@ __global__ void __launch_bounds__(PROJECT_THREADS, N <= 4 && Io<T>::x_pieces == 
       const i64 row = item / units, u = item - row * units;
       apply_unit<T, N>(p, row, u * 8, p.coef + row * NC, true);
     }
-    __syncthreads();
-    if (tid == 0 && atomicAdd(&p.counter[2], 1u) == gridDim.x - 1) {
-      // every block is past both barriers: ready for the next launch on this stream
-      atomicExch(&p.counter[0], 0u);
-      atomicExch(&p.counter[1], 0u);
-      atomicExch(&p.counter[2], 0u);
-    }
     return;
   }
 
@@ -760,7 +760,6 @@ __global__ void __launch_bounds__(PROJECT_THREADS, N <= 4 && Io<T>::x_pieces == 
     if (p.k_splits > 1) {
       unsigned int* arrived = p.counter + COUNTER_TILES + tile;
       is_last_block = atomicAdd(arrived, 1u) == p.k_splits - 1;
-      if (is_last_block) atomicExch(arrived, 0u);  // every split is in: ready for the next launch
     }
   }
   __syncthreads();

@@ -50,7 +50,6 @@ from ._arrays import (
     check_target,
     contiguous,
     cupy,
-    cupy_stream,
     empty_like,
     select_place,
     stream_handle,
@@ -74,6 +73,7 @@ _TILE_ROWS, _BLOCK_K, _STAGE_PITCH, _STAGES = 128, 64, 72, 3
 _PROJECT_THREADS, _APPLY_THREADS, _POST_THREADS = 256, 256, 256
 _MAX_FUSED_ROWS = 256  # batches this small: cooperative mhc_project, no mhc_apply launch
 _COUNTER_TILES = 4  # first per-tile counter word (COUNTER_TILES in mhc.cu)
+_SCRATCH_ALIGN_WORDS = 64  # 256-byte sections: the fragment copies are 16-byte cp.async
 
 
 # --------------------------------------------------------------------------- ops
@@ -526,47 +526,17 @@ def _pre_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan
     return plan
 
 
-class _Scratch:
-    """Per (device, stream): the float32 partial sums of mhc_project, the per-token
-    coefficients it hands to mhc_apply, zeroed counter words (every launch leaves them at
-    zero: the block that last uses one resets it) and phi's B fragments. Launches on one
-    stream run in order, so they can share all of it."""
-
-    _DTYPES = ("float32", "float32", "uint32", "uint32")
-
-    def __init__(self) -> None:
-        self._entries: dict[tuple[int, int], list[Any]] = {}
-        self._retired: list[Any] = []  # replaced buffers a queued launch may still use
-        self._lock = threading.Lock()
-
-    def get(self, device: int, stream: int, sizes: tuple[int, ...]) -> tuple[int, ...]:
-        """Device pointers of (partials, coefficients, counters, pieces), each holding at
-        least ``sizes`` elements."""
-        entry = self._entries.get((device, stream))
-        if entry is None or any(a.size < n for a, n in zip(entry, sizes, strict=True)):
-            with self._lock:
-                entry = self._grow(device, stream, sizes)
-        return tuple(a.data.ptr for a in entry)
-
-    def _grow(self, device: int, stream: int, sizes: tuple[int, ...]) -> list[Any]:
-        key = (device, stream)
-        entry = self._entries.get(key) or [None] * len(self._DTYPES)
-        cp = cupy()
-        with cp.cuda.Device(device), cupy_stream(stream, device):
-            for i, (dtype, wanted) in enumerate(zip(self._DTYPES, sizes, strict=True)):
-                old = entry[i]
-                if old is not None and old.size >= wanted:
-                    continue
-                size = max(wanted, 1 << 12, 2 * old.size if old is not None else 0)
-                # counters are zeroed on `stream`, ordered before every launch that uses them
-                entry[i] = cp.zeros(size, dtype) if i == 2 else cp.empty(size, dtype)
-                if old is not None:
-                    self._retired.append(old)
-        self._entries[key] = entry
-        return entry
-
-
-_scratch = _Scratch()
+def _scratch(template: Operand, plan: _PrePlan) -> tuple[int, ...]:
+    """Device pointers of (partials, coefficients, counters, pieces) for one call, carved
+    from one fresh buffer of the caller's allocator: stream-ordered, graph-capturable
+    (torch's allocator serves a capture from the graph's pool) and never shared between
+    concurrent calls. mhc_phi_pieces zeroes the counters, so nothing needs initialising."""
+    offsets, words = [], 0
+    for size in plan.scratch:
+        offsets.append(words)
+        words += -(-size // _SCRATCH_ALIGN_WORDS) * _SCRATCH_ALIGN_WORDS
+    buffer = empty_like(template, (words,), "float32")
+    return tuple(buffer.ptr + 4 * offset for offset in offsets)
 
 
 def pre_launch_values(
@@ -614,7 +584,7 @@ def _pre_cuda(
     c_x = width // n
     device = x.device
     plan = _pre_plan(device, x.dtype, n, c_x, batch)
-    scratch = _scratch.get(device, stream, plan.scratch)
+    scratch = _scratch(x, plan)
     params = pre_launch_values(gates, plan, x, phi, b, x_res, x_layer, h_post, scratch)
     threads = (_PROJECT_THREADS, 1, 1)
     _cuda.launch_packed(plan.pieces, device, plan.pieces_grid, threads, _PRE_PARAMS, params, stream)
