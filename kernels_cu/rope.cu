@@ -57,7 +57,8 @@ struct Rows {
 };
 
 constexpr int FINE_BITS = 10;
-constexpr int HEADS_IN_FLIGHT = 4;  // loads of this many heads are issued before the first use
+// HEADS_IN_FLIGHT (a define from tileops_cupy._rotate, which sizes the launch by it): loads
+// of this many heads are issued before the first use
 
 // Position of token (b, s): offset + per-sequence offset + (explicit id or s). Out-of-range
 // positions raise the error flag and are clamped, so no table is ever read out of bounds.

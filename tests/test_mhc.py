@@ -269,9 +269,8 @@ def _device_operand(shape, dtype, strides=None, ptr=1 << 20):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_launch_values_pack_into_the_kernel_structs(dtype):
-    """Field counts and types match PreParams/PostParams (whose sizes mhc.cu asserts)."""
-    import ctypes
-
+    """Every field is packed by name into PreParams/PostParams (whose sizes mhc.cu asserts;
+    test_nvrtc checks the names and types against the declarations)."""
     n, c_x, batch = 4, 130, 3
     gates = MHCPreFwdOp(1.0, 1.0, 1.0, 20)._gates
     k_range, k_splits, fuse = plan_geometry(batch, n * c_x, 132)
@@ -286,13 +285,14 @@ def test_launch_values_pack_into_the_kernel_structs(dtype):
         _device_operand(s, d)
         for s, d in (((3, 520), dtype), ((3, 130), dtype), ((3, 4), "float32"))
     ]
-    values = sequence_modeling.pre_launch_values(gates, plan, x, phi, b, *outputs, (1, 2, 3, 4))
-    buffer = ctypes.create_string_buffer(512)
-    sequence_modeling._PRE_PARAMS.pack_into(buffer, values)
-    assert sequence_modeling._PRE_PARAMS._struct.size == 176
-    values = sequence_modeling.post_launch_values(outputs[1], outputs[2], outputs[0], outputs[0])
-    sequence_modeling._POST_PARAMS.pack_into(buffer, values)
-    assert sequence_modeling._POST_PARAMS._struct.size == 104
+    params = sequence_modeling.pre_launch_params(gates, plan, x, phi, b, *outputs, (1, 2, 3, 4))
+    assert len(params) == 176
+    fields = sequence_modeling.PRE_PARAMS
+    assert fields.read(params, "x") == x.ptr and fields.read(params, "pieces") == 4
+    assert fields.read(params, "batch") == batch and fields.read(params, "c_x") == c_x
+    params = sequence_modeling.post_launch_params(outputs[1], outputs[2], outputs[0], outputs[0])
+    assert len(params) == 104
+    assert sequence_modeling.POST_PARAMS.read(params, "n") == n
 
 
 # --------------------------------------------------------------------------- NVRTC

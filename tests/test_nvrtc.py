@@ -8,6 +8,7 @@ import importlib.util
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -122,3 +123,48 @@ def test_every_launch_picks_a_shipped_kernel(dtype, neox):
                 assert name in spec.name_expressions, (name, spec.name_expressions)
     wide = 16 // ITEMSIZE[dtype]
     assert widths_seen == {wide, 1}, widths_seen
+
+
+# --------------------------------------------------------------------------- argument structs
+
+_C_TYPES = {"long long": "q", "i64": "q", "int": "i", "float": "f"}
+
+
+def _declared_fields(c_name: str) -> list[tuple[str, str]]:
+    """(name, struct code) of every field of ``struct c_name`` in the kernels' sources."""
+    import re
+
+    import kernels_cu
+
+    for source in sorted(Path(kernels_cu.__file__).parent.glob("*.cu")):
+        text = source.read_text()
+        found = re.search(r"struct\s+" + c_name + r"\s*\{(.*?)\};", text, re.S)
+        if found is None:
+            continue
+        body = re.sub(r"//[^\n]*", "", found.group(1))
+        fields = []
+        for declaration in filter(None, (d.strip() for d in body.split(";"))):
+            pointer = "*" in declaration
+            words = declaration.replace("*", " ").replace(",", " , ").split()
+            kind = next((code for c, code in _C_TYPES.items() if c in " ".join(words[:2])), None)
+            type_words = 2 if words[:2] == ["long", "long"] else 1
+            if words[0] in ("const", "unsigned"):
+                type_words += 1
+            names = " ".join(words[type_words:]).split(",")
+            for name in (n.strip() for n in names):
+                length = re.fullmatch(r"(\w+)\[(\d+)\]", name)
+                if length:
+                    fields.append((length.group(1), length.group(2) + kind))
+                else:
+                    fields.append((name, "P" if pointer else kind))
+        return fields
+    raise AssertionError(f"struct {c_name} is not declared in any kernels_cu/*.cu")
+
+
+def test_param_structs_match_the_cuda_declarations():
+    """Each kernel's argument struct is declared once in Python by field name and type; the
+    C declaration must list the same fields in the same order with the same types."""
+    _cuda.shipped_modules()  # imports every op module, which declares its structs
+    assert {s.c_name for s in _cuda.PARAM_STRUCTS} >= {"RopeParams", "PreParams", "PostParams"}
+    for declared in _cuda.PARAM_STRUCTS:
+        assert list(declared.fields) == _declared_fields(declared.c_name), declared.c_name

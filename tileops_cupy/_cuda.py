@@ -75,25 +75,65 @@ def function(spec: ModuleSpec, name_expression: str, device: int) -> Any:
 
 
 class ParamStruct:
-    """A kernel's single by-value struct parameter, laid out as the C struct in the .cu file.
+    """A kernel's single by-value struct parameter, declared once with named fields in the
+    C order of the struct in the .cu file (``tests/test_nvrtc.py`` checks names and types
+    against that declaration).
 
-    ``fields`` uses ``struct`` codes (P pointer, q long long, i int, f float) in the C field
-    order; native alignment ("@") gives the same layout as the device ABI. Packing into one
+    Field codes are ``struct``'s: P pointer, q long long, i int, f float; "3q" is a
+    ``long long[3]``. Native alignment ("@") gives the device ABI's layout. Packing into one
     reused buffer costs about a microsecond, where CuPy boxes every scalar separately.
     """
 
-    def __init__(self, fields: str) -> None:
-        self._struct = struct.Struct("@" + fields)
+    def __init__(self, c_name: str, fields: tuple[tuple[str, str], ...] | None = None) -> None:
+        if fields is None:  # TRANSITIONAL (removed once _mhc.py declares named fields)
+            c_name, fields = "legacy", tuple((f"f{i}", c) for i, c in enumerate(c_name))
+        self.c_name = c_name
+        self.fields = fields
+        if c_name != "legacy":
+            PARAM_STRUCTS.append(self)
+        self._struct = struct.Struct("@" + "".join(code for _, code in fields))
         if self._struct.size > _PARAM_BYTES:
             raise ValueError(
                 f"kernel parameters of {self._struct.size} bytes exceed {_PARAM_BYTES}"
             )
+        self._arrays = {name for name, code in fields if code[0].isdigit()}
+        self.offsets: dict[str, int] = {}
+        prefix = "@"
+        for name, code in fields:  # each field's byte offset: the aligned size before it
+            self.offsets[name] = struct.calcsize(prefix + "0" + code[-1])
+            prefix += code
 
-    def pack_into(self, buffer, values: tuple) -> None:
-        self._struct.pack_into(buffer, 0, *values)
+    @property
+    def size(self) -> int:
+        return self._struct.size
+
+    def pack(self, **values: Any) -> bytes:
+        """The struct's bytes from every field by name (arrays as tuples)."""
+        missing = [name for name, _ in self.fields if name not in values]
+        if missing or len(values) != len(self.fields):
+            extra = sorted(set(values) - {name for name, _ in self.fields})
+            raise TypeError(f"{self.c_name}: missing fields {missing}, unknown fields {extra}")
+        flat: list[Any] = []
+        for name, _ in self.fields:
+            value = values[name]
+            if name in self._arrays:
+                flat.extend(value)
+            else:
+                flat.append(value)
+        return self._struct.pack(*flat)
+
+    def read(self, params: bytes, name: str) -> Any:
+        """One scalar field of packed ``params``."""
+        return struct.unpack_from("@" + dict(self.fields)[name], params, self.offsets[name])[0]
+
+    def field_writer(self, *names: str) -> tuple[tuple[int, struct.Struct], ...]:
+        """(offset, packer) of scalar fields, for :meth:`Launch.relaunch` to patch."""
+        codes = dict(self.fields)
+        return tuple((self.offsets[n], struct.Struct("@" + codes[n])) for n in names)
 
 
 _PARAM_BYTES = 4096  # CUDA allows 4 KB of kernel parameters everywhere; ours are ~200 bytes
+PARAM_STRUCTS: list[ParamStruct] = []  # every declaration, for the test against the .cu text
 
 
 class _ThreadLaunchState(threading.local):
@@ -103,7 +143,8 @@ class _ThreadLaunchState(threading.local):
 
     def __init__(self) -> None:
         self.params = ctypes.create_string_buffer(_PARAM_BYTES)
-        self.pointers = (ctypes.c_void_p * 1)(ctypes.addressof(self.params))
+        self.address = ctypes.addressof(self.params)
+        self.pointers = (ctypes.c_void_p * 1)(self.address)
         self.pointers_address = ctypes.addressof(self.pointers)
         self.devices: set[int] = set()
 
@@ -111,26 +152,69 @@ class _ThreadLaunchState(threading.local):
 _thread_state = _ThreadLaunchState()
 
 
-def launch_packed(
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """One kernel launch, fully described: what :func:`launch` ran, kept so that a caller
+    with the same layout can run it again changing only some fields (pointers, a position
+    offset) with :meth:`relaunch`, which skips every step that derives the geometry."""
+
+    kernel: Any
+    device: int
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    params: bytes
+    shared_mem: int = 0
+    cooperative: bool = False
+
+    def relaunch(
+        self, stream: int, writers: tuple[tuple[int, struct.Struct], ...] = (), *values: Any
+    ) -> None:
+        """Launch again on ``stream`` with ``values`` written at ``writers`` (from
+        :meth:`ParamStruct.field_writer`), the other fields as before."""
+        state = _thread_state
+        buffer = state.params
+        ctypes.memmove(state.address, self.params, len(self.params))
+        for (offset, packer), value in zip(writers, values, strict=True):
+            packer.pack_into(buffer, offset, value)
+        _launch_current(self, stream, state)
+
+
+def launch(
     kernel: Any,
     device: int,
     grid: tuple[int, int, int],
     block: tuple[int, int, int],
-    fields: ParamStruct,
-    values: tuple,
+    params: bytes,
     stream: int,
     shared_mem: int = 0,
     cooperative: bool = False,
-) -> None:
-    """Launch a compiled ``kernel`` whose one parameter is the struct ``fields`` holding
-    ``values``, through the driver, on ``device`` and the raw ``stream`` handle.
+) -> Launch:
+    """Launch a compiled ``kernel`` whose one parameter is the packed struct ``params``
+    (:meth:`ParamStruct.pack`), through the driver, on ``device`` and the raw ``stream``.
 
     ``cooperative``: cuLaunchCooperativeKernel, for kernels whose blocks wait for each
     other (the driver refuses a grid that cannot be resident at once instead of hanging).
+    Returns the :class:`Launch`, for :meth:`Launch.relaunch`.
     """
+    done = Launch(kernel, device, grid, block, params, shared_mem, cooperative)
     state = _thread_state
-    fields.pack_into(state.params, values)
+    ctypes.memmove(state.address, params, len(params))
+    _launch_current(done, stream, state)
+    return done
+
+
+def launch_packed(
+    kernel, device, grid, block, fields, values, stream, shared_mem=0, cooperative=False
+):
+    """TRANSITIONAL: the positional form, until _mhc.py moves to :func:`launch`."""
+    params = fields._struct.pack(*values)
+    return launch(kernel, device, grid, block, params, stream, shared_mem, cooperative)
+
+
+def _launch_current(done: Launch, stream: int, state: _ThreadLaunchState) -> None:
+    """Launch ``done`` with the parameters now in ``state``'s buffer."""
     runtime = cupy().cuda.runtime
+    device = done.device
     previous = runtime.getDevice()
     if device not in state.devices:
         runtime.setDevice(device)
@@ -140,13 +224,14 @@ def launch_packed(
         runtime.setDevice(device)
     try:
         driver = cupy().cuda.driver
-        if cooperative:
+        grid, block = done.grid, done.block
+        if done.cooperative:
             driver.launchCooperativeKernel(
-                kernel.ptr, *grid, *block, shared_mem, stream, state.pointers_address
+                done.kernel.ptr, *grid, *block, done.shared_mem, stream, state.pointers_address
             )
         else:
             driver.launchKernel(
-                kernel.ptr, *grid, *block, shared_mem, stream, state.pointers_address, 0
+                done.kernel.ptr, *grid, *block, done.shared_mem, stream, state.pointers_address, 0
             )
     finally:
         if previous != device:

@@ -28,9 +28,20 @@ SHIPPED_ROTARY_DIMS = (64, 128)  # compiled with rotary_dim as a constant; other
 # Measured on an H200 (bf16/fp32, B8 S4096 H32 D128): 128 threads and 4 heads per thread
 # reach 95% of the copy ceiling; 256+ threads with 2 heads per thread lose up to 30%.
 _THREADS_PER_BLOCK = 128
-_HEADS_PER_THREAD = 4  # = HEADS_IN_FLIGHT in rope.cu
-# RopeParams in kernels_cu/rope.cu, field by field
-ROPE_PARAMS = _cuda.ParamStruct("PP3q3qPP3q3qPPPPPqq8if")
+_HEADS_IN_FLIGHT = 4  # loads of this many heads per thread in flight: rope.cu's define
+_DEFINES = (f"HEADS_IN_FLIGHT={_HEADS_IN_FLIGHT}",)
+ROPE_PARAMS = _cuda.ParamStruct(
+    "RopeParams",
+    (
+        ("q_in", "P"), ("q_out", "P"), ("q_in_stride", "3q"), ("q_out_stride", "3q"),
+        ("k_in", "P"), ("k_out", "P"), ("k_in_stride", "3q"), ("k_out_stride", "3q"),
+        ("ids", "P"), ("offsets", "P"), ("error_flag", "P"), ("fine", "P"), ("coarse", "P"),
+        ("position_offset", "q"), ("position_limit", "q"),
+        ("q_heads", "i"), ("k_heads", "i"), ("batch", "i"), ("seq", "i"),
+        ("rotary_dim", "i"), ("tail_chunks", "i"), ("ids_is_int64", "i"),
+        ("offsets_is_int64", "i"), ("sin_sign", "f"),
+    ),
+)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,18 +160,20 @@ def rotate(
     positions: Positions,
     flag: ErrorFlag | None = None,
     stream=None,
-) -> None:
+) -> _cuda.Launch | None:
     """Rotate ``q = (source, destination)`` and ``k`` (same form, or None) at ``positions``.
 
     The destination may be the source itself (in place). Columns past ``table.rotary_dim``
     are copied when the destination is another array. ``inverse`` negates sin (backward).
+    Returns the CUDA launch (None on the host), which a caller may re-run for another call
+    of the same layout, patching the fields that differ (addresses, offsets).
     """
     if q[0].operand.is_cuda:
-        _rotate_cuda(table, neox, inverse, q, k, positions, flag or _ANY_FLAG, stream)
-    else:
-        for pair in (q, k):
-            if pair is not None:
-                _rotate_host(table, neox, inverse, pair, positions)
+        return _rotate_cuda(table, neox, inverse, q, k, positions, flag or _ANY_FLAG, stream)
+    for pair in (q, k):
+        if pair is not None:
+            _rotate_host(table, neox, inverse, pair, positions)
+    return None
 
 
 # --------------------------------------------------------------------------- host body
@@ -208,7 +221,7 @@ def module_spec(dtype: str, rotary_dim: int) -> _cuda.ModuleSpec:
         for neox in (True, False)
         for vec in (wide, 1)
     )
-    return _cuda.ModuleSpec("rope", names)
+    return _cuda.ModuleSpec("rope", names, _DEFINES)
 
 
 @cache
@@ -281,7 +294,7 @@ def _plan(table: RotaryTable, neox: bool, rows: list[HeadRows], copy_tail: bool)
     rotate_chunks = (rotary_dim // 2) // (vec if neox or vec == 1 else vec // 2)
     tail_chunks = (head_dim - rotary_dim) // vec if copy_tail else 0
     chunks = min(max(rotate_chunks, tail_chunks), _THREADS_PER_BLOCK)
-    head_lanes = max(1, min(-(-total_heads // _HEADS_PER_THREAD), _THREADS_PER_BLOCK // chunks))
+    head_lanes = max(1, min(-(-total_heads // _HEADS_IN_FLIGHT), _THREADS_PER_BLOCK // chunks))
     tokens_per_block = max(1, _THREADS_PER_BLOCK // (chunks * head_lanes))
     plan = _LaunchPlan(
         kernel=_cuda.function(spec, name, device),
@@ -295,7 +308,9 @@ def _plan(table: RotaryTable, neox: bool, rows: list[HeadRows], copy_tail: bool)
     return plan
 
 
-def _rotate_cuda(table, neox, inverse, q, k, positions: Positions, flag: ErrorFlag, stream):
+def _rotate_cuda(
+    table, neox, inverse, q, k, positions: Positions, flag: ErrorFlag, stream
+) -> _cuda.Launch:
     q_in, q_out = q
     batch, seq, q_heads, head_dim = q_in.shape
     device = q_in.operand.device
@@ -305,20 +320,23 @@ def _rotate_cuda(table, neox, inverse, q, k, positions: Positions, flag: ErrorFl
     plan = _plan(table, neox, rows, copy_tail)
     fine_ptr, coarse_ptr, capacity = table.device_tables(device, positions.cover)
 
-    k_in, k_out = (q_in, q_out) if k is None else k
+    k_in, k_out = (None, None) if k is None else k  # k_heads = 0: the kernel never reads k
     ids, offsets = positions.ids, positions.offsets
-    params = (
-        q_in.operand.ptr, q_out.operand.ptr, *q_in.strides[:3], *q_out.strides[:3],
-        k_in.operand.ptr, k_out.operand.ptr, *k_in.strides[:3], *k_out.strides[:3],
-        ids.ptr if ids is not None else 0,
-        offsets.ptr if offsets is not None else 0,
-        flag.pointer(device), fine_ptr, coarse_ptr,
-        positions.offset, min(positions.limit, capacity),
-        q_heads, 0 if k is None else k_in.shape[2], batch, seq, rotary_dim, plan.tail_chunks,
-        ids is not None and ids.dtype == "int64",
-        offsets is not None and offsets.dtype == "int64",
-        -1.0 if inverse else 1.0,
+    params = ROPE_PARAMS.pack(
+        q_in=q_in.operand.ptr, q_out=q_out.operand.ptr,
+        q_in_stride=q_in.strides[:3], q_out_stride=q_out.strides[:3],
+        k_in=0 if k is None else k_in.operand.ptr, k_out=0 if k is None else k_out.operand.ptr,
+        k_in_stride=(0, 0, 0) if k is None else k_in.strides[:3],
+        k_out_stride=(0, 0, 0) if k is None else k_out.strides[:3],
+        ids=0 if ids is None else ids.ptr, offsets=0 if offsets is None else offsets.ptr,
+        error_flag=flag.pointer(device), fine=fine_ptr, coarse=coarse_ptr,
+        position_offset=positions.offset, position_limit=min(positions.limit, capacity),
+        q_heads=q_heads, k_heads=0 if k is None else k_in.shape[2], batch=batch, seq=seq,
+        rotary_dim=rotary_dim, tail_chunks=plan.tail_chunks,
+        ids_is_int64=ids is not None and ids.dtype == "int64",
+        offsets_is_int64=offsets is not None and offsets.dtype == "int64",
+        sin_sign=-1.0 if inverse else 1.0,
     )  # fmt: skip
     if stream is None:
         stream = stream_handle(q_in.operand)
-    _cuda.launch_packed(plan.kernel, device, plan.grid, plan.block, ROPE_PARAMS, params, stream)
+    return _cuda.launch(plan.kernel, device, plan.grid, plan.block, params, stream)

@@ -107,6 +107,36 @@ def register_if_torch_imported() -> None:
         ensure_registered()
 
 
+# --------------------------------------------------------------------------- fast direct calls
+# A public op remembers, per torch CUDA layout, the launch its first call made; a later call
+# with the same layout (shapes, strides, dtype, device, 16-byte alignment class) was
+# validated by that first call and only patches the addresses into the launch.
+
+
+def cuda_layout(tensor: Any) -> tuple | None:
+    """The layout key of a plain torch CUDA tensor, or None for anything else."""
+    torch = sys.modules.get("torch")
+    if torch is None or type(tensor) is not torch.Tensor or not tensor.is_cuda:
+        return None
+    return (
+        tensor.shape,
+        tensor.stride(),
+        tensor.dtype,
+        tensor.get_device(),
+        tensor.data_ptr() & 15,
+    )
+
+
+def current_stream(device: int) -> int:
+    """torch's current raw stream on ``device``."""
+    return sys.modules["torch"]._C._cuda_getCurrentRawStream(device)
+
+
+def new_empty(tensor: Any) -> Any:
+    """A fresh contiguous tensor of ``tensor``'s shape, dtype and device."""
+    return sys.modules["torch"].empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
+
+
 # --------------------------------------------------------------------------- the calls
 
 

@@ -37,7 +37,7 @@ from ._arrays import (
     to_caller,
     upload,
 )
-from ._rotate import HeadRows, Positions, error_flag, rotate
+from ._rotate import ROPE_PARAMS, HeadRows, Positions, error_flag, rotate
 from ._tables import MAX_POSITIONS, shared_table, table_bytes, table_cache_info
 from .schemes import Llama31, LongRoPE, Scheme, Standard, YaRN, scheme_args, scheme_from_args
 
@@ -63,6 +63,12 @@ __all__ = [
 ]
 
 ROPE_LAYOUTS = ("neox", "interleaved")
+# the fields a repeated call of one layout changes (see _torch_ops' fast direct calls)
+RELAUNCH_X = ROPE_PARAMS.field_writer("q_in", "q_out")
+RELAUNCH_IDS = ROPE_PARAMS.field_writer("q_in", "q_out", "ids")
+RELAUNCH_QK = ROPE_PARAMS.field_writer(
+    "q_in", "q_out", "k_in", "k_out", "offsets", "position_offset"
+)
 INPUT_LAYOUTS = ("1d", "2d")
 
 
@@ -138,6 +144,7 @@ class _RotaryOp:
         self.rotary_dim = _check_rotary_dim(rotary_dim)
         self.max_position = None if max_position is None else _check_max_position(max_position)
         self._tables: dict[int, Any] = {}
+        self._relaunches: dict[tuple, Any] = {}  # torch CUDA layout -> its first call's launch
         # the op by value: what the torch custom op carries, and the key of its error flag
         self.config = (
             *scheme_args(scheme), self.rotary_dim or 0, self.rope_layout == "neox",
@@ -174,6 +181,14 @@ class _RotaryOp:
 
     def direct(self, x: Any, position_ids: Any = None) -> Any:
         """:meth:`forward` without the torch dispatcher (what the custom op runs)."""
+        layout = torch_ops.cuda_layout(x)
+        fast = self._relaunches.get(layout) if layout is not None else None
+        if fast is not None:  # this layout was validated and planned by an earlier call
+            result = torch_ops.new_empty(x)
+            fast.relaunch(
+                torch_ops.current_stream(fast.device), RELAUNCH_X, x.data_ptr(), result.data_ptr()
+            )
+            return result
         source = _float_operand(x, "x")
         rows = self._rows(source, "x")
         select_place(self.target, {"x": source})
@@ -181,9 +196,15 @@ class _RotaryOp:
         if seq > MAX_POSITIONS:
             raise ValueError(f"x has {seq} positions; at most 2**24 are supported")
         positions = Positions(limit=max(seq, 1), cover=max(seq, 1))
-        return to_caller(self._run(source, rows, positions))
+        result, launch = self._run(source, rows, positions)
+        if layout is not None and launch is not None and source.obj is x:
+            self._relaunches[layout] = launch
+        return to_caller(result)
 
-    def _run(self, source: Operand, rows: HeadRows, positions: Positions, flag=None) -> Any:
+    def _run(
+        self, source: Operand, rows: HeadRows, positions: Positions, flag=None
+    ) -> tuple[Operand, Any]:
+        """(the rotated copy, the CUDA launch or None)."""
         head_dim = rows.shape[3]
         rotary_dim = _head_dim_rotary_dim("x", head_dim, self.rotary_dim)
         table = self._tables.get(rotary_dim)
@@ -191,12 +212,13 @@ class _RotaryOp:
             table = self._tables[rotary_dim] = shared_table(self.scheme, rotary_dim)
         result = empty_like(source, source.shape)
         out_rows = HeadRows(result, rows.shape, contiguous_strides(rows.shape))
+        launch = None
         if math.prod(rows.shape):
-            rotate(
+            launch = rotate(
                 table, self.rope_layout == "neox", self._inverse, (rows, out_rows), None,
                 positions, flag,
             )  # fmt: skip
-        return result
+        return result, launch
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.scheme}, rope_layout={self.rope_layout!r})"
@@ -409,6 +431,15 @@ class RoPENeoxPositionIdsFwdOp(_RotaryOp):
 
     def direct(self, x: Any, position_ids: Any = None) -> Any:
         self._flag.raise_if_set(self._flagged_message())
+        layout = torch_ops.cuda_layout(x), torch_ops.cuda_layout(position_ids)
+        fast = self._relaunches.get(layout) if None not in layout else None
+        if fast is not None:  # this layout was validated and planned by an earlier call
+            result = torch_ops.new_empty(x)
+            fast.relaunch(
+                torch_ops.current_stream(fast.device), RELAUNCH_IDS, x.data_ptr(),
+                result.data_ptr(), position_ids.data_ptr(),
+            )  # fmt: skip
+            return result
         source = _float_operand(x, "x")
         if source.ndim != 3:
             raise ValueError(f"x must be [tokens, heads, head_dim], got shape {source.shape}")
@@ -429,7 +460,15 @@ class RoPENeoxPositionIdsFwdOp(_RotaryOp):
         rows = HeadRows(source, (1, tokens_, heads, head_dim), (0, *source.strides[:2], 1))
         # device ids are bounded by the kernel (clamped, flagged): no sync, capturable
         positions = Positions(ids=ids, limit=self.max_position, cover=self.max_position)
-        return to_caller(self._run(source, rows, positions, self._flag))
+        result, launch = self._run(source, rows, positions, self._flag)
+        if (
+            None not in layout
+            and launch is not None
+            and source.obj is x
+            and ids.obj is position_ids
+        ):
+            self._relaunches[layout] = launch
+        return to_caller(result)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(max_position={self.max_position}, {self.scheme})"
@@ -547,6 +586,7 @@ class RoPE:
             head_dim, num_heads, num_kv_heads, self.max_position or 0, self.target or "",
         )  # fmt: skip
         self._flag = error_flag(("RoPE", *self.config))
+        self._relaunches: dict[tuple, Any] = {}  # see rotate_in_place
         torch_ops.register_if_torch_imported()
 
     # ---- public calls: all in place, all one launch for q and k
@@ -663,8 +703,39 @@ class RoPE:
     def rotate_in_place(
         self, q: Any, k: Any, position: Any, inverse: bool = False, decode: bool = False
     ) -> None:
-        """The in-place rotation without the torch dispatcher (what its custom op runs)."""
-        self._apply(q, k, position, inverse, decode)
+        """The in-place rotation without the torch dispatcher (what its custom op runs).
+
+        A call whose torch CUDA layout (q, k, kind of position, direction) an earlier call
+        validated and planned re-runs that launch with the new addresses and offset: at
+        decode sizes the bookkeeping would otherwise cost more than the kernel."""
+        int_position = isinstance(position, int) and not isinstance(position, bool)
+        layout = (
+            torch_ops.cuda_layout(q),
+            False if k is None else torch_ops.cuda_layout(k),
+            "int" if int_position else torch_ops.cuda_layout(position),
+            inverse,
+            decode,
+        )
+        fast = None if None in layout else self._relaunches.get(layout)
+        if fast is not None and int_position:
+            launch, last_position = fast
+            if not 0 <= position <= last_position:  # outside what the first call covered
+                fast = None
+        if fast is not None:
+            self._flag.raise_if_set(self._flagged_message())
+            q_ptr, k_ptr = q.data_ptr(), 0 if k is None else k.data_ptr()
+            offsets_ptr, offset = (0, position) if int_position else (position.data_ptr(), 0)
+            launch = fast[0]
+            launch.relaunch(
+                torch_ops.current_stream(launch.device), RELAUNCH_QK, q_ptr, q_ptr, k_ptr, k_ptr,
+                offsets_ptr, offset,
+            )  # fmt: skip
+        else:
+            launch = self._apply(q, k, position, inverse, decode)
+            if launch is not None and None not in layout:
+                # an int offset stays valid up to the positions the launch's table holds
+                limit = ROPE_PARAMS.read(launch.params, "position_limit")
+                self._relaunches[layout] = (launch, limit - q.shape[1])
         torch_ops.bump_versions(q, k)
 
     def rotated(
@@ -750,8 +821,9 @@ class RoPE:
         inverse: bool,
         decode: bool = False,
         out: tuple[Any, Any] | None = None,
-    ) -> None:
-        """Rotate (q, k) at ``position``: in place, or into ``out`` (same shapes, contiguous)."""
+    ) -> Any:
+        """Rotate (q, k) at ``position``: in place, or into ``out`` (same shapes, contiguous).
+        Returns the CUDA launch (None on the host or for an empty call)."""
         self._flag.raise_if_set(self._flagged_message())
         in_place = out is None
         q_rows = self._operand(q, "q", self.num_heads, in_place)
@@ -777,13 +849,13 @@ class RoPE:
         positions = self._positions(position, name, q_rows, place)
         self.table.ensure(positions.cover)
         if math.prod(q_rows.shape[:2]) == 0:
-            return
+            return None
         q_pair = (q_rows, q_rows if out is None else self._rows(out[0], "out", self.num_heads))
         k_pair = None
         if k_rows is not None:
             k_out = k_rows if out is None else self._rows(out[1], "out", self.num_kv_heads)
             k_pair = (k_rows, k_out)
-        rotate(
+        return rotate(
             self.table, self.rope_layout == "neox", inverse, q_pair, k_pair, positions, self._flag
         )
 

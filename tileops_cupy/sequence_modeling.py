@@ -65,9 +65,26 @@ X_DTYPES = ("bfloat16", "float16", "float32")
 _CUDA_TYPES = {"bfloat16": "mhc_bf16", "float16": "mhc_fp16", "float32": "float"}
 CUDA_STREAMS = tuple(range(1, 9))  # n the CUDA kernels are compiled for (registers bound n)
 
-# Mirrors PreParams / PostParams in kernels_cu/mhc.cu, field by field.
-_PRE_PARAMS = _cuda.ParamStruct(10 * "P" + 8 * "q" + 4 * "i" + 4 * "f")  # 176 bytes
-_POST_PARAMS = _cuda.ParamStruct(4 * "P" + 8 * "q" + 2 * "i")  # 104 bytes
+PRE_PARAMS = _cuda.ParamStruct(
+    "PreParams",
+    (
+        ("x", "P"), ("phi", "P"), ("bias", "P"), ("partial", "P"), ("counter", "P"),
+        ("coef", "P"), ("pieces", "P"), ("x_res", "P"), ("x_layer", "P"), ("h_post", "P"),
+        ("x_stride", "q"), ("phi_stride_k", "q"), ("phi_stride_q", "q"), ("bias_stride", "q"),
+        ("batch", "q"), ("c_x", "q"), ("k_range", "q"), ("k_splits", "q"),
+        ("vector_io", "i"), ("fuse", "i"), ("repeat", "i"), ("unused", "i"),
+        ("alpha_pre", "f"), ("alpha_post", "f"), ("alpha_res", "f"), ("eps", "f"),
+    ),
+)  # fmt: skip
+POST_PARAMS = _cuda.ParamStruct(
+    "PostParams",
+    (
+        ("x_layer_out", "P"), ("h_post", "P"), ("x_res", "P"), ("out", "P"),
+        ("layer_stride", "q"), ("h_stride_row", "q"), ("h_stride_col", "q"), ("res_stride", "q"),
+        ("batch", "q"), ("n", "q"), ("c_x", "q"), ("units", "q"),
+        ("vector_io", "i"), ("unused", "i"),
+    ),
+)  # fmt: skip
 # Launch geometry fixed by the kernels (TILE_ROWS, BLOCK_K, STAGE_PITCH, thread counts).
 _TILE_ROWS, _BLOCK_K, _STAGE_PITCH, _STAGES = 128, 64, 72, 3
 _PROJECT_THREADS, _APPLY_THREADS, _POST_THREADS = 256, 256, 256
@@ -539,7 +556,7 @@ def _scratch(template: Operand, plan: _PrePlan) -> tuple[int, ...]:
     return tuple(buffer.ptr + 4 * offset for offset in offsets)
 
 
-def pre_launch_values(
+def pre_launch_params(
     gates: SinkhornGates,
     plan: _PrePlan,
     x: Operand,
@@ -549,21 +566,23 @@ def pre_launch_values(
     x_layer: Operand,
     h_post: Operand,
     scratch: tuple[int, ...],
-) -> tuple:
-    """PreParams (kernels_cu/mhc.cu) field by field, for ``_PRE_PARAMS``; ``scratch`` holds
-    the (partials, coefficients, counters, pieces) pointers."""
+) -> bytes:
+    """PreParams (kernels_cu/mhc.cu) packed; ``scratch`` holds the (partials, coefficients,
+    counters, pieces) pointers."""
     batch, width = x.shape
     n = h_post.shape[1]
     c_x = width // n
     row_bytes = x.strides[0] * ITEMSIZE[x.dtype] if batch > 1 else 0
-    vector_io = c_x % 8 == 0 and (x.ptr | row_bytes) % 16 == 0
     partial, coef, counter, pieces = scratch
-    return (
-        x.ptr, phi.ptr, b.ptr, partial, counter, coef, pieces, x_res.ptr, x_layer.ptr, h_post.ptr,
-        x.strides[0], phi.strides[0], phi.strides[1], b.strides[0],
-        batch, c_x, plan.k_range, plan.k_splits,
-        vector_io, plan.fuse, gates.sinkhorn_repeat, 0,
-        gates.alpha_pre, gates.alpha_post, gates.alpha_res, gates.sinkhorn_eps,
+    return PRE_PARAMS.pack(
+        x=x.ptr, phi=phi.ptr, bias=b.ptr, partial=partial, counter=counter, coef=coef,
+        pieces=pieces, x_res=x_res.ptr, x_layer=x_layer.ptr, h_post=h_post.ptr,
+        x_stride=x.strides[0], phi_stride_k=phi.strides[0], phi_stride_q=phi.strides[1],
+        bias_stride=b.strides[0], batch=batch, c_x=c_x, k_range=plan.k_range,
+        k_splits=plan.k_splits, vector_io=c_x % 8 == 0 and (x.ptr | row_bytes) % 16 == 0,
+        fuse=plan.fuse, repeat=gates.sinkhorn_repeat, unused=0,
+        alpha_pre=gates.alpha_pre, alpha_post=gates.alpha_post, alpha_res=gates.alpha_res,
+        eps=gates.sinkhorn_eps,
     )  # fmt: skip
 
 
@@ -585,37 +604,31 @@ def _pre_cuda(
     device = x.device
     plan = _pre_plan(device, x.dtype, n, c_x, batch)
     scratch = _scratch(x, plan)
-    params = pre_launch_values(gates, plan, x, phi, b, x_res, x_layer, h_post, scratch)
+    params = pre_launch_params(gates, plan, x, phi, b, x_res, x_layer, h_post, scratch)
     threads = (_PROJECT_THREADS, 1, 1)
-    _cuda.launch_packed(plan.pieces, device, plan.pieces_grid, threads, _PRE_PARAMS, params, stream)
-    if plan.fuse:  # the blocks wait for each other: all must be resident at once
-        _cuda.launch_packed(
-            plan.project, device, plan.project_grid, threads, _PRE_PARAMS, params, stream,
-            plan.project_smem, cooperative=True,
-        )  # fmt: skip
-        return
-    _cuda.launch_packed(
-        plan.project, device, plan.project_grid, threads, _PRE_PARAMS, params, stream,
-        plan.project_smem,
+    _cuda.launch(plan.pieces, device, plan.pieces_grid, threads, params, stream)
+    # fused: the blocks wait for each other, so all must be resident at once (cooperative)
+    _cuda.launch(
+        plan.project, device, plan.project_grid, threads, params, stream, plan.project_smem,
+        cooperative=plan.fuse,
     )  # fmt: skip
-    _cuda.launch_packed(
-        plan.apply, device, plan.apply_grid, (_APPLY_THREADS, 1, 1), _PRE_PARAMS, params, stream
-    )
+    if not plan.fuse:
+        _cuda.launch(plan.apply, device, plan.apply_grid, (_APPLY_THREADS, 1, 1), params, stream)
 
 
-def post_launch_values(layer: Operand, gates: Operand, res: Operand, x_out: Operand) -> tuple:
-    """PostParams (kernels_cu/mhc.cu) field by field, for ``_POST_PARAMS``."""
+def post_launch_params(layer: Operand, gates: Operand, res: Operand, x_out: Operand) -> bytes:
+    """PostParams (kernels_cu/mhc.cu) packed."""
     batch, c_x = layer.shape
-    n = gates.shape[1]
     itemsize = ITEMSIZE[layer.dtype]
     alignment = layer.ptr | res.ptr
     if batch > 1:
         alignment |= (layer.strides[0] | res.strides[0]) * itemsize
-    vector_io = c_x % 8 == 0 and alignment % 16 == 0
-    return (
-        layer.ptr, gates.ptr, res.ptr, x_out.ptr,
-        layer.strides[0], gates.strides[0], gates.strides[1], res.strides[0],
-        batch, n, c_x, -(-c_x // 8), vector_io, 0,
+    return POST_PARAMS.pack(
+        x_layer_out=layer.ptr, h_post=gates.ptr, x_res=res.ptr, out=x_out.ptr,
+        layer_stride=layer.strides[0], h_stride_row=gates.strides[0],
+        h_stride_col=gates.strides[1], res_stride=res.strides[0], batch=batch,
+        n=gates.shape[1], c_x=c_x, units=-(-c_x // 8),
+        vector_io=c_x % 8 == 0 and alignment % 16 == 0, unused=0,
     )  # fmt: skip
 
 
@@ -630,8 +643,6 @@ def _post_cuda(layer: Operand, gates: Operand, res: Operand, x_out: Operand, str
         raise ValueError(f"mHC post takes batch * ceil(c_x / 8) < 2**32, got {items}")
     spec = post_module()
     kernel = _cuda.function(spec, f"mhc_post<{_CUDA_TYPES[layer.dtype]}>", layer.device)
-    params = post_launch_values(layer, gates, res, x_out)
+    params = post_launch_params(layer, gates, res, x_out)
     grid = (-(-items // _POST_THREADS), 1, 1)
-    _cuda.launch_packed(
-        kernel, layer.device, grid, (_POST_THREADS, 1, 1), _POST_PARAMS, params, stream
-    )
+    _cuda.launch(kernel, layer.device, grid, (_POST_THREADS, 1, 1), params, stream)
