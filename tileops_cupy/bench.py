@@ -1,4 +1,4 @@
-"""Benchmark: ``python -m tileops_cupy.bench [--json] [--only rope|component|mhc]``.
+"""Benchmark: ``python -m tileops_cupy.bench [--json] [--only rope|component|mhc|dispatch]``.
 
 Method (../shared/PERF.md): the copy ceiling is measured first, in the same process
 (``y.copy_(x)`` on 512 MiB, bytes read plus written over the median time); every row then
@@ -266,14 +266,14 @@ HEADER = (
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print the rows as JSON at the end")
-    parser.add_argument("--only", choices=("rope", "component", "mhc"), action="append")
+    parser.add_argument("--only", choices=("rope", "component", "mhc", "dispatch"), action="append")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile columns")
     args = parser.parse_args(argv)
     torch = _torch()
     ceiling = copy_ceiling_gbs()
     print(f"device: {torch.cuda.get_device_name()}  copy ceiling: {ceiling:.0f} GB/s")
     print(HEADER, flush=True)
-    only = set(args.only or ("rope", "component", "mhc"))
+    only = set(args.only or ("rope", "component", "mhc", "dispatch"))
     rows = []
     extra = {}
     if "rope" in only:
@@ -287,6 +287,12 @@ def main(argv: list[str] | None = None) -> None:
         from ._bench_mhc import mhc_rows
 
         rows += mhc_rows(ceiling, not args.no_compile)
+    if "dispatch" in only:
+        from ._bench_dispatch import dispatch_rows
+
+        for row in dispatch_rows():
+            print(_format_row(row), flush=True)
+            rows.append(row)
     if args.json:
         print(json.dumps({"copy_ceiling_gbs": ceiling, "rows": rows, **extra}, indent=1))
 

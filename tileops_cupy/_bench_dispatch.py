@@ -1,0 +1,94 @@
+"""Bench rows of host dispatch: the CPU time of one eager call in a tight loop, as a ratio to
+one torch elementwise launch (``small * 2``) measured in the same process (../shared/PERF.md:
+host time on the lent machine varies 3-5x between runs, so only the ratio is comparable).
+
+Shapes are small so the device never falls behind the host: the loop measures what the
+Python side costs, validation and launch included. Targets: every op <= 2x a torch launch,
+the component's decode <= 1.5x.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from .bench import _torch
+
+_CALLS = 3000
+
+
+def host_us(fn: Callable[[], object], calls: int = _CALLS) -> float:
+    """Median over 5 runs of the host time of one call, in µs (device synchronised after)."""
+    torch = _torch()
+    for _ in range(200):
+        fn()
+    torch.cuda.synchronize()
+    runs = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        runs.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return sorted(runs)[2]
+
+
+def dispatch_rows() -> list[dict]:
+    from .rope import RoPE, RoPEFwdOp, RoPENeoxPositionIdsFwdOp, YaRNFwdOp
+    from .sequence_modeling import MHCPostFwdOp, MHCPreFwdOp
+
+    torch = _torch()
+
+    def randn(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, device="cuda").to(dtype)
+
+    small = randn(1024)
+    x2d = randn(1, 16, 8, 128)
+    x1d = randn(16, 128)
+    tokens = randn(32, 8, 128)
+    ids = torch.randint(0, 4096, (32,), device="cuda")
+    rope = RoPE(128, 32, 8, max_position=1 << 16)
+    step = randn(64, 1, 48 * 128)
+    q, k = step[..., : 32 * 128], step[..., 32 * 128 : 40 * 128]
+    positions = torch.randint(0, 4096, (64,), device="cuda")
+    n, c_x = 4, 256
+    phi = randn(n * c_x, n * n + 2 * n, dtype=torch.float32) / 32
+    b = randn(n * n + 2 * n, dtype=torch.float32)
+    x = randn(4, n * c_x)
+    x_res, x_layer, h_post = MHCPreFwdOp(1.0, 1.0, 1.0, 20)(phi, x, b)
+    cases = {
+        "RoPEFwdOp 2d B1 S16 H8 D128": (RoPEFwdOp(input_layout="2d"), (x2d,), 2.0),
+        "YaRNFwdOp 1d S16 D128": (YaRNFwdOp(), (x1d,), 2.0),
+        "RoPENeoxPositionIdsFwdOp N32": (
+            RoPENeoxPositionIdsFwdOp(4096, rotary_dim=64),
+            (tokens, ids),
+            2.0,
+        ),
+        "component decode B64 (positions [B])": (rope.decode, (q, k, positions), 1.5),
+        "component decode B64 (int position)": (rope.decode, (q, k, 100), 1.5),
+        "component prefill B64 T1 (int offset)": (rope.prefill, (q, k, 7), 2.0),
+        "MHCPreFwdOp B4 n4 c_x256": (MHCPreFwdOp(1.0, 1.0, 1.0, 20), (phi, x, b), 2.0),
+        "MHCPostFwdOp B4 n4 c_x256": (MHCPostFwdOp(), (x_layer, h_post, x_res), 2.0),
+    }
+    torch_us = host_us(lambda: small * 2)
+    rows = []
+    for name, (op, args, target) in cases.items():
+        ours = host_us(lambda op=op, args=args: op(*args))
+        ratio = ours / torch_us
+        row = {
+            "name": f"dispatch {name}",
+            "ours_us": ours,
+            "eager_us": torch_us,
+            "compile_us": None,
+            "gbs": float("nan"),
+            "pct_ceiling": float("nan"),
+            "floor_us": None,
+            "ratio_to_torch_launch": ratio,
+            "note": (
+                f"{ratio:.2f}x a torch launch ({torch_us:.1f} µs host); target <= {target}x: "
+                f"{'met' if ratio <= target else 'MISSED'}"
+            ),
+        }
+        rows.append(row)
+    rope.check()
+    return rows
