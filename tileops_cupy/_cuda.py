@@ -36,7 +36,8 @@ class ModuleSpec:
 
     @property
     def code(self) -> str:
-        header = "".join(f"#define {define}\n" for define in self.defines)
+        # "NAME=VALUE", as on a compiler's command line
+        header = "".join(f"#define {define.replace('=', ' ', 1)}\n" for define in self.defines)
         return header + kernels_cu.source(self.source)
 
     @property
