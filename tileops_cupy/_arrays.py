@@ -12,6 +12,7 @@ same memory without the per-call capsule round trip, which matters at decode siz
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 from dataclasses import dataclass
@@ -78,10 +79,15 @@ def _numpy_dtype_name(dtype: np.dtype) -> str:
     return dtype.name
 
 
-def _from_numpy(obj: Any, array: np.ndarray, framework: str) -> Operand:
+def _from_numpy(obj: Any, array: np.ndarray, framework: str, name: str = "array") -> Operand:
     itemsize = array.dtype.itemsize
     if any(s % itemsize for s in array.strides):
-        raise ValueError(f"array strides {array.strides} are not a multiple of its itemsize")
+        # e.g. a field of a packed structured array: element strides cannot describe it
+        raise ValueError(
+            f"{name} has byte strides {array.strides}, which are not multiples of its "
+            f"itemsize {itemsize}; expected whole-element strides: pass a copy "
+            f"(numpy.ascontiguousarray({name}))"
+        )
     return Operand(
         obj=obj,
         framework=framework,
@@ -97,7 +103,7 @@ _torch_dtype_names: dict[Any, str] = {}  # torch.dtype -> our name
 _torch_dtypes: dict[str, Any] = {}  # our name -> torch.dtype
 
 
-def _from_torch(obj: Any) -> Operand:
+def _from_torch(obj: Any, name: str = "tensor") -> Operand:
     dtype = _torch_dtype_names.get(obj.dtype)
     if dtype is None:
         dtype = _torch_dtype_names[obj.dtype] = str(obj.dtype).removeprefix("torch.")
@@ -106,13 +112,13 @@ def _from_torch(obj: Any) -> Operand:
             obj, "torch", obj.get_device(), dtype, tuple(obj.shape), obj.stride(), obj.data_ptr()
         )
     if obj.device.type != "cpu":
-        raise ValueError(f"torch tensors on {obj.device} are not supported (cpu or cuda only)")
+        raise ValueError(f"{name} is a torch tensor on {obj.device}; expected cpu or cuda")
     tensor = obj.detach()
     if dtype == "bfloat16":  # numpy has no bfloat16: read the bits, same memory
         array = tensor.view(_torch().int16).numpy().view(_BF16)
     else:
         array = tensor.numpy()
-    return _from_numpy(obj, array, "torch")
+    return _from_numpy(obj, array, "torch", name)
 
 
 def _from_cupy(obj: Any, framework: str = "cupy") -> Operand:
@@ -140,15 +146,17 @@ def _framework_of(obj: Any) -> str:
 def as_operand(obj: Any, name: str) -> Operand:
     """Describe ``obj`` (a DLPack tensor or NumPy array) without copying it.
 
-    Raises TypeError naming ``name`` for anything that is not an array.
+    Raises TypeError naming ``name`` for anything that is not an array, and ValueError
+    naming it for memory the kernels cannot address (a torch device other than cpu or
+    cuda, byte strides that are not whole elements).
     """
     if type(obj).__module__ == "torch" and hasattr(obj, "data_ptr"):  # the common case first
-        return _from_torch(obj)
+        return _from_torch(obj, name)
     framework = _framework_of(obj)
     if framework == "torch" and hasattr(obj, "data_ptr"):
-        return _from_torch(obj)
+        return _from_torch(obj, name)
     if framework == "numpy" and isinstance(obj, np.ndarray):
-        return _from_numpy(obj, obj, "numpy")
+        return _from_numpy(obj, obj, "numpy", name)
     if framework == "cupy" and hasattr(obj, "data"):
         return _from_cupy(obj)
     if not hasattr(obj, "__dlpack_device__"):
@@ -162,8 +170,129 @@ def as_operand(obj: Any, name: str) -> Operand:
     if device_type in (_KDL_CPU, _KDL_CUDA_HOST):
         # np.asarray keeps JAX's ml_dtypes bfloat16; from_dlpack refuses it
         array = np.asarray(obj) if framework == "jax" else np.from_dlpack(obj)
-        return _from_numpy(obj, array, framework)
+        return _from_numpy(obj, array, framework, name)
     raise ValueError(f"{name} lives on DLPack device type {device_type}; expected CPU or CUDA")
+
+
+# --------------------------------------------------------------------------- memory
+
+
+# Pure functions of the geometry, cached: a serving loop calls with the same few layouts
+# (and the same q-to-k distance inside a fused buffer) every step.
+
+
+def _itemsize(operand: Operand) -> int:
+    return ITEMSIZE.get(operand.dtype) or numpy_dtype(operand.dtype).itemsize
+
+
+def _address(operand: Operand) -> int:
+    return operand.ptr if operand.device is not None else operand.host.ctypes.data
+
+
+def _layout(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int):
+    """``([(|byte stride|, size) of each dim of size > 1], backward)``: ``backward`` is the
+    byte offset of the lowest element from the first (< 0 for views that run backwards,
+    as NumPy's may)."""
+    dims, backward = [], 0
+    for size, stride in zip(shape, strides, strict=True):
+        if size > 1:
+            if stride < 0:
+                backward += (size - 1) * stride * itemsize
+            dims.append((abs(stride) * itemsize, size))
+    return dims, backward
+
+
+def _reach(itemsize: int, dims: list[tuple[int, int]], pitch: int = 0) -> int:
+    """Bytes from the lowest element to past the highest, over the dims whose stride is not
+    a multiple of ``pitch`` (all dims when ``pitch`` is 0)."""
+    return itemsize + sum((size - 1) * step for step, size in dims if not pitch or step % pitch)
+
+
+@functools.lru_cache(maxsize=1024)
+def _repeats(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
+    if 0 in shape:
+        return False
+    reach = itemsize
+    for step, size in sorted(_layout(shape, strides, itemsize)[0]):
+        if step < reach:
+            return True
+        reach += (size - 1) * step
+    return False
+
+
+@functools.lru_cache(maxsize=1024)
+def _meet(a: tuple, b: tuple, offset: int) -> bool:
+    """Whether ``a`` and ``b``, each ``(shape, strides, itemsize)``, may share a byte when
+    b's first element lies ``offset`` bytes after a's."""
+    if 0 in a[0] or 0 in b[0]:
+        return False
+    (dims_a, start_a), (dims_b, back_b) = _layout(*a), _layout(*b)
+    start_b = offset + back_b
+    if start_a + _reach(a[2], dims_a) <= start_b or start_b + _reach(b[2], dims_b) <= start_a:
+        return False
+    for pitch in {step for step, _ in dims_a + dims_b if step}:
+        # within a row of `pitch` bytes, b's band starts `gap` bytes after a's
+        gap = (start_b - start_a) % pitch
+        if gap >= _reach(a[2], dims_a, pitch) and gap + _reach(b[2], dims_b, pitch) <= pitch:
+            return False
+    return True
+
+
+def self_overlapping(operand: Operand) -> bool:
+    """True when two index tuples of ``operand`` may address the same element: a dim of
+    size > 1 with stride 0 (an ``expand``/``broadcast_to`` view), or dims that, sorted by
+    stride, do not nest (a stride smaller than the reach of the dims below it).
+
+    Conservative: a few exotic interleaved layouts that do not nest count as overlapping,
+    although no element repeats (as NumPy's own quick test does)."""
+    return _repeats(operand.shape, operand.strides, _itemsize(operand))
+
+
+def overlapping(a: Operand, b: Operand) -> bool:
+    """True when ``a`` and ``b`` may share a byte of memory.
+
+    Disjoint byte ranges are disjoint. Ranges that interleave (q and k sliced from one fused
+    QKV buffer: each row holds a band of q's columns, then a band of k's) are tried against
+    each stride as a row pitch: dims whose stride is a multiple of the pitch move whole
+    rows, the others span a band of columns within a row, and bands that do not meet
+    modulo the pitch are disjoint. Anything else that shares a range counts as
+    overlapping (conservative)."""
+    if a.device != b.device:
+        return False
+    return _meet(
+        (a.shape, a.strides, _itemsize(a)), (b.shape, b.strides, _itemsize(b)),
+        _address(b) - _address(a),
+    )  # fmt: skip
+
+
+def check_in_place(operands: dict[str, Operand]) -> None:
+    """Refuse, before anything is written, operands that an in-place call cannot write
+    each element of exactly once: read-only memory, an operand that addresses an element
+    twice (:func:`self_overlapping`), or two operands that share memory
+    (:func:`overlapping`). Raises ValueError naming the argument(s)."""
+    items = list(operands.items())
+    for name, operand in items:
+        if operand.host is not None and not operand.host.flags.writeable:
+            raise ValueError(
+                f"{name} is read-only (a {operand.framework} array with writeable=False); "
+                "expected writable memory, since this call writes into it"
+            )
+        if self_overlapping(operand):
+            raise ValueError(
+                f"{name} addresses some elements more than once (shape {operand.shape}, "
+                f"element strides {operand.strides}: e.g. an expanded dim of stride 0); "
+                "expected each element stored once, since this call writes into it: pass "
+                "a copy (.contiguous(), numpy.ascontiguousarray)"
+            )
+    for i, (name_a, a) in enumerate(items):
+        for name_b, b in items[i + 1 :]:
+            if overlapping(a, b):
+                raise ValueError(
+                    f"{name_a} and {name_b} overlap in memory ({name_a}: shape {a.shape}, "
+                    f"strides {a.strides}; {name_b}: shape {b.shape}, strides {b.strides}); "
+                    "expected disjoint memory, since this call writes into both (e.g. "
+                    "disjoint slices of one fused QKV buffer)"
+                )
 
 
 # --------------------------------------------------------------------------- outputs

@@ -12,8 +12,10 @@ read once, each output written once; RoPE tables are op state and not counted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import sys
 import time
 from collections.abc import Callable
 
@@ -263,12 +265,8 @@ HEADER = (
 )
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true", help="print the rows as JSON at the end")
-    parser.add_argument("--only", choices=("rope", "component", "mhc", "dispatch"), action="append")
-    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile columns")
-    args = parser.parse_args(argv)
+def _run(args: argparse.Namespace) -> tuple[float, list[dict], dict]:
+    """Measure the rows ``args`` asks for, printing the table as they come."""
     torch = _torch()
     ceiling = copy_ceiling_gbs()
     print(f"device: {torch.cuda.get_device_name()}  copy ceiling: {ceiling:.0f} GB/s")
@@ -293,6 +291,20 @@ def main(argv: list[str] | None = None) -> None:
         for row in dispatch_rows():
             print(_format_row(row), flush=True)
             rows.append(row)
+    return ceiling, rows, extra
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--json", action="store_true", help="print the rows as JSON on stdout, the table on stderr"
+    )
+    parser.add_argument("--only", choices=("rope", "component", "mhc", "dispatch"), action="append")
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile columns")
+    args = parser.parse_args(argv)
+    # with --json, stdout carries the JSON alone (for a pipe); the table goes to stderr
+    with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout):
+        ceiling, rows, extra = _run(args)
     if args.json:
         print(json.dumps({"copy_ceiling_gbs": ceiling, "rows": rows, **extra}, indent=1))
 

@@ -29,6 +29,7 @@ from ._arrays import (
     FLOAT_DTYPES,
     Operand,
     as_operand,
+    check_in_place,
     check_target,
     contiguous,
     contiguous_strides,
@@ -840,6 +841,8 @@ class RoPE:
                     f"q and k must share a dtype, got {q_rows.operand.dtype} and "
                     f"{k_rows.operand.dtype}"
                 )
+        if in_place:  # every operand checked before anything is written
+            check_in_place(operands)
         place = select_place(self.target, operands)
         name = "position" if decode else "position_offset"
         if decode and q_rows.shape[1] != 1:

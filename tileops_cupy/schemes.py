@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field, fields
 
 import numpy as np
@@ -24,12 +25,16 @@ import numpy as np
 __all__ = ["Standard", "Llama31", "YaRN", "LongRoPE", "Scheme", "scheme_args", "scheme_from_args"]
 
 
-def _require_positive(name: str, value: float) -> float:
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a number, got {value!r}") from None
-    if not (math.isfinite(number) and number > 0):
+def _require_positive(name: str, value: float, integer: bool = False) -> float | int:
+    """``value`` as a float (an int for ``integer`` fields), refused unless it is a finite
+    number > 0. Types are checked here, so a string or a bool fails at construction with
+    the field's name, not at the first call deep inside the table code."""
+    kind = numbers.Integral if integer else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, kind):
+        expected = "an int" if integer else "an int or a float"
+        raise TypeError(f"{name} must be a number ({expected}), got {value!r}")
+    number = int(value) if integer else float(value)
+    if not (number > 0 and (integer or math.isfinite(number))):
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
     return number
 
@@ -69,7 +74,8 @@ class Llama31:
     def __post_init__(self) -> None:
         for name in ("base", "scale_factor", "low_freq_factor", "high_freq_factor"):
             object.__setattr__(self, name, _require_positive(name, getattr(self, name)))
-        _require_positive("original_max_position", self.original_max_position)
+        original = _require_positive("original_max_position", self.original_max_position, True)
+        object.__setattr__(self, "original_max_position", original)
         if self.high_freq_factor <= self.low_freq_factor:
             raise ValueError(
                 "high_freq_factor must be greater than low_freq_factor, got "
@@ -112,7 +118,8 @@ class YaRN:
     def __post_init__(self) -> None:
         for name in ("base", "scale", "beta_fast", "beta_slow", "attn_factor"):
             object.__setattr__(self, name, _require_positive(name, getattr(self, name)))
-        _require_positive("original_max_position", self.original_max_position)
+        original = _require_positive("original_max_position", self.original_max_position, True)
+        object.__setattr__(self, "original_max_position", original)
 
     def _correction_dim(self, rotations: float, rotary_dim: int) -> float:
         return (rotary_dim * math.log(self.original_max_position / (rotations * 2 * math.pi))) / (
@@ -150,8 +157,8 @@ class LongRoPE:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "base", _require_positive("base", self.base))
-        _require_positive("max_position_embeddings", self.max_position_embeddings)
-        _require_positive("original_max_position_embeddings", self.original_max_position_embeddings)
+        for name in ("max_position_embeddings", "original_max_position_embeddings"):
+            object.__setattr__(self, name, _require_positive(name, getattr(self, name), True))
         if (
             self.max_position_embeddings > self.original_max_position_embeddings
             and self.original_max_position_embeddings <= 1
@@ -162,7 +169,7 @@ class LongRoPE:
                 f"original_max_position_embeddings={self.original_max_position_embeddings!r}"
             )
         if self.rescale_factors is not None:
-            factors = np.asarray(_host_values(self.rescale_factors), dtype=np.float64).reshape(-1)
+            factors = _factors(self.rescale_factors)
             bad = ~np.isfinite(factors) | (factors == 0)
             if bad.any():
                 raise ValueError(
@@ -196,6 +203,26 @@ def _host_values(values):
     if hasattr(values, "get"):  # cupy
         return values.get()
     return values
+
+
+def _factors(values) -> np.ndarray:
+    """LongRoPE's ``rescale_factors`` as float64 of shape ``[rotary_dim/2]``: real numbers
+    only (no strings, no bools), one dimension (a [2, 4] array is not 8 factors)."""
+    try:
+        array = np.asarray(_host_values(values))
+    except (TypeError, ValueError):  # ragged nesting
+        array = np.asarray(None)
+    if isinstance(values, (str, bytes)) or array.dtype.kind not in "iuf":
+        raise TypeError(
+            "rescale_factors must be real numbers (a list, a NumPy array or a tensor of "
+            f"shape [rotary_dim/2]), got {values!r:.80}"
+        )
+    if array.ndim != 1:
+        raise ValueError(
+            f"rescale_factors must have one dimension, shape [rotary_dim/2], got shape "
+            f"{array.shape}"
+        )
+    return array.astype(np.float64)
 
 
 Scheme = Standard | Llama31 | YaRN | LongRoPE

@@ -1,0 +1,467 @@
+"""Bad inputs (issue 8): each is a clear error naming the argument, raised before anything
+is written, or a correct result.
+
+Covers the memory predicates of ``_arrays`` (``overlapping``, ``self_overlapping``,
+``check_in_place``), their use by the in-place component (q and k sharing memory, an
+operand that addresses an element twice, read-only memory), the scheme parameters' types
+and shapes, argument names in interop errors, and ``bench --json`` printing JSON alone.
+Every refused call is checked to leave every input's bytes unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from tileops_cupy import bench
+from tileops_cupy._arrays import as_operand, check_in_place, overlapping, self_overlapping
+from tileops_cupy.rope import (
+    LongRoPEFwdOp,
+    RoPE,
+    RoPEFwdOp,
+    YaRNFwdOp,
+    apply_rope,
+)
+from tileops_cupy.schemes import Llama31, LongRoPE, Standard, YaRN, scheme_args, scheme_from_args
+
+HEAD_DIM, NUM_HEADS, NUM_KV_HEADS = 16, 4, 2
+B, T = 2, 3
+Q_WIDTH, K_WIDTH = NUM_HEADS * HEAD_DIM, NUM_KV_HEADS * HEAD_DIM
+QKV_WIDTH = Q_WIDTH + 2 * K_WIDTH
+
+
+def _rope(num_kv_heads: int = NUM_KV_HEADS) -> RoPE:
+    return RoPE(HEAD_DIM, NUM_HEADS, num_kv_heads, max_position=1000)
+
+
+def _random(rng, shape, framework="numpy", dtype=np.float32):
+    values = rng.standard_normal(shape).astype(dtype)
+    return torch.from_numpy(values) if framework == "torch" else values
+
+
+def _bytes(*arrays) -> list[bytes]:
+    """Every element's bytes, in each array's logical order."""
+    out = []
+    for array in arrays:
+        if isinstance(array, torch.Tensor):
+            array = array.detach().contiguous().view(torch.uint8).numpy()
+        out.append(np.ascontiguousarray(array).tobytes())
+    return out
+
+
+def _op(array, name="x"):
+    return as_operand(array, name)
+
+
+def _fused(rng, framework, rank):
+    """A fused QKV buffer and its q, k, v views ([B, T, H*D] or [B, T, H, D])."""
+    qkv = _random(rng, (B, T, QKV_WIDTH), framework)
+    if rank == 4:
+        heads = qkv.reshape(B, T, NUM_HEADS + 2 * NUM_KV_HEADS, HEAD_DIM)
+        kv_end = NUM_HEADS + NUM_KV_HEADS
+        return qkv, heads[:, :, :NUM_HEADS], heads[:, :, NUM_HEADS:kv_end], heads[:, :, kv_end:]
+    q, k = qkv[..., :Q_WIDTH], qkv[..., Q_WIDTH : Q_WIDTH + K_WIDTH]
+    return qkv, q, k, qkv[..., Q_WIDTH + K_WIDTH :]
+
+
+# --------------------------------------------------------------------------- predicates
+
+
+@pytest.mark.parametrize("framework", ("numpy", "torch"))
+@pytest.mark.parametrize("rank", (3, 4))
+def test_fused_qkv_views_are_disjoint(rng, framework, rank):
+    _, q, k, v = _fused(rng, framework, rank)
+    for a, b in ((q, k), (k, q), (k, v), (q, v)):
+        assert not overlapping(_op(a), _op(b))
+    check_in_place({"q": _op(q), "k": _op(k)})  # no error
+
+
+def test_per_head_interleaved_views_are_disjoint(rng):
+    """q and k as alternating head blocks of one buffer ([B, T, H, 2, D]): still disjoint."""
+    buffer = _random(rng, (B, T, NUM_HEADS, 2, HEAD_DIM))
+    q, k = buffer[:, :, :, 0], buffer[:, :, :, 1]
+    assert not overlapping(_op(q), _op(k))
+    assert overlapping(_op(q), _op(buffer[:, :, :, 0, HEAD_DIM // 2 :]))
+
+
+@pytest.mark.parametrize("framework", ("numpy", "torch"))
+def test_k_a_view_of_q_heads_overlaps(rng, framework):
+    q = _random(rng, (B, T, Q_WIDTH), framework)
+    k = q[..., 2 * HEAD_DIM : 4 * HEAD_DIM]
+    assert overlapping(_op(q), _op(k)) and overlapping(_op(k), _op(q))
+    assert overlapping(_op(q), _op(q))
+    assert overlapping(_op(q[:, ::-1] if framework == "numpy" else q.flip(1)), _op(q)) == (
+        framework == "numpy"  # flip copies in torch; a reversed NumPy view shares memory
+    )
+
+
+def test_separate_and_empty_arrays_do_not_overlap(rng):
+    a, b = _random(rng, (B, T, Q_WIDTH)), _random(rng, (B, T, Q_WIDTH))
+    assert not overlapping(_op(a), _op(b))
+    assert not overlapping(_op(a[:, :0]), _op(a))
+    assert not overlapping(_op(a[:, :1]), _op(a[:, 1:]))
+
+
+def test_expand_and_broadcast_are_self_overlapping(rng):
+    row = _random(rng, (1, T, Q_WIDTH), "torch")
+    assert self_overlapping(_op(row.expand(B, T, Q_WIDTH)))
+    assert self_overlapping(_op(np.broadcast_to(row.numpy(), (B, T, Q_WIDTH))))
+    flat = _random(rng, (T + 1) * Q_WIDTH)
+    # batch b, row t is batch 0, row t + b: overlapping rows without any zero stride
+    shifted = np.lib.stride_tricks.as_strided(flat, (B, T, Q_WIDTH), (4 * Q_WIDTH, 4 * Q_WIDTH, 4))
+    assert self_overlapping(_op(shifted))
+    assert not self_overlapping(_op(row.expand(1, T, Q_WIDTH)))  # a size-1 dim repeats nothing
+
+
+def test_transposed_and_strided_views_do_not_self_overlap(rng):
+    x = _random(rng, (6, 8, 10))
+    for view in (x, x.T, x.transpose(1, 0, 2), x[::2, ::-1], x[:, 1::3, ::2], x[:0]):
+        assert not self_overlapping(_op(view))
+    t = torch.from_numpy(x)
+    for view in (t.permute(2, 0, 1), t[:, ::2], t.transpose(0, 1)[1:]):
+        assert not self_overlapping(_op(view))
+    _, q, k, _ = _fused(rng, "torch", 4)
+    assert not self_overlapping(_op(q)) and not self_overlapping(_op(k))
+
+
+def _elements(buffer: np.ndarray, view: np.ndarray) -> list[int]:
+    start = (view.__array_interface__["data"][0] - buffer.__array_interface__["data"][0]) // 4
+    steps = np.array(view.strides) // 4
+    return [start + int(np.dot(index, steps)) for index in np.ndindex(*view.shape)]
+
+
+def test_predicates_never_miss_a_shared_element(rng):
+    """Random strided views of one buffer against an exact element count: the predicates
+    may be conservative, never wrong the other way."""
+    buffer = np.zeros(4096, np.float32)
+    checked = shared = 0
+    while checked < 400:
+        views = []
+        for _ in range(2):
+            ndim = int(rng.integers(1, 4))
+            shape = tuple(int(n) for n in rng.integers(1, 5, ndim))
+            steps = [int(s) for s in rng.integers(-40, 40, ndim)]
+            start = int(rng.integers(200, 500))
+            if start + sum((n - 1) * s for n, s in zip(shape, steps, strict=True) if s < 0) < 0:
+                continue
+            strides = tuple(4 * s for s in steps)
+            views.append(np.lib.stride_tricks.as_strided(buffer[start:], shape, strides))
+        if len(views) < 2:
+            continue
+        checked += 1
+        a, b = views
+        elements_a, elements_b = _elements(buffer, a), _elements(buffer, b)
+        if set(elements_a) & set(elements_b):
+            shared += 1
+            assert overlapping(_op(a), _op(b)), (a.shape, a.strides, b.shape, b.strides)
+        if len(set(elements_a)) < len(elements_a):
+            assert self_overlapping(_op(a)), (a.shape, a.strides)
+    assert shared > 10  # the draw did test overlaps
+
+
+# --------------------------------------------------------------------------- item 1: q, k overlap
+
+CALLS = {
+    "forward": lambda rope, q, k: rope.forward(q, k),
+    "prefill": lambda rope, q, k: rope.prefill(q, k, 4),
+    "backward": lambda rope, q, k: rope.backward(q, k, 2),
+    "decode": lambda rope, q, k: rope.decode(q[:, :1], k[:, :1], np.array([3, 9])),
+}
+
+
+@pytest.mark.parametrize("call", list(CALLS))
+@pytest.mark.parametrize("framework", ("numpy", "torch"))
+def test_q_and_k_the_same_memory_are_refused(rng, framework, call):
+    rope = _rope(num_kv_heads=NUM_HEADS)
+    q = _random(rng, (B, T, Q_WIDTH), framework)
+    before = _bytes(q)
+    with pytest.raises(ValueError, match=r"\bq and k overlap in memory") as error:
+        CALLS[call](rope, q, q)
+    assert "expected disjoint memory" in str(error.value)
+    assert _bytes(q) == before
+
+
+@pytest.mark.parametrize("call", list(CALLS))
+@pytest.mark.parametrize("rank", (3, 4))
+@pytest.mark.parametrize("framework", ("numpy", "torch"))
+def test_k_a_view_of_q_heads_is_refused(rng, framework, rank, call):
+    rope = _rope()
+    q = _random(rng, (B, T, Q_WIDTH), framework)
+    k = q[..., 2 * HEAD_DIM :]
+    if rank == 4:
+        q, k = q.reshape(B, T, NUM_HEADS, HEAD_DIM), k.reshape(B, T, NUM_KV_HEADS, HEAD_DIM)
+    before = _bytes(q)
+    with pytest.raises(ValueError, match=r"\bq and k overlap in memory"):
+        CALLS[call](rope, q, k)
+    assert _bytes(q) == before
+
+
+@pytest.mark.parametrize("rank", (3, 4))
+@pytest.mark.parametrize("framework", ("numpy", "torch"))
+def test_fused_qkv_views_still_rotate_in_place(rng, framework, rank):
+    rope = _rope()
+    qkv, q, k, v = _fused(rng, framework, rank)
+    v_before = _bytes(v)
+    q_expected, k_expected = apply_rope(q, k, rope, 5)
+    rope.prefill(q, k, 5)
+    assert _bytes(q, k) == _bytes(q_expected, k_expected)
+    assert _bytes(v) == v_before
+
+
+def test_out_of_place_q_and_k_may_share_memory(rng):
+    """apply_rope only reads q and k: the same array twice is fine."""
+    rope = _rope(num_kv_heads=NUM_HEADS)
+    q = _random(rng, (B, T, Q_WIDTH))
+    before = _bytes(q)
+    q_rot, k_rot = apply_rope(q, q, rope, 7)
+    assert _bytes(q_rot) == _bytes(k_rot) and _bytes(q) == before
+
+
+# --------------------------------------------------------------------------- item 2: self overlap
+
+
+def _expanded(rng, framework, width):
+    row = _random(rng, (1, T, width), framework)
+    if framework == "torch":
+        return row, row.expand(B, T, width)
+    # a writable zero-stride view (np.broadcast_to would be read-only)
+    return row, np.lib.stride_tricks.as_strided(row, (B, T, width), (0, *row.strides[1:]))
+
+
+@pytest.mark.parametrize("name", ("q", "k"))
+@pytest.mark.parametrize("framework", ("numpy", "torch"))
+def test_expanded_batch_is_refused_in_place(rng, framework, name):
+    rope = _rope()
+    q = _random(rng, (B, T, Q_WIDTH), framework)
+    k = _random(rng, (B, T, K_WIDTH), framework)
+    row, expanded = _expanded(rng, framework, Q_WIDTH if name == "q" else K_WIDTH)
+    q, k = (expanded, k) if name == "q" else (q, expanded)
+    before = _bytes(row, q, k)
+    for positions in (np.array([0, 11]), 0):
+        with pytest.raises(ValueError, match=rf"^{name} addresses some elements more than once"):
+            rope.prefill(q, k, positions)
+    assert _bytes(row, q, k) == before
+
+
+def test_overlapping_rows_are_refused_in_place(rng):
+    """Batch 1's row t is batch 0's row t+1: no zero stride, still written twice."""
+    rope = _rope()
+    flat = _random(rng, (T + 1) * Q_WIDTH)
+    q = np.lib.stride_tricks.as_strided(flat, (B, T, Q_WIDTH), (4 * Q_WIDTH, 4 * Q_WIDTH, 4))
+    before = _bytes(flat)
+    with pytest.raises(ValueError, match=r"^q addresses some elements more than once"):
+        rope.prefill(q, None, np.array([0, 20]))
+    assert _bytes(flat) == before
+
+
+@pytest.mark.parametrize("framework", ("numpy", "torch"))
+def test_out_of_place_inputs_may_alias_themselves(rng, framework):
+    """An expanded input is only read by apply_rope: each sequence gets its own rotation."""
+    rope = _rope()
+    _, q = _expanded(rng, framework, Q_WIDTH)
+    positions = np.array([0, 11])
+    q_rot, _ = apply_rope(q, None, rope, positions)
+    dense = q.clone() if framework == "torch" else q.copy()
+    rope.prefill(dense, None, positions)
+    assert _bytes(q_rot) == _bytes(dense)
+    assert _bytes(q_rot[0]) != _bytes(q_rot[1])
+
+
+# --------------------------------------------------------------------------- item 3: read-only
+
+
+@pytest.mark.parametrize("read_only", ("q", "k"))
+@pytest.mark.parametrize("q_framework", ("numpy", "torch"))
+def test_read_only_operand_is_refused_before_any_write(rng, q_framework, read_only):
+    rope = _rope()
+    q = _random(rng, (B, T, Q_WIDTH), q_framework)
+    k = _random(rng, (B, T, K_WIDTH))
+    if read_only == "q":
+        q = _random(rng, (B, T, Q_WIDTH))
+        q.flags.writeable = False
+    else:
+        k.flags.writeable = False
+    before = _bytes(q, k)
+    for call in CALLS.values():
+        with pytest.raises(ValueError, match=rf"^{read_only} is read-only.*expected writable"):
+            call(rope, q, k)
+    assert _bytes(q, k) == before
+    q_rot, k_rot = apply_rope(q, k, rope, 3)  # reading read-only memory is fine
+    assert q_rot.shape == q.shape and k_rot.shape == k.shape
+
+
+def test_read_only_view_of_a_writable_buffer_is_refused(rng):
+    rope = _rope()
+    qkv, q, k, _ = _fused(rng, "numpy", 3)
+    k = k.view()
+    k.flags.writeable = False
+    before = _bytes(qkv)
+    with pytest.raises(ValueError, match=r"^k is read-only"):
+        rope.prefill(q, k, 0)
+    assert _bytes(qkv) == before
+
+
+# --------------------------------------------------------------------------- items 4, 5: schemes
+
+TYPE_ERRORS = [
+    (lambda: YaRNFwdOp(original_max_position="4096"), "original_max_position"),
+    (lambda: LongRoPEFwdOp(max_position_embeddings="8192"), "max_position_embeddings"),
+    (
+        lambda: LongRoPEFwdOp(original_max_position_embeddings="2048"),
+        "original_max_position_embeddings",
+    ),
+    (lambda: LongRoPEFwdOp(rescale_factors="abc"), "rescale_factors"),
+    (lambda: LongRoPE(rescale_factors=["1.0", "2.0"]), "rescale_factors"),
+    (lambda: LongRoPE(rescale_factors=[True, False]), "rescale_factors"),
+    (lambda: LongRoPE(rescale_factors=[1.0, None]), "rescale_factors"),
+    (lambda: LongRoPE(rescale_factors=[[1.0, 2.0], [3.0]]), "rescale_factors"),
+    (lambda: Llama31(original_max_position=8192.0), "original_max_position"),
+    (lambda: Llama31(original_max_position=True), "original_max_position"),
+    (lambda: YaRN(original_max_position=4096.5), "original_max_position"),
+    (lambda: LongRoPE(max_position_embeddings=np.float64(8192)), "max_position_embeddings"),
+    (lambda: Standard(base="10000"), "base"),
+    (lambda: Standard(base=True), "base"),
+    (lambda: YaRN(scale="4"), "scale"),
+    (lambda: Llama31(scale_factor=np.array(8.0)), "scale_factor"),
+]
+
+
+@pytest.mark.parametrize(("make", "name"), TYPE_ERRORS)
+def test_scheme_parameters_of_the_wrong_type_fail_at_construction(make, name):
+    with pytest.raises(TypeError, match=rf"^{name} must be") as error:
+        make()
+    assert "got" in str(error.value)
+
+
+def test_int_fields_stay_ints_and_numpy_numbers_are_accepted():
+    llama = Llama31(original_max_position=np.int64(8192), scale_factor=np.float32(8.0))
+    assert type(llama.original_max_position) is int and type(llama.scale_factor) is float
+    assert llama == Llama31() and hash(llama) == hash(Llama31())
+    longrope = LongRoPE(10000, None, np.int32(8192), 4096)
+    assert type(longrope.max_position_embeddings) is int
+    assert type(YaRN(original_max_position=np.int16(4096)).original_max_position) is int
+
+
+@pytest.mark.parametrize(
+    "scheme",
+    [
+        Standard(500000.0),
+        Llama31(original_max_position=8192),
+        YaRN(scale=4.0, original_max_position=2048, attn_factor=0.5),
+        LongRoPE(10000.0, [1.0, 1.5, 2.0, 8.0], 8192, 2048),
+        LongRoPE(10000.0, None, 4096, 4096),
+    ],
+    ids=str,
+)
+def test_scheme_args_round_trip(scheme):
+    name, numbers = scheme_args(scheme)
+    assert all(type(n) is float for n in numbers)  # what a torch schema carries
+    rebuilt = scheme_from_args(name, numbers)
+    assert rebuilt == scheme and hash(rebuilt) == hash(scheme)
+    for field, value in vars(scheme).items():
+        assert type(getattr(rebuilt, field)) is type(value), field
+
+
+@pytest.mark.parametrize(
+    "factors",
+    [np.ones((2, 4)), [[1.0] * 4] * 2, torch.ones(2, 4), np.float64(2.0), np.ones((8, 1))],
+    ids=["numpy-2x4", "list-2x4", "torch-2x4", "scalar", "numpy-8x1"],
+)
+def test_rescale_factors_must_be_one_dimensional(factors):
+    shape = tuple(np.shape(factors))
+    for make in (lambda: LongRoPE(rescale_factors=factors),
+                 lambda: LongRoPEFwdOp(rescale_factors=factors)):  # fmt: skip
+        with pytest.raises(ValueError, match="rescale_factors") as error:
+            make()
+        assert str(shape) in str(error.value)
+
+
+def test_one_dimensional_rescale_factors_still_work(rng):
+    factors = rng.uniform(1.0, 4.0, 8)
+    x = rng.standard_normal((5, 16))
+    for given in (factors, factors.tolist(), torch.from_numpy(factors), tuple(factors)):
+        op = LongRoPEFwdOp(rescale_factors=given)
+        assert np.array_equal(op(x), LongRoPEFwdOp(rescale_factors=factors)(x))
+
+
+# --------------------------------------------------------------------------- item 6: names
+
+
+def test_meta_tensor_is_named():
+    meta = torch.empty(4, 16, device="meta")
+    with pytest.raises(ValueError, match=r"^x is a torch tensor on meta; expected cpu or cuda"):
+        as_operand(meta, "x")
+    with pytest.raises(ValueError, match=r"^x is a torch tensor on meta"):
+        RoPEFwdOp()(meta)
+    with pytest.raises(ValueError, match=r"^q is a torch tensor on meta"):
+        _rope().forward(torch.empty(B, T, Q_WIDTH, device="meta"), None)
+
+
+def _packed_field(rng, shape):
+    """A float32 field of a packed structured array: byte strides that are not whole
+    float32 elements."""
+    packed = np.zeros(shape, dtype=[("tag", "u1"), ("value", "f4")])
+    packed["value"] = rng.standard_normal(shape)
+    return packed, packed["value"]
+
+
+def test_misaligned_strides_are_named(rng):
+    packed, x = _packed_field(rng, (6, HEAD_DIM))
+    before = _bytes(packed)
+    with pytest.raises(ValueError, match=r"^x has byte strides \(80, 5\).*itemsize 4"):
+        RoPEFwdOp()(x)
+    _, q = _packed_field(rng, (B, T, Q_WIDTH))
+    with pytest.raises(ValueError, match=r"^q has byte strides"):
+        _rope().forward(q, None)
+    with pytest.raises(ValueError, match=r"^q has byte strides"):
+        apply_rope(q, None, _rope())
+    assert _bytes(packed) == before
+    # the copy the message suggests is accepted
+    assert np.array_equal(RoPEFwdOp()(np.ascontiguousarray(x)), RoPEFwdOp()(x.copy()))
+
+
+# --------------------------------------------------------------------------- item 7: bench --json
+
+
+def _fake_bench(monkeypatch):
+    """Replace what needs a GPU: the table rows are printed as the real ones are."""
+    row = {
+        "name": "rope fake", "ours_us": 1.0, "eager_us": 2.0, "compile_us": None, "gbs": 3.0,
+        "pct_ceiling": 4.0, "floor_us": 0.5, "note": "",
+    }  # fmt: skip
+
+    def rope_rows(ceiling, with_compile):
+        print(bench._format_row(row), flush=True)
+        return [row]
+
+    def cold_start():
+        print("cold start: fake", flush=True)
+        return {"cold_first_call_s": 0.5}
+
+    monkeypatch.setattr(bench, "copy_ceiling_gbs", lambda: 1000.0)
+    monkeypatch.setattr(bench, "rope_rows", rope_rows)
+    monkeypatch.setattr(bench, "cold_start", cold_start)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "fake device")
+    return row
+
+
+def test_bench_json_prints_json_alone_on_stdout(monkeypatch, capsys):
+    row = _fake_bench(monkeypatch)
+    bench.main(["--json", "--only", "rope"])
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {
+        "copy_ceiling_gbs": 1000.0, "rows": [row], "cold_start": {"cold_first_call_s": 0.5}
+    }  # fmt: skip
+    assert "| rope fake" in err and "fake device" in err and "cold start" in err
+    assert re.search(r"^\| workload", err, re.MULTILINE)
+
+
+def test_bench_without_json_prints_the_table_on_stdout(monkeypatch, capsys):
+    _fake_bench(monkeypatch)
+    bench.main(["--only", "rope"])
+    out, err = capsys.readouterr()
+    assert "| rope fake" in out and "fake device" in out and err == ""
