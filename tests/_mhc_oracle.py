@@ -158,3 +158,138 @@ def assert_post_matches(x_layer_out, h_post, x_res, x_out, dtype: str) -> None:
     error = np.abs(got - ref)
     worst = np.unravel_index(np.argmax(error - bound), error.shape)
     assert (error <= bound).all(), f"x_out[{worst}] = {got[worst]} vs {ref[worst]}"
+
+
+# --------------------------------------------------------------------------- backward (SPEC 8)
+
+GRAD_X_TOLERANCE = {"bfloat16": 2.0**-7, "float16": 2.0**-7, "float32": 1e-4}  # of a row's max
+GRAD_SUM_TOLERANCE = 1e-3  # grad_phi, grad_b, grad_alpha: of the output's max |grad|
+
+
+def torch_pre_reference(phi, x, b, alphas, repeat: int, eps: float):
+    """SPEC section 4 in torch, differentiable in every tensor argument: ``(x_res, x_layer,
+    h_post)`` for ``phi [n*c_x, Q]``, ``x [B, n*c_x]``, ``b [Q]`` and ``alphas`` (three
+    0-d tensors or numbers). The row max is ``torch.amax``, whose gradient goes to the row's
+    maximum (ties split evenly); a Sinkhorn sum that is exactly 0 divides by 1."""
+    import torch
+
+    alpha_pre, alpha_post, alpha_res = alphas
+    batch, width = x.shape
+    n = math.isqrt(phi.shape[1] + 1) - 1
+    h = x @ phi
+    rms = torch.sqrt((x * x).sum(dim=1, keepdim=True)) / math.sqrt(width) + 1e-4
+    z = h / rms
+    h_pre = torch.sigmoid(alpha_pre * z[:, :n] + b[:n])
+    h_post = 2 * torch.sigmoid(alpha_post * z[:, n : 2 * n] + b[n : 2 * n])
+    logits = (alpha_res * z[:, 2 * n :] + b[2 * n :]).reshape(batch, n, n)
+    m = torch.exp(logits - torch.amax(logits, dim=2, keepdim=True))
+    for _ in range(repeat):
+        for dim in (2, 1):
+            sums = m.sum(dim=dim, keepdim=True) + eps
+            m = m / torch.where(sums == 0, torch.ones_like(sums), sums)
+    streams = x.reshape(batch, n, width // n)
+    x_layer = torch.einsum("bk,bkc->bc", h_pre, streams)
+    x_res = (m @ streams).reshape(batch, width)
+    return x_res, x_layer, h_post
+
+
+def as_float64_tensor(array):
+    """A float64 torch CPU tensor of a NumPy array (bf16 included), requiring grad."""
+    import torch
+
+    values = torch.from_numpy(np.asarray(array).astype(np.float64))
+    return values.requires_grad_(True)
+
+
+def case_alphas(case: PreCase) -> tuple[float, float, float]:
+    """The alphas as the op uses them (rounded to float32), as float64 numbers."""
+    return tuple(float(np.float32(a)) for a in case.alphas)
+
+
+def pre_backward_reference(case: PreCase, grad_x_res, grad_x_layer, grad_h_post) -> dict:
+    """Float64 torch autograd of :func:`torch_pre_reference` on the case's inputs (x as
+    rounded to its dtype) for the given upstream gradients: grad_phi, grad_x, grad_b and
+    grad_alpha [3] (pre, post, res) as float64 NumPy arrays."""
+    import torch
+
+    phi, x, b = (as_float64_tensor(a) for a in (case.phi, case.x, case.b))
+    alphas = [torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in case_alphas(case)]
+    outputs = torch_pre_reference(phi, x, b, alphas, case.repeat, float(np.float32(case.eps)))
+    upstream = [to_float64(g) for g in (grad_x_res, grad_x_layer, grad_h_post)]
+    grads = torch.autograd.grad(
+        outputs, (phi, x, b, *alphas), [torch.from_numpy(g) for g in upstream]
+    )
+    grad_phi, grad_x, grad_b, *grad_alpha = (g.numpy() for g in grads)
+    return {
+        "grad_phi": grad_phi,
+        "grad_x": grad_x,
+        "grad_b": grad_b,
+        "grad_alpha": np.array([float(a) for a in grad_alpha]),
+    }
+
+
+def assert_within(name: str, got, ref: np.ndarray, bound) -> None:
+    """Every element of ``got`` within ``bound`` (broadcast against ``ref``) of ``ref``;
+    the message names the worst element (largest excess over its bound)."""
+    got = to_float64(got)
+    assert got.shape == ref.shape, f"{name} has shape {got.shape}, expected {ref.shape}"
+    bound = np.broadcast_to(bound, ref.shape)
+    error = np.abs(got - ref)
+    error = np.where(np.isnan(error), np.inf, error)  # NaN never passes
+    if error.size == 0:
+        return
+    worst = np.unravel_index(np.argmax(error - bound), error.shape)
+    assert (error <= bound).all(), (
+        f"{name}{list(worst)} = {got[worst]!r} vs {ref[worst]!r}: off by {error[worst]:.3g}, "
+        f"bound {bound[worst]:.3g}"
+    )
+
+
+def assert_pre_backward_matches(case: PreCase, upstream, grads) -> None:
+    """(grad_phi, grad_x, grad_b, grad_alpha) within SPEC 8 of the float64 autograd oracle
+    for the upstream gradients (grad_x_res, grad_x_layer, grad_h_post)."""
+    assert_pre_grads_match(pre_backward_reference(case, *upstream), grads, str(case.x.dtype))
+
+
+def assert_pre_grads_match(ref: dict, grads, dtype: str) -> None:
+    """SPEC 8 against float64 gradients ``ref``: grad_x per row within GRAD_X_TOLERANCE of
+    the row's max |grad|, the batch reductions within GRAD_SUM_TOLERANCE of their max |grad|."""
+    grad_phi, grad_x, grad_b, grad_alpha = grads
+    tiny = 1e-30  # a row or output whose exact gradient is all zero
+    row_max = np.abs(ref["grad_x"]).max(axis=1, keepdims=True)
+    assert_within("grad_x", grad_x, ref["grad_x"], GRAD_X_TOLERANCE[dtype] * row_max + tiny)
+    for name, got in (("grad_phi", grad_phi), ("grad_b", grad_b), ("grad_alpha", grad_alpha)):
+        bound = GRAD_SUM_TOLERANCE * np.abs(ref[name]).max() + tiny
+        assert_within(name, got, ref[name], bound)
+
+
+def assert_post_backward_matches(x_layer_out, h_post, grad_x_out, grads, dtype: str) -> None:
+    """(grad_x_layer_out, grad_h_post, grad_x_res) of mHC post against float64:
+    grad_x_layer_out (a sum of n products) within one output unit (POST_TOLERANCE) plus the
+    float32 sum's own n * 2**-24, and grad_h_post (float32) within POST_TOLERANCE["float32"],
+    each of the sum of |terms|, plus the dtype's smallest subnormal (the spacing of tiny
+    results); grad_x_res is grad_x_out exactly."""
+    layer = np.asarray(x_layer_out).astype(np.float64)
+    gates = np.asarray(h_post).astype(np.float64)
+    upstream = np.asarray(grad_x_out).astype(np.float64)
+    batch, c_x = layer.shape
+    n = gates.shape[1]
+    upstream = upstream.reshape(batch, n, c_x)
+    terms_layer = gates[:, :, None] * upstream  # summed over i
+    terms_gates = upstream * layer[:, None, :]  # summed over c
+    grad_layer, grad_gates, grad_res = grads
+    spacing = float(ml_dtypes.finfo(NP_DTYPES[dtype]).smallest_subnormal)
+    layer_tolerance = POST_TOLERANCE[dtype] + n * 2.0**-24
+    assert_within(
+        "grad_x_layer_out",
+        grad_layer,
+        terms_layer.sum(axis=1),
+        layer_tolerance * np.abs(terms_layer).sum(axis=1) + spacing,
+    )
+    assert_within(
+        "grad_h_post",
+        grad_gates,
+        terms_gates.sum(axis=2),
+        POST_TOLERANCE["float32"] * np.abs(terms_gates).sum(axis=2) + 2.0**-149,
+    )
+    assert_within("grad_x_res", grad_res, upstream.reshape(batch, n * c_x), 0.0)

@@ -5,6 +5,11 @@ float32, sigmoid gates, ``exp(L - rowmax(L))`` then ``sinkhorn_repeat`` row-then
 normalisations with ``eps`` added to each denominator. bfloat16 arrays arrive as
 ``ml_dtypes.bfloat16`` views, whose ``astype`` rounds to nearest even. Rows are processed in
 blocks so the float32 temporaries stay a few MB whatever the batch.
+
+The backward bodies (SPEC section 8) recompute the forward's cheap intermediates (``h``, the
+row norm, the gates, every Sinkhorn step) from the inputs rather than storing them, and sum
+the batch reductions (``grad_phi``, ``grad_b``, ``grad_alpha``) in float32, block after block
+in a fixed order, so the same inputs always give the same bits.
 """
 
 from __future__ import annotations
@@ -27,29 +32,78 @@ class SinkhornGates:
     sinkhorn_eps: np.float32
 
 
-def coefficients(
-    h: np.ndarray, sumsq: np.ndarray, bias: np.ndarray, gates: SinkhornGates, n: int, width: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(h_pre [rows, n], h_post [rows, n], M [rows, n, n]) from ``h = x @ phi`` and
-    ``sum(x*x)`` of each row, all float32."""
-    rms = np.sqrt(sumsq) / np.sqrt(np.float32(width)) + np.float32(1e-4)
-    rms = rms[:, None]
-    with np.errstate(over="ignore"):  # exp(-z) overflowing to inf gives the gate 0, as on device
-        h_pre = 1 / (1 + np.exp(-(gates.alpha_pre * h[:, :n] / rms + bias[:n])))
-        h_post = 2 * (
-            1 / (1 + np.exp(-(gates.alpha_post * h[:, n : 2 * n] / rms + bias[n : 2 * n])))
-        )
-    logits = (gates.alpha_res * h[:, 2 * n :] / rms + bias[2 * n :]).reshape(-1, n, n)
-    matrix = np.exp(logits - logits.max(axis=2, keepdims=True))
+def row_norms(x: np.ndarray) -> np.ndarray:
+    """``sqrt(sum(x*x))`` of each row of float32 ``x``, without overflow or underflow.
+
+    Each row is scaled by the power of two that brings its max |x| into [0.5, 1) before
+    squaring and the root is scaled back: both steps are exact, so a row whose squares fit in
+    float32 gets the very bits of the unscaled sum, and |x| ~ 1e19 (whose squares overflow)
+    still gets its norm."""
+    _, exponent = np.frexp(np.abs(x).max(axis=1))  # max |x| = m * 2**exponent; 0 -> 0
+    scaled = np.ldexp(x, -exponent[:, None])
+    return np.ldexp(np.sqrt(np.einsum("ij,ij->i", scaled, scaled)), exponent)
+
+
+def sigmoid(z: np.ndarray) -> np.ndarray:
+    """``1 / (1 + exp(-z))``; exp overflowing to inf gives 0, as on device."""
+    with np.errstate(over="ignore"):
+        return 1 / (1 + np.exp(-z))
+
+
+def logits(
+    h: np.ndarray, norm: np.ndarray, bias: np.ndarray, gates: SinkhornGates, n: int, width: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(rms [rows, 1], pre [rows, n], post [rows, n], res [rows, n, n]): the RMS and the
+    arguments of the two sigmoids and of the Sinkhorn exponentials, from ``h = x @ phi`` and
+    the row norms, all float32."""
+    rms = (norm / np.sqrt(np.float32(width)) + np.float32(1e-4))[:, None]
+    pre = gates.alpha_pre * h[:, :n] / rms + bias[:n]
+    post = gates.alpha_post * h[:, n : 2 * n] / rms + bias[n : 2 * n]
+    res = (gates.alpha_res * h[:, 2 * n :] / rms + bias[2 * n :]).reshape(-1, n, n)
+    return rms, pre, post, res
+
+
+def sinkhorn(matrix: np.ndarray, gates: SinkhornGates, trace: list | None = None) -> np.ndarray:
+    """``sinkhorn_repeat`` row-then-column normalisations of ``matrix [rows, n, n]``; each
+    step's (axis, result) is appended to ``trace`` when one is given."""
     eps = gates.sinkhorn_eps
     for _ in range(gates.sinkhorn_repeat):
-        # a sum of non-negative entries plus eps is 0 only when every entry is 0 (eps = 0
-        # after the exponentials underflowed): divide those by 1, keeping zeros, not NaN
-        rows = matrix.sum(axis=2, keepdims=True) + eps
-        matrix = matrix / np.where(rows == 0, np.float32(1), rows)
-        columns = matrix.sum(axis=1, keepdims=True) + eps
-        matrix = matrix / np.where(columns == 0, np.float32(1), columns)
-    return h_pre, h_post, matrix
+        for axis in (2, 1):  # rows, then columns
+            # a sum of non-negative entries plus eps is 0 only when every entry is 0 (eps = 0
+            # after the exponentials underflowed): divide those by 1, keeping zeros, not NaN
+            sums = matrix.sum(axis=axis, keepdims=True) + eps
+            divisor = np.where(sums == 0, np.float32(1), sums)
+            matrix = matrix / divisor
+            if trace is not None:
+                trace.append((axis, matrix))
+    return matrix
+
+
+def sinkhorn_backward(grad_log: np.ndarray, trace: list) -> np.ndarray:
+    """The gradient with respect to the log of the Sinkhorn input from the one with respect
+    to the log of its output (``grad * M`` elementwise), through every step of ``trace``.
+
+    A step ``out = m / d``, ``d = sum(m) + eps`` along the axis, has
+    ``grad_m = (grad_out - sum(grad_out * out)) / d``; times ``m`` that is
+    ``u_m = u_out - out * sum(u_out)`` for ``u = grad * m``: no division. The plain form
+    divides by ``d >= eps`` at every step, so where the forward lifted a near-empty column
+    (tiny entries over ``eps``, 2*sinkhorn_repeat times) the gradient of its entries grows
+    past float32 before the tiny entries would scale it back; in this form it never does.
+    Where ``d`` was replaced by 1, ``out`` is all zero and the formula still holds (no
+    gradient through the sum)."""
+    for axis, out in reversed(trace):
+        grad_log = grad_log - out * grad_log.sum(axis=axis, keepdims=True)
+    return grad_log
+
+
+def coefficients(
+    h: np.ndarray, norm: np.ndarray, bias: np.ndarray, gates: SinkhornGates, n: int, width: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(h_pre [rows, n], h_post [rows, n], M [rows, n, n]) from ``h = x @ phi`` and the
+    norm of each row (:func:`row_norms`), all float32."""
+    _, pre, post, res = logits(h, norm, bias, gates, n, width)
+    matrix = np.exp(res - res.max(axis=2, keepdims=True))
+    return sigmoid(pre), 2 * sigmoid(post), sinkhorn(matrix, gates)
 
 
 def mhc_pre_host(
@@ -71,9 +125,7 @@ def mhc_pre_host(
     for start in range(0, batch, step):
         stop = min(batch, start + step)
         xb = x[start:stop].astype(np.float32)
-        h = xb @ phi32
-        sumsq = np.einsum("ij,ij->i", xb, xb)
-        h_pre, post, matrix = coefficients(h, sumsq, bias32, gates, n, width)
+        h_pre, post, matrix = coefficients(xb @ phi32, row_norms(xb), bias32, gates, n, width)
         streams = xb.reshape(stop - start, n, c_x)
         x_layer[start:stop] = np.matmul(h_pre[:, None, :], streams)[:, 0, :].astype(x_layer.dtype)
         mixed = np.matmul(matrix, streams).reshape(stop - start, width)
@@ -95,3 +147,114 @@ def mhc_post_host(
         residual = x_res[start:stop].astype(np.float32).reshape(stop - start, n, c_x)
         mixed = gates[:, :, None] * layer[:, None, :] + residual
         x_out[start:stop] = mixed.reshape(stop - start, n * c_x).astype(x_out.dtype)
+
+
+def mhc_pre_backward_host(
+    phi: np.ndarray,
+    x: np.ndarray,
+    bias: np.ndarray,
+    gates: SinkhornGates,
+    grad_x_res: np.ndarray,
+    grad_x_layer: np.ndarray,
+    grad_h_post: np.ndarray,
+    grad_phi: np.ndarray,
+    grad_x: np.ndarray,
+    grad_b: np.ndarray,
+    grad_alpha: np.ndarray,
+) -> None:
+    """Fill ``grad_phi [n*c_x, Q]``, ``grad_x [B, n*c_x]`` (x's dtype), ``grad_b [Q]`` and
+    ``grad_alpha [3]`` (pre, post, res) with the exact gradient of :func:`mhc_pre_host` for
+    the upstream ``grad_x_res [B, n*c_x]``, ``grad_x_layer [B, c_x]`` and
+    ``grad_h_post [B, n]``."""
+    batch, width = x.shape
+    q = phi.shape[1]
+    n = grad_h_post.shape[1]
+    c_x = width // n
+    phi32 = phi.astype(np.float32, copy=False)
+    bias32 = bias.astype(np.float32, copy=False)
+    alpha = np.array([gates.alpha_pre, gates.alpha_post, gates.alpha_res], np.float32)
+    alpha_of_logit = np.repeat(alpha, (n, n, n * n))  # the alpha each logit is scaled by
+    sum_phi = np.zeros((width, q), np.float32)
+    sum_b = np.zeros(q, np.float32)
+    sum_alpha = np.zeros(3, np.float32)
+    # float32 temporaries per row: x, the upstream and partial x gradients, h-sized vectors
+    # and every Sinkhorn step's result
+    row_floats = 5 * width + 6 * q + 2 * gates.sinkhorn_repeat * n * n
+    step = max(1, _BLOCK_FLOATS // row_floats)
+    for start in range(0, batch, step):
+        stop = min(batch, start + step)
+        rows = stop - start
+        # the forward again, keeping what the chain rule needs
+        xb = x[start:stop].astype(np.float32)
+        h = xb @ phi32
+        norm = row_norms(xb)
+        rms, pre, post, res = logits(h, norm, bias32, gates, n, width)
+        h_pre = sigmoid(pre)
+        peak = res.max(axis=2, keepdims=True)
+        shifted = np.exp(res - peak)
+        trace: list = []
+        matrix = sinkhorn(shifted, gates, trace)
+        streams = xb.reshape(rows, n, c_x)
+        up_res = grad_x_res[start:stop].astype(np.float32).reshape(rows, n, c_x)
+        up_layer = grad_x_layer[start:stop].astype(np.float32)
+        up_post = grad_h_post[start:stop].astype(np.float32)
+        # x_res = M @ streams and x_layer = h_pre @ streams
+        grad_streams = np.matmul(matrix.transpose(0, 2, 1), up_res)
+        grad_streams += h_pre[:, :, None] * up_layer[:, None, :]
+        grad_matrix = np.matmul(up_res, streams.transpose(0, 2, 1))
+        grad_h_pre = np.matmul(streams, up_layer[:, :, None])[:, :, 0]
+        # Sinkhorn, exp, and the row max (torch.amax: ties share the gradient evenly)
+        grad_shifted = sinkhorn_backward(grad_matrix * matrix, trace)  # d/d(res - peak)
+        ties = res == peak
+        to_peak = grad_shifted.sum(axis=2, keepdims=True) / ties.sum(axis=2, keepdims=True)
+        grad_res = grad_shifted - ties * to_peak
+        # the sigmoids: s' = s * (1 - s), with 1 - s as sigmoid(-z) (no cancellation)
+        grad_logit = np.concatenate(
+            (
+                grad_h_pre * h_pre * sigmoid(-pre),
+                2 * up_post * sigmoid(post) * sigmoid(-post),
+                grad_res.reshape(rows, n * n),
+            ),
+            axis=1,
+        )
+        # logit = alpha * h / rms + b, rms = norm / sqrt(width) + 1e-4, norm = |x|, h = x @ phi
+        z = h / rms
+        grad_z = grad_logit * alpha_of_logit
+        grad_h = grad_z / rms
+        grad_norm = -(grad_z * z).sum(axis=1) / rms[:, 0] / np.sqrt(np.float32(width))
+        unit = xb / np.where(norm == 0, np.float32(1), norm)[:, None]  # d norm / dx (0 at 0)
+        grad_xb = grad_streams.reshape(rows, width) + grad_h @ phi32.T
+        grad_xb += grad_norm[:, None] * unit
+        grad_x[start:stop] = grad_xb.astype(grad_x.dtype)
+        sum_phi += xb.T @ grad_h
+        sum_b += grad_logit.sum(axis=0)
+        per_alpha = (grad_logit * z).sum(axis=0)
+        sum_alpha += (per_alpha[:n].sum(), per_alpha[n : 2 * n].sum(), per_alpha[2 * n :].sum())
+    grad_phi[...] = sum_phi
+    grad_b[...] = sum_b
+    grad_alpha[...] = sum_alpha
+
+
+def mhc_post_backward_host(
+    x_layer_out: np.ndarray,
+    h_post: np.ndarray,
+    grad_x_out: np.ndarray,
+    grad_x_layer_out: np.ndarray,
+    grad_h_post: np.ndarray,
+    grad_x_res: np.ndarray,
+) -> None:
+    """Fill ``grad_x_layer_out [B, c_x]`` (its dtype), ``grad_h_post [B, n]`` (float32) and
+    ``grad_x_res [B, n*c_x]`` (``grad_x_out`` itself: x_res enters x_out with weight 1) for
+    ``x_out[b, i*c_x + c] = h_post[b, i] * x_layer_out[b, c] + x_res[b, i*c_x + c]``."""
+    batch, c_x = x_layer_out.shape
+    n = h_post.shape[1]
+    step = max(1, _BLOCK_FLOATS // max(n * c_x, 1))
+    for start in range(0, batch, step):
+        stop = min(batch, start + step)
+        layer = x_layer_out[start:stop].astype(np.float32)
+        gates = h_post[start:stop].astype(np.float32)
+        grad = grad_x_out[start:stop].astype(np.float32).reshape(stop - start, n, c_x)
+        grad_layer = np.matmul(gates[:, None, :], grad)[:, 0, :]
+        grad_x_layer_out[start:stop] = grad_layer.astype(grad_x_layer_out.dtype)
+        grad_h_post[start:stop] = np.matmul(grad, layer[:, :, None])[:, :, 0]
+        grad_x_res[start:stop] = grad_x_out[start:stop]

@@ -1,5 +1,6 @@
 """Manifold-constrained hyper-connections (mHC, DeepSeek; TileOPs semantics): the pre-layer
-reduction :class:`MHCPreFwdOp` and the post-layer mix :class:`MHCPostFwdOp`.
+reduction :class:`MHCPreFwdOp` and the post-layer mix :class:`MHCPostFwdOp`, and their
+gradients :class:`MHCPreBwdOp` and :class:`MHCPostBwdOp` (SPEC section 8).
 
 The residual stream is ``n`` streams wide: a token is a row of ``n * c_x`` values, stream k
 being columns ``k*c_x .. (k+1)*c_x``. Pre projects the row onto ``phi`` (``h = x @ phi``),
@@ -9,10 +10,10 @@ streams mixed by the matrix) and ``h_post``. Post puts the layer output back:
 ``x_out[i] = h_post[i] * x_layer_out + x_res[i]``. SPEC section 4 has the formulas.
 
 Each op is one path: validate -> pick the place from where the data lives -> one primitive
-(``mhc_pre``, ``mhc_post``) with a numpy body (``_mhc_host``) and a CUDA body
-(``kernels_cu/mhc.cu``). Results come back in the framework of the first argument (torch in,
-torch out; CuPy, CuPy; NumPy, NumPy), on its device; CUDA work runs on the caller's current
-stream.
+(``mhc_pre``, ``mhc_post``, ``mhc_pre_backward``, ``mhc_post_backward``) with a numpy body
+(``_mhc_host``) and a CUDA body (``kernels_cu/``, the backward's launched from ``_mhc``).
+Results come back in the framework of the first argument (torch in, torch out; CuPy, CuPy;
+NumPy, NumPy), on its device; CUDA work runs on the caller's current stream.
 
 Example (host, runs anywhere)::
 
@@ -40,12 +41,13 @@ from typing import Any
 
 import numpy as np
 
-from . import _cuda
+from . import _cuda, _mhc
 from . import _torch_ops as torch_ops
 from ._arrays import (
     BUILTIN,
     ITEMSIZE,
     Operand,
+    as_cupy,
     as_operand,
     check_target,
     contiguous,
@@ -55,9 +57,15 @@ from ._arrays import (
     stream_handle,
     to_caller,
 )
-from ._mhc_host import SinkhornGates, mhc_post_host, mhc_pre_host
+from ._mhc_host import (
+    SinkhornGates,
+    mhc_post_backward_host,
+    mhc_post_host,
+    mhc_pre_backward_host,
+    mhc_pre_host,
+)
 
-__all__ = ["BUILTIN", "MHCPreFwdOp", "MHCPostFwdOp"]
+__all__ = ["BUILTIN", "MHCPreFwdOp", "MHCPostFwdOp", "MHCPreBwdOp", "MHCPostBwdOp"]
 
 Array = Any  # torch, CuPy, NumPy, JAX or any DLPack tensor
 
@@ -148,31 +156,9 @@ class MHCPreFwdOp:
         *,
         target: str | None = None,
     ) -> None:
-        self.target = check_target(target)
-        alphas = {"alpha_pre": alpha_pre, "alpha_post": alpha_post, "alpha_res": alpha_res}
-        for name, value in alphas.items():
-            _check_finite(name, value)
-        if isinstance(sinkhorn_repeat, bool) or not isinstance(sinkhorn_repeat, (int, np.integer)):
-            raise TypeError(f"sinkhorn_repeat must be an int, got {type(sinkhorn_repeat).__name__}")
-        if sinkhorn_repeat < 0:
-            raise ValueError(f"sinkhorn_repeat must be >= 0, got {sinkhorn_repeat}")
-        _check_finite("sinkhorn_eps", sinkhorn_eps)
-        if sinkhorn_eps < 0:
-            raise ValueError(f"sinkhorn_eps must be >= 0, got {sinkhorn_eps}")
-        self.alpha_pre, self.alpha_post, self.alpha_res = alpha_pre, alpha_post, alpha_res
-        self.sinkhorn_repeat, self.sinkhorn_eps = int(sinkhorn_repeat), sinkhorn_eps
-        self._gates = SinkhornGates(
-            np.float32(alpha_pre),
-            np.float32(alpha_post),
-            np.float32(alpha_res),
-            int(sinkhorn_repeat),
-            np.float32(sinkhorn_eps),
+        _init_pre_settings(
+            self, alpha_pre, alpha_post, alpha_res, sinkhorn_repeat, sinkhorn_eps, target
         )
-        # the op by value, as its torch custom op carries it
-        self.config = (
-            float(alpha_pre), float(alpha_post), float(alpha_res), int(sinkhorn_repeat),
-            float(sinkhorn_eps), self.target or "",
-        )  # fmt: skip
         torch_ops.register_if_torch_imported()
 
     def forward(self, phi: Array, x: Array, b: Array) -> tuple[Array, Array, Array]:
@@ -202,7 +188,7 @@ class MHCPreFwdOp:
 
     def __repr__(self) -> str:
         return (
-            f"MHCPreFwdOp(alpha_pre={self.alpha_pre}, alpha_post={self.alpha_post}, "
+            f"{type(self).__name__}(alpha_pre={self.alpha_pre}, alpha_post={self.alpha_post}, "
             f"alpha_res={self.alpha_res}, sinkhorn_repeat={self.sinkhorn_repeat}, "
             f"sinkhorn_eps={self.sinkhorn_eps}, target={self.target!r})"
         )
@@ -264,7 +250,188 @@ class MHCPostFwdOp:
     __call__ = forward
 
     def __repr__(self) -> str:
-        return f"MHCPostFwdOp(target={self.target!r})"
+        return f"{type(self).__name__}(target={self.target!r})"
+
+
+class MHCPreBwdOp:
+    """The gradient of :class:`MHCPreFwdOp` (SPEC section 8): from the upstream gradients of
+    ``(x_res, x_layer, h_post)`` to those of ``phi``, ``x``, ``b`` and the three alphas.
+
+    Args: those of :class:`MHCPreFwdOp`, validated the same way (``config`` too).
+
+    ``forward(phi, x, b, grad_x_res, grad_x_layer, grad_h_post)`` (also ``op(...)``):
+
+    - ``phi``, ``x``, ``b``: the forward's inputs, as :class:`MHCPreFwdOp` takes them.
+    - ``grad_x_res`` ``[batch, n*c_x]`` and ``grad_x_layer`` ``[batch, c_x]`` in x's dtype,
+      ``grad_h_post`` ``[batch, n]`` float32: the gradients of the forward's outputs.
+
+    Returns ``(grad_phi [n*c_x, Q] float32, grad_x [batch, n*c_x] in x's dtype,
+    grad_b [Q] float32, grad_alpha [3] float32)``, grad_alpha holding (alpha_pre,
+    alpha_post, alpha_res). The exact gradient of the forward's float32 function: through
+    the RMS ``r`` (x gets a gradient through its row norm too, 0 for an all-zero row), through
+    every Sinkhorn iteration (eps in each denominator; a sum that was exactly 0, divided by 1
+    instead, passes nothing back), the row max passing its gradient to the row's maximum,
+    split evenly between ties (as ``torch.amax``). The forward's intermediates are
+    recomputed, not stored. Float32 arithmetic; grad_x rounded once to x's dtype; the sums
+    over the batch (grad_phi, grad_b, grad_alpha) run in a fixed order, so the same inputs
+    give the same bits. An empty batch gives zero grad_phi, grad_b and grad_alpha.
+
+    Raises:
+        ValueError: whatever :class:`MHCPreFwdOp` refuses; an upstream gradient whose
+            ndim, shape or dtype is not that of the forward output it belongs to.
+        TypeError: an argument that is not an array.
+
+    Example (host, runs anywhere)::
+
+        >>> import numpy as np
+        >>> from tileops_cupy.sequence_modeling import MHCPreBwdOp, MHCPreFwdOp
+        >>> rng = np.random.default_rng(0)
+        >>> n, c_x, batch = 4, 64, 3
+        >>> phi = (rng.standard_normal((n * c_x, n * n + 2 * n)) / 16).astype(np.float32)
+        >>> b = np.zeros(n * n + 2 * n, np.float32)
+        >>> x = rng.standard_normal((batch, n * c_x)).astype(np.float32)
+        >>> outputs = MHCPreFwdOp(1.0, 1.0, 1.0, sinkhorn_repeat=20)(phi, x, b)
+        >>> upstream = [np.ones_like(o) for o in outputs]  # d(sum of every output)
+        >>> op = MHCPreBwdOp(1.0, 1.0, 1.0, sinkhorn_repeat=20)
+        >>> grad_phi, grad_x, grad_b, grad_alpha = op(phi, x, b, *upstream)
+        >>> grad_phi.shape, grad_x.shape, grad_b.shape, grad_alpha.shape
+        ((256, 24), (3, 256), (24,), (3,))
+    """
+
+    def __init__(
+        self,
+        alpha_pre: float,
+        alpha_post: float,
+        alpha_res: float,
+        sinkhorn_repeat: int,
+        sinkhorn_eps: float = 0.02,
+        *,
+        target: str | None = None,
+    ) -> None:
+        _init_pre_settings(
+            self, alpha_pre, alpha_post, alpha_res, sinkhorn_repeat, sinkhorn_eps, target
+        )
+        torch_ops.register_if_torch_imported()
+
+    def forward(
+        self, phi: Array, x: Array, b: Array, grad_x_res: Array, grad_x_layer: Array,
+        grad_h_post: Array,
+    ) -> tuple[Array, Array, Array, Array]:  # fmt: skip
+        """``(grad_phi, grad_x, grad_b, grad_alpha)``; see the class docstring."""
+        return self.direct(phi, x, b, grad_x_res, grad_x_layer, grad_h_post)
+
+    def direct(
+        self, phi: Array, x: Array, b: Array, grad_x_res: Array, grad_x_layer: Array,
+        grad_h_post: Array,
+    ) -> tuple[Array, Array, Array, Array]:  # fmt: skip
+        """:meth:`forward` without the torch dispatcher."""
+        phi_op, x_op, b_op = as_operand(phi, "phi"), as_operand(x, "x"), as_operand(b, "b")
+        up_res = as_operand(grad_x_res, "grad_x_res")
+        up_layer = as_operand(grad_x_layer, "grad_x_layer")
+        up_post = as_operand(grad_h_post, "grad_h_post")
+        n, c_x = _check_pre(phi_op, x_op, b_op)
+        batch = x_op.shape[0]
+        _check_upstream(up_res, "grad_x_res", (batch, n * c_x), x_op.dtype, "x_res")
+        _check_upstream(up_layer, "grad_x_layer", (batch, c_x), x_op.dtype, "x_layer")
+        _check_upstream(up_post, "grad_h_post", (batch, n), "float32", "h_post")
+        operands = {"phi": phi_op, "x": x_op, "b": b_op, "grad_x_res": up_res}
+        operands.update(grad_x_layer=up_layer, grad_h_post=up_post)
+        place = select_place(self.target, operands)
+        layouts = (
+            (phi_op.shape, "float32"),
+            (x_op.shape, x_op.dtype),
+            (b_op.shape, "float32"),
+            ((3,), "float32"),
+        )
+        grads = [empty_like(phi_op, shape, dtype) for shape, dtype in layouts]
+        if batch:
+            mhc_pre_backward(
+                place, self._gates, phi_op, x_op, b_op, up_res, up_layer, up_post, *grads
+            )
+        else:
+            for grad in grads:
+                _zero(grad)
+        grad_phi, grad_x, grad_b, grad_alpha = grads
+        return to_caller(grad_phi), to_caller(grad_x), to_caller(grad_b), to_caller(grad_alpha)
+
+    __call__ = forward
+    __repr__ = MHCPreFwdOp.__repr__
+
+
+class MHCPostBwdOp:
+    """The gradient of :class:`MHCPostFwdOp` (SPEC section 8).
+
+    Args:
+        target: None or ``BUILTIN`` to run where the data lives, "cuda" or "cpu" to insist.
+
+    ``forward(x_layer_out, h_post, x_res, grad_x_out)`` (also ``op(...)``): the forward's
+    inputs, as :class:`MHCPostFwdOp` takes them, and ``grad_x_out`` ``[batch, n*c_x]`` in
+    x_res's dtype, the gradient of its output.
+
+    Returns ``(grad_x_layer_out [batch, c_x], grad_h_post [batch, n], grad_x_res
+    [batch, n*c_x])`` in the dtypes of the forward's inputs (grad_h_post float32):
+    ``grad_x_layer_out[:, c] = sum_i h_post[:, i] * grad_x_out[:, i*c_x + c]`` (float32,
+    rounded once), ``grad_h_post[:, i] = sum_c x_layer_out[:, c] * grad_x_out[:, i*c_x + c]``
+    (float32) and ``grad_x_res`` a copy of ``grad_x_out``. ``x_res`` only sets the shapes.
+
+    Raises:
+        ValueError: whatever :class:`MHCPostFwdOp` refuses; a ``grad_x_out`` whose ndim,
+            shape or dtype is not that of ``x_res``.
+        TypeError: an argument that is not an array.
+
+    Example (host, runs anywhere)::
+
+        >>> import numpy as np
+        >>> from tileops_cupy.sequence_modeling import MHCPostBwdOp
+        >>> x_layer_out = np.ones((2, 3), np.float32)
+        >>> h_post = np.float32([[0.5, 2.0], [1.0, 1.0]])
+        >>> x_res, grad_x_out = np.zeros((2, 6), np.float32), np.ones((2, 6), np.float32)
+        >>> op = MHCPostBwdOp()
+        >>> grad_layer, grad_h_post, grad_res = op(x_layer_out, h_post, x_res, grad_x_out)
+        >>> grad_layer  # sum over the streams of h_post * grad_x_out
+        array([[2.5, 2.5, 2.5],
+               [2. , 2. , 2. ]], dtype=float32)
+        >>> grad_h_post  # sum over a stream's columns of x_layer_out * grad_x_out
+        array([[3., 3.],
+               [3., 3.]], dtype=float32)
+    """
+
+    def __init__(self, *, target: str | None = None) -> None:
+        self.target = check_target(target)
+        torch_ops.register_if_torch_imported()
+
+    def forward(
+        self, x_layer_out: Array, h_post: Array, x_res: Array, grad_x_out: Array
+    ) -> tuple[Array, Array, Array]:
+        """``(grad_x_layer_out, grad_h_post, grad_x_res)``; see the class docstring."""
+        return self.direct(x_layer_out, h_post, x_res, grad_x_out)
+
+    def direct(
+        self, x_layer_out: Array, h_post: Array, x_res: Array, grad_x_out: Array
+    ) -> tuple[Array, Array, Array]:
+        """:meth:`forward` without the torch dispatcher."""
+        layer_op = as_operand(x_layer_out, "x_layer_out")
+        gates_op = as_operand(h_post, "h_post")
+        res_op = as_operand(x_res, "x_res")
+        up_op = as_operand(grad_x_out, "grad_x_out")
+        _check_post(layer_op, gates_op, res_op)
+        _check_upstream(up_op, "grad_x_out", res_op.shape, res_op.dtype, "x_out")
+        operands = {"x_layer_out": layer_op, "h_post": gates_op, "x_res": res_op}
+        place = select_place(self.target, {**operands, "grad_x_out": up_op})
+        grads = (
+            empty_like(layer_op, layer_op.shape, layer_op.dtype),
+            empty_like(layer_op, gates_op.shape, "float32"),
+            empty_like(layer_op, res_op.shape, res_op.dtype),
+        )
+        if res_op.shape[0] and res_op.shape[1]:
+            mhc_post_backward(place, layer_op, gates_op, res_op, up_op, *grads)
+        else:  # nothing to sum: grad_h_post is 0 (and empty with the batch)
+            for grad in grads:
+                _zero(grad)
+        return tuple(to_caller(grad) for grad in grads)
+
+    __call__ = forward
+    __repr__ = MHCPostFwdOp.__repr__
 
 
 def _refuse_autograd(op: Any, **tensors: Any) -> None:
@@ -297,6 +464,44 @@ def post_op(target: str) -> MHCPostFwdOp:
 
 
 # --------------------------------------------------------------------------- validation
+
+
+def _init_pre_settings(
+    op: MHCPreFwdOp | MHCPreBwdOp,
+    alpha_pre: float,
+    alpha_post: float,
+    alpha_res: float,
+    sinkhorn_repeat: int,
+    sinkhorn_eps: float,
+    target: str | None,
+) -> None:
+    """Validate the constructor arguments MHCPreFwdOp and MHCPreBwdOp share and set them on
+    ``op``: the public attributes, the float32 gates the bodies use and ``config``."""
+    op.target = check_target(target)
+    alphas = {"alpha_pre": alpha_pre, "alpha_post": alpha_post, "alpha_res": alpha_res}
+    for name, value in alphas.items():
+        _check_finite(name, value)
+    if isinstance(sinkhorn_repeat, bool) or not isinstance(sinkhorn_repeat, (int, np.integer)):
+        raise TypeError(f"sinkhorn_repeat must be an int, got {type(sinkhorn_repeat).__name__}")
+    if sinkhorn_repeat < 0:
+        raise ValueError(f"sinkhorn_repeat must be >= 0, got {sinkhorn_repeat}")
+    _check_finite("sinkhorn_eps", sinkhorn_eps)
+    if sinkhorn_eps < 0:
+        raise ValueError(f"sinkhorn_eps must be >= 0, got {sinkhorn_eps}")
+    op.alpha_pre, op.alpha_post, op.alpha_res = alpha_pre, alpha_post, alpha_res
+    op.sinkhorn_repeat, op.sinkhorn_eps = int(sinkhorn_repeat), sinkhorn_eps
+    op._gates = SinkhornGates(
+        np.float32(alpha_pre),
+        np.float32(alpha_post),
+        np.float32(alpha_res),
+        int(sinkhorn_repeat),
+        np.float32(sinkhorn_eps),
+    )
+    # the op by value, as its torch custom op carries it
+    op.config = (
+        float(alpha_pre), float(alpha_post), float(alpha_res), int(sinkhorn_repeat),
+        float(sinkhorn_eps), op.target or "",
+    )  # fmt: skip
 
 
 def _check_finite(name: str, value: Any) -> None:
@@ -375,6 +580,19 @@ def _check_post(layer: Operand, gates: Operand, res: Operand) -> None:
         )
 
 
+def _check_upstream(
+    grad: Operand, name: str, shape: tuple[int, ...], dtype: str, output: str
+) -> None:
+    """An upstream gradient has exactly the shape and dtype of the forward ``output`` it
+    belongs to; ValueError naming it, what was expected and what came."""
+    layout = "[" + ", ".join(str(size) for size in shape) + "]"
+    _check_ndim(grad, name, len(shape), f"{layout} like {output}")
+    if grad.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype} like {output}, got {grad.dtype}")
+    if tuple(grad.shape) != tuple(shape):
+        raise ValueError(f"{name} must have {output}'s shape {layout}, got {list(grad.shape)}")
+
+
 # --------------------------------------------------------------------------- primitives
 
 
@@ -401,6 +619,69 @@ def mhc_post(place: str, layer: Operand, gates: Operand, res: Operand, x_out: Op
         mhc_post_host(layer.host, gates.host, res.host, x_out.host)
     else:
         _post_cuda(layer, gates, res, x_out, stream_handle(layer))
+
+
+def mhc_pre_backward(
+    place: str,
+    gates: SinkhornGates,
+    phi: Operand,
+    x: Operand,
+    b: Operand,
+    grad_x_res: Operand,
+    grad_x_layer: Operand,
+    grad_h_post: Operand,
+    grad_phi: Operand,
+    grad_x: Operand,
+    grad_b: Operand,
+    grad_alpha: Operand,
+) -> None:
+    """Fill the gradients (fresh contiguous arrays) from validated inputs with batch >= 1,
+    on ``place``."""
+    if place == "cpu":
+        mhc_pre_backward_host(
+            phi.host, x.host, b.host, gates, grad_x_res.host, grad_x_layer.host,
+            grad_h_post.host, grad_phi.host, grad_x.host, grad_b.host, grad_alpha.host,
+        )  # fmt: skip
+    else:
+        _mhc.pre_backward_cuda(
+            gates, phi, x, b, grad_x_res, grad_x_layer, grad_h_post, grad_phi, grad_x, grad_b,
+            grad_alpha, stream_handle(phi),
+        )  # fmt: skip
+
+
+def mhc_post_backward(
+    place: str,
+    layer: Operand,
+    gates: Operand,
+    res: Operand,
+    grad_x_out: Operand,
+    grad_layer: Operand,
+    grad_gates: Operand,
+    grad_res: Operand,
+) -> None:
+    """Fill the gradients (fresh contiguous arrays) from validated inputs with batch and c_x
+    >= 1, on ``place``."""
+    if place == "cpu":
+        mhc_post_backward_host(
+            layer.host, gates.host, grad_x_out.host, grad_layer.host, grad_gates.host,
+            grad_res.host,
+        )  # fmt: skip
+    else:
+        _mhc.post_backward_cuda(
+            layer, gates, res, grad_x_out, grad_layer, grad_gates, grad_res, stream_handle(layer)
+        )
+
+
+def _zero(output: Operand) -> None:
+    """Zeros into a fresh output (the gradient sums of an empty batch), on the caller's
+    stream."""
+    if not output.is_cuda:
+        output.host[...] = 0
+    elif output.framework == "torch":
+        output.obj.zero_()
+    else:  # CuPy's current stream is the caller's stream for everything but torch
+        with cupy().cuda.Device(output.device):
+            as_cupy(output).fill(0)
 
 
 # --------------------------------------------------------------------------- CUDA body

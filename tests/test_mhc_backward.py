@@ -1,0 +1,508 @@
+"""mHC backward (SPEC section 8): MHCPreBwdOp and MHCPostBwdOp on the host and on CUDA against
+float64 torch autograd of SPEC section 4, every output element; ties in the row max, eps = 0,
+saturated gates, the row norm of |x| ~ 1e19, an empty batch, a chained training step,
+determinism and the validation errors. Outputs start as NaN (``poisoned``), so an element an
+op leaves unwritten fails. CUDA cases are ``gpu``-marked (skipped without a device)."""
+
+from __future__ import annotations
+
+import contextlib
+from unittest import mock
+
+import numpy as np
+import pytest
+from _mhc_oracle import (
+    NP_DTYPES,
+    as_float64_tensor,
+    assert_post_backward_matches,
+    assert_pre_backward_matches,
+    assert_pre_grads_match,
+    assert_pre_matches,
+    case_alphas,
+    pre_reference,
+    random_pre_case,
+    to_float64,
+    torch_pre_reference,
+)
+
+from tileops_cupy import _mhc_host, sequence_modeling
+from tileops_cupy.sequence_modeling import (
+    MHCPostBwdOp,
+    MHCPostFwdOp,
+    MHCPreBwdOp,
+    MHCPreFwdOp,
+)
+
+torch = pytest.importorskip("torch")  # the oracle is torch autograd
+
+PLACES = ("cpu", pytest.param("cuda", marks=pytest.mark.gpu))
+PRE_DTYPES = ("float32", "bfloat16")
+
+
+def on(place: str, array: np.ndarray):
+    """``array`` where ``place``'s op reads it: itself on the host, a torch CUDA tensor."""
+    if place == "cpu":
+        return array
+    if array.dtype == NP_DTYPES["bfloat16"]:
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16).to("cuda")
+    return torch.from_numpy(np.ascontiguousarray(array)).to("cuda")
+
+
+def dtype_name(array) -> str:
+    return str(array.dtype).removeprefix("torch.")
+
+
+@contextlib.contextmanager
+def poisoned():
+    """Every array the ops allocate starts as NaN."""
+    allocate = sequence_modeling.empty_like
+
+    def empty_like(template, shape, dtype=None):
+        output = allocate(template, shape, dtype)
+        if not output.is_cuda:
+            output.host[...] = np.nan
+        elif output.framework == "torch":
+            output.obj.fill_(float("nan"))
+        return output
+
+    with mock.patch.object(sequence_modeling, "empty_like", empty_like):
+        yield
+
+
+def upstream_grads(rng, case) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Fresh (grad_x_res, grad_x_layer, grad_h_post) for a case: x's dtype, h_post's float32."""
+    batch, width = case.x.shape
+    return (
+        rng.standard_normal((batch, width)).astype(case.x.dtype),
+        rng.standard_normal((batch, width // case.n)).astype(case.x.dtype),
+        rng.standard_normal((batch, case.n)).astype(np.float32),
+    )
+
+
+def pre_backward(place: str, case, upstream):
+    op = MHCPreBwdOp(*case.alphas, case.repeat, case.eps)
+    with poisoned():
+        return op(*(on(place, a) for a in (case.phi, case.x, case.b, *upstream)))
+
+
+def check_pre_layouts(place: str, case, grads) -> None:
+    """Types, places, shapes and dtypes of (grad_phi, grad_x, grad_b, grad_alpha)."""
+    kind = np.ndarray if place == "cpu" else torch.Tensor
+    assert all(isinstance(g, kind) for g in grads)
+    if place == "cuda":
+        assert all(g.is_cuda for g in grads)
+    expected = (
+        (case.phi.shape, "float32"),
+        (case.x.shape, str(case.x.dtype)),
+        (case.b.shape, "float32"),
+        ((3,), "float32"),
+    )
+    got = tuple((tuple(g.shape), dtype_name(g)) for g in grads)
+    assert got == expected
+
+
+# --------------------------------------------------------------------------- pre
+
+
+@pytest.mark.parametrize("place", PLACES)
+@pytest.mark.parametrize("dtype", PRE_DTYPES)
+@pytest.mark.parametrize("repeat", (0, 1, 20))
+@pytest.mark.parametrize("n", (1, 2, 4, 6))
+def test_pre_backward_matches_oracle(rng, place, n, repeat, dtype):
+    case = random_pre_case(rng, n, 130, batch=5, dtype=dtype, repeat=repeat)
+    upstream = upstream_grads(rng, case)
+    grads = pre_backward(place, case, upstream)
+    check_pre_layouts(place, case, grads)
+    assert_pre_backward_matches(case, upstream, grads)
+
+
+# batch 1 (decode), a few rows, widths with and without a vector-friendly c_x, and batches
+# past one and two 128-row tiles
+@pytest.mark.parametrize("place", PLACES)
+def test_pre_backward_shapes(rng, place):
+    for c_x, batch in ((1000, 1), (130, 4), (1000, 37), (136, 200), (64, 300)):
+        case = random_pre_case(rng, 4, c_x, batch)
+        upstream = upstream_grads(rng, case)
+        assert_pre_backward_matches(case, upstream, pre_backward(place, case, upstream))
+
+
+# Saturated logits at widths where float32 and float64 agree on which Sinkhorn entries
+# underflow: at n*c_x ~ 800 and beyond, exp(L - max) underflows float32 entries (~1e-50) that
+# float64 keeps and 40 eps-divisions lift back to O(1), so the float32 forward (and with it
+# its exact gradient) parts from the float64 function; no float32 backward can follow that.
+@pytest.mark.parametrize("place", PLACES)
+@pytest.mark.parametrize("dtype", PRE_DTYPES)
+@pytest.mark.parametrize("n, c_x", ((1, 256), (4, 64), (6, 32)))
+def test_pre_backward_saturated(rng, place, n, c_x, dtype):
+    case = random_pre_case(rng, n, c_x, batch=16, dtype=dtype, saturated=True)
+    gates = pre_reference(case)["h_post"] / 2
+    assert (np.minimum(gates, 1 - gates) < 1e-3).mean() > 0.05  # the sigmoids do saturate
+    upstream = upstream_grads(rng, case)
+    assert_pre_backward_matches(case, upstream, pre_backward(place, case, upstream))
+
+
+@pytest.mark.parametrize("place", PLACES)
+@pytest.mark.parametrize("repeat", (0, 3))
+def test_pre_backward_ties_in_row_max(rng, place, repeat):
+    """Rows of the logit matrix with tied maxima get them from b alone (their phi columns are
+    0), so float32 and float64 tie alike; torch.amax splits the max's gradient between them.
+    eps > 0, so the gradient reaching the max is not 0."""
+    n = 4
+    case = random_pre_case(rng, n, 64, batch=6, dtype="float32", repeat=repeat)
+    first = 2 * n  # logit row 0: all four tie; row 1: two tie above the other two
+    case.phi[:, first : first + 2 * n] = 0
+    case.b[first : first + 2 * n] = (0.5, 0.5, 0.5, 0.5, 3.0, -1.0, 3.0, -2.0)
+    upstream = upstream_grads(rng, case)
+    assert_pre_backward_matches(case, upstream, pre_backward(place, case, upstream))
+
+
+@pytest.mark.parametrize("place", PLACES)
+@pytest.mark.parametrize("repeat", (1, 20))
+def test_pre_backward_without_eps(rng, place, repeat):
+    case = random_pre_case(rng, 4, 130, batch=9, dtype="bfloat16", repeat=repeat, eps=0.0)
+    upstream = upstream_grads(rng, case)
+    assert_pre_backward_matches(case, upstream, pre_backward(place, case, upstream))
+
+
+@pytest.mark.parametrize("place", PLACES)
+def test_pre_backward_empty_sinkhorn_columns(rng, place):
+    """eps = 0 and columns of the mixing matrix that are exactly 0 in float32 and float64
+    alike (logits 1000 below their row's max): those column sums divide by 1 and pass no
+    gradient, never NaN."""
+    n = 4
+    case = random_pre_case(rng, n, 32, batch=5, dtype="float32", repeat=5, eps=0.0)
+    case.phi[:, 2 * n :] = 0
+    logits = np.full((n, n), -1000.0, np.float32)
+    logits[np.arange(n), np.arange(n) % 2] = 0.0  # every row's max in column 0 or 1
+    case.b[2 * n :] = logits.ravel()
+    upstream = upstream_grads(rng, case)
+    grads = pre_backward(place, case, upstream)
+    assert all(np.isfinite(to_float64(g)).all() for g in grads)
+    assert_pre_backward_matches(case, upstream, grads)
+
+
+@pytest.mark.parametrize("dtype", PRE_DTYPES)
+def test_pre_forward_row_norm_does_not_overflow(rng, dtype):
+    """|x| ~ 1e19 over a width of 128: sum(x*x) overflows float32; the norm must not."""
+    case = random_pre_case(rng, 4, 32, batch=6, dtype=dtype)
+    case.x = (1e19 * rng.standard_normal(case.x.shape)).astype(case.x.dtype)
+    with np.errstate(over="ignore"):
+        assert np.isinf(np.sum(np.square(case.x[0].astype(np.float32)), dtype=np.float32))
+    outputs = MHCPreFwdOp(*case.alphas, case.repeat, case.eps)(case.phi, case.x, case.b)
+    assert_pre_matches(case, outputs)  # h_post within 5e-5 of float64, x_res and x_layer too
+
+
+@pytest.mark.parametrize("place", PLACES)
+@pytest.mark.parametrize("dtype", PRE_DTYPES)
+def test_pre_backward_row_norm_does_not_overflow(rng, place, dtype):
+    case = random_pre_case(rng, 4, 32, batch=6, dtype=dtype)
+    case.x = (1e19 * rng.standard_normal(case.x.shape)).astype(case.x.dtype)
+    upstream = upstream_grads(rng, case)
+    assert_pre_backward_matches(case, upstream, pre_backward(place, case, upstream))
+
+
+@pytest.mark.parametrize("place", PLACES)
+def test_pre_backward_reads_strided_inputs(rng, place):
+    """Padded rows, a column-major phi and grad_h_post, a strided b."""
+    case = random_pre_case(rng, 4, 130, batch=7, dtype="bfloat16")
+    grad_res, grad_layer, grad_post = upstream_grads(rng, case)
+    width = case.x.shape[1]
+
+    def padded(array):
+        wide = np.zeros((array.shape[0], array.shape[1] + 8), array.dtype)
+        wide[:, 3 : 3 + array.shape[1]] = array
+        return on(place, wide)[:, 3 : 3 + array.shape[1]]
+
+    def column_major(array):
+        return on(place, np.ascontiguousarray(array.T)).T
+
+    op = MHCPreBwdOp(*case.alphas, case.repeat, case.eps)
+    with poisoned():
+        grads = op(
+            column_major(case.phi),
+            padded(case.x),
+            on(place, np.repeat(case.b, 2))[::2],
+            padded(grad_res),
+            padded(grad_layer),
+            column_major(grad_post),
+        )
+    assert grads[1].shape == (7, width)
+    assert_pre_backward_matches(case, (grad_res, grad_layer, grad_post), grads)
+
+
+def test_pre_backward_torch_cpu_in_torch_out(rng):
+    case = random_pre_case(rng, 2, 64, batch=3, dtype="bfloat16")
+    upstream = upstream_grads(rng, case)
+
+    def tensor(array):
+        if array.dtype == NP_DTYPES["bfloat16"]:
+            return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(array)
+
+    op = MHCPreBwdOp(*case.alphas, case.repeat, case.eps)
+    with poisoned():
+        grads = op(*(tensor(a) for a in (case.phi, case.x, case.b, *upstream)))
+    assert [g.dtype for g in grads] == [torch.float32, torch.bfloat16, torch.float32, torch.float32]
+    assert all(g.device.type == "cpu" for g in grads)
+    assert_pre_backward_matches(case, upstream, grads)
+
+
+def test_pre_backward_in_row_blocks(rng, monkeypatch):
+    """Batches larger than one row block (here one row) sum their blocks in order."""
+    case = random_pre_case(rng, 4, 64, batch=10, dtype="float32")
+    upstream = upstream_grads(rng, case)
+    monkeypatch.setattr(_mhc_host, "_BLOCK_FLOATS", 1)
+    assert_pre_backward_matches(case, upstream, pre_backward("cpu", case, upstream))
+
+
+@pytest.mark.parametrize("place", PLACES)
+def test_pre_backward_is_deterministic(rng, place):
+    case = random_pre_case(rng, 4, 256, batch=300, dtype="bfloat16")
+    upstream = upstream_grads(rng, case)
+    first = [to_float64(g) for g in pre_backward(place, case, upstream)]
+    second = [to_float64(g) for g in pre_backward(place, case, upstream)]
+    names = ("grad_phi", "grad_x", "grad_b", "grad_alpha")
+    for name, a, b in zip(names, first, second, strict=True):
+        assert np.array_equal(a, b), f"{name} differs between two runs"
+
+
+# --------------------------------------------------------------------------- post
+
+
+@pytest.mark.parametrize("place", PLACES)
+@pytest.mark.parametrize("dtype", ("bfloat16", "float16", "float32"))
+@pytest.mark.parametrize("n", (1, 2, 4, 6))
+def test_post_backward_matches_oracle(rng, place, n, dtype):
+    for c_x, batch in ((130, 5), (1000, 3), (4096, 2)):
+        layer = rng.standard_normal((batch, c_x)).astype(NP_DTYPES[dtype])
+        gates = rng.uniform(0, 2, (batch, n)).astype(np.float32)
+        res = rng.standard_normal((batch, n * c_x)).astype(NP_DTYPES[dtype])
+        grad_out = rng.standard_normal((batch, n * c_x)).astype(NP_DTYPES[dtype])
+        with poisoned():
+            grads = MHCPostBwdOp()(*(on(place, a) for a in (layer, gates, res, grad_out)))
+        assert [dtype_name(g) for g in grads] == [dtype, "float32", dtype]
+        assert [tuple(g.shape) for g in grads] == [layer.shape, gates.shape, res.shape]
+        assert_post_backward_matches(layer, gates, grad_out, grads, dtype)
+
+
+@pytest.mark.parametrize("place", PLACES)
+def test_post_backward_strided_inputs(rng, place):
+    batch, n, c_x = 6, 4, 70
+    layer = rng.standard_normal((batch, c_x)).astype(np.float32)
+    gates = rng.uniform(0, 2, (batch, n)).astype(np.float32)
+    res = rng.standard_normal((batch, n * c_x)).astype(np.float32)
+    grad_out = rng.standard_normal((batch, n * c_x)).astype(np.float32)
+    wide = np.zeros((batch, n * c_x + 5), np.float32)
+    wide[:, 2:-3] = grad_out
+    with poisoned():
+        grads = MHCPostBwdOp()(
+            on(place, np.repeat(layer, 2, axis=1))[:, ::2],  # strided columns
+            on(place, np.ascontiguousarray(gates.T)).T,  # column-major
+            on(place, res),
+            on(place, wide)[:, 2:-3],  # padded rows
+        )
+    assert_post_backward_matches(layer, gates, grad_out, grads, "float32")
+
+
+# --------------------------------------------------------------------------- empty, chained
+
+
+@pytest.mark.parametrize("place", PLACES)
+def test_empty_batch(rng, place):
+    n, c_x = 2, 8
+    case = random_pre_case(rng, n, c_x, batch=0, dtype="bfloat16")
+    upstream = upstream_grads(rng, case)
+    grads = pre_backward(place, case, upstream)
+    check_pre_layouts(place, case, grads)
+    sums = (grads[0], grads[2], grads[3])
+    for name, grad in zip(("grad_phi", "grad_b", "grad_alpha"), sums, strict=True):
+        assert not to_float64(grad).any(), f"{name} of an empty batch must be 0"
+    layer, gates = np.zeros((0, c_x), np.float32), np.zeros((0, n), np.float32)
+    res = np.zeros((0, n * c_x), np.float32)
+    with poisoned():
+        grads = MHCPostBwdOp()(*(on(place, a) for a in (layer, gates, res, res)))
+    assert [tuple(g.shape) for g in grads] == [(0, c_x), (0, n), (0, n * c_x)]
+    # c_x = 0: nothing to sum, grad_h_post is 0
+    layer = res = np.zeros((3, 0), np.float32)
+    gates = np.ones((3, n), np.float32)
+    with poisoned():
+        grads = MHCPostBwdOp()(*(on(place, a) for a in (layer, gates, res, res)))
+    assert tuple(grads[1].shape) == (3, n) and not to_float64(grads[1]).any()
+
+
+def _tanh(array):
+    return np.tanh(array) if isinstance(array, np.ndarray) else array.tanh()
+
+
+@pytest.mark.parametrize("place", PLACES)
+def test_training_step_chain(rng, place):
+    """pre -> tanh layer -> post -> loss = sum(x_out * G): the ops' forward and backward
+    chained by hand give the float64 torch autograd gradients of phi, x, b and the alphas."""
+    batch, n, c_x = 6, 4, 64
+    case = random_pre_case(rng, n, c_x, batch, dtype="float32")
+    weights = rng.standard_normal((batch, n * c_x)).astype(np.float32)  # d loss / d x_out
+    phi, x, b = (on(place, a) for a in (case.phi, case.x, case.b))
+    pre_fwd = MHCPreFwdOp(*case.alphas, case.repeat, case.eps)
+    pre_bwd = MHCPreBwdOp(*case.alphas, case.repeat, case.eps)
+    x_res, x_layer, h_post = pre_fwd(phi, x, b)
+    layer_out = _tanh(x_layer)
+    x_out = MHCPostFwdOp()(layer_out, h_post, x_res)
+    with poisoned():
+        grad_layer_out, grad_h_post, grad_x_res = MHCPostBwdOp()(
+            layer_out, h_post, x_res, on(place, weights)
+        )
+        grad_x_layer = grad_layer_out * (1 - layer_out * layer_out)
+        grads = pre_bwd(phi, x, b, grad_x_res, grad_x_layer, grad_h_post)
+
+    phi64, x64, b64 = (as_float64_tensor(a) for a in (case.phi, case.x, case.b))
+    alphas = [torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in case_alphas(case)]
+    res64, layer64, post64 = torch_pre_reference(phi64, x64, b64, alphas, case.repeat, case.eps)
+    out64 = post64[:, :, None] * torch.tanh(layer64)[:, None, :] + res64.reshape(batch, n, c_x)
+    (out64.reshape(batch, -1) * torch.from_numpy(weights.astype(np.float64))).sum().backward()
+    np.testing.assert_allclose(to_float64(x_out), out64.detach().reshape(batch, -1), atol=1e-4)
+    ref = {
+        "grad_phi": phi64.grad.numpy(),
+        "grad_x": x64.grad.numpy(),
+        "grad_b": b64.grad.numpy(),
+        "grad_alpha": np.array([a.grad.item() for a in alphas]),
+    }
+    assert_pre_grads_match(ref, grads, "float32")
+
+
+# --------------------------------------------------------------------------- validation
+
+
+@contextlib.contextmanager
+def nothing_written():
+    """Fail if an op allocates or computes before its validation raised."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an output was allocated or written before validation")
+
+    with (
+        mock.patch.object(sequence_modeling, "empty_like", refuse),
+        mock.patch.object(sequence_modeling, "mhc_pre_backward", refuse),
+        mock.patch.object(sequence_modeling, "mhc_post_backward", refuse),
+    ):
+        yield
+
+
+def _pre_arguments(n=2, c_x=8, batch=3) -> dict:
+    q = n * n + 2 * n
+    return {
+        "phi": np.zeros((n * c_x, q), np.float32),
+        "x": np.zeros((batch, n * c_x), np.float32),
+        "b": np.zeros(q, np.float32),
+        "grad_x_res": np.zeros((batch, n * c_x), np.float32),
+        "grad_x_layer": np.zeros((batch, c_x), np.float32),
+        "grad_h_post": np.zeros((batch, n), np.float32),
+    }
+
+
+BF16 = NP_DTYPES["bfloat16"]
+
+
+@pytest.mark.parametrize(
+    "name, mutate, error, message",
+    [
+        ("phi", lambda a: a[None], ValueError, "phi must be 2-D"),
+        ("phi", lambda a: a[:, :7], ValueError, r"phi must have n\*n\+2n columns"),
+        ("x", lambda a: a.astype(np.float64), ValueError, "x must be bfloat16"),
+        ("x", lambda a: a[:, :15], ValueError, "x width must equal phi rows"),
+        ("b", lambda a: a[:7], ValueError, "b must have phi's width 8"),
+        ("phi", lambda a: a.tolist(), TypeError, "phi must be an array"),
+        ("grad_x_res", lambda a: a[None], ValueError, r"grad_x_res must be 2-D \[3, 16\]"),
+        ("grad_x_res", lambda a: a[:, :15], ValueError, r"x_res's shape \[3, 16\], got \[3, 15\]"),
+        ("grad_x_res", lambda a: a[:2], ValueError, r"x_res's shape \[3, 16\], got \[2, 16\]"),
+        ("grad_x_res", lambda a: a.astype(BF16), ValueError, "float32 like x_res, got bfloat16"),
+        ("grad_x_layer", lambda a: a[0], ValueError, r"grad_x_layer must be 2-D \[3, 8\]"),
+        ("grad_x_layer", lambda a: a[:, :7], ValueError, r"x_layer's shape \[3, 8\], got \[3, 7\]"),
+        ("grad_x_layer", lambda a: a.astype(np.float16), ValueError, "float32 like x_layer"),
+        ("grad_x_layer", lambda a: a.tolist(), TypeError, "grad_x_layer must be an array"),
+        ("grad_h_post", lambda a: a[:, :1], ValueError, r"h_post's shape \[3, 2\], got \[3, 1\]"),
+        ("grad_h_post", lambda a: a[None], ValueError, "grad_h_post must be 2-D"),
+        ("grad_h_post", lambda a: a.astype(np.float64), ValueError, "grad_h_post must be float32"),
+    ],
+)
+def test_pre_backward_validation(name, mutate, error, message):
+    arguments = _pre_arguments()
+    arguments[name] = mutate(arguments[name])
+    op = MHCPreBwdOp(1, 1, 1, 20)
+    with nothing_written(), pytest.raises(error, match=message):
+        op(*arguments.values())
+
+
+def test_pre_backward_bf16_upstream_follows_x():
+    arguments = _pre_arguments()
+    for name in ("x", "grad_x_res", "grad_x_layer"):
+        arguments[name] = arguments[name].astype(BF16)
+    with poisoned():
+        grads = MHCPreBwdOp(1, 1, 1, 20)(*arguments.values())
+    assert [dtype_name(g) for g in grads] == ["float32", "bfloat16", "float32", "float32"]
+    arguments["grad_x_layer"] = arguments["grad_x_layer"].astype(np.float32)
+    with nothing_written(), pytest.raises(ValueError, match="bfloat16 like x_layer, got float32"):
+        MHCPreBwdOp(1, 1, 1, 20)(*arguments.values())
+
+
+def test_pre_backward_constructor_is_the_forward_one():
+    for args, error, message in (
+        ((1, 1, 1, -1), ValueError, "sinkhorn_repeat must be >= 0"),
+        ((1, 1, 1, 2.5), TypeError, "sinkhorn_repeat must be an int"),
+        ((1, 1, 1, 3, -0.1), ValueError, "sinkhorn_eps must be >= 0"),
+        ((1, 1, float("nan"), 3), ValueError, "alpha_res must be finite"),
+        (("one", 1, 1, 3), TypeError, "alpha_pre must be a real number"),
+    ):
+        for op_class in (MHCPreFwdOp, MHCPreBwdOp):
+            with pytest.raises(error, match=message):
+                op_class(*args)
+    with pytest.raises(ValueError, match="target must be"):
+        MHCPreBwdOp(1, 1, 1, 3, target="tpu")
+    forward, backward = MHCPreFwdOp(1.5, 2, 0.5, 7, 0.01), MHCPreBwdOp(1.5, 2, 0.5, 7, 0.01)
+    assert backward.config == forward.config == (1.5, 2.0, 0.5, 7, 0.01, "")
+    assert repr(backward) == repr(forward).replace("MHCPreFwdOp", "MHCPreBwdOp")
+    with nothing_written(), pytest.raises(ValueError, match="target='cuda' but phi is on the host"):
+        MHCPreBwdOp(1, 1, 1, 3, target="cuda")(*_pre_arguments().values())
+
+
+def _post_arguments(n=2, c_x=8, batch=3, dtype=np.float32) -> dict:
+    return {
+        "x_layer_out": np.zeros((batch, c_x), dtype),
+        "h_post": np.zeros((batch, n), np.float32),
+        "x_res": np.zeros((batch, n * c_x), dtype),
+        "grad_x_out": np.zeros((batch, n * c_x), dtype),
+    }
+
+
+@pytest.mark.parametrize(
+    "name, mutate, error, message",
+    [
+        ("x_layer_out", lambda a: a[None], ValueError, "x_layer_out must be 2-D"),
+        ("h_post", lambda a: a.astype(np.float16), ValueError, "h_post must be float32"),
+        ("x_res", lambda a: a[:, :15], ValueError, r"x_res width must be n\*c_x"),
+        ("x_res", lambda a: a[:2], ValueError, "same batch, got 3, 3 and 2"),
+        ("grad_x_out", lambda a: a[0], ValueError, r"grad_x_out must be 2-D \[3, 16\]"),
+        ("grad_x_out", lambda a: a[:, :15], ValueError, r"x_out's shape \[3, 16\], got \[3, 15\]"),
+        ("grad_x_out", lambda a: a[:2], ValueError, r"x_out's shape \[3, 16\], got \[2, 16\]"),
+        ("grad_x_out", lambda a: a.astype(BF16), ValueError, "float32 like x_out, got bfloat16"),
+        ("grad_x_out", lambda a: a.tolist(), TypeError, "grad_x_out must be an array"),
+    ],
+)
+def test_post_backward_validation(name, mutate, error, message):
+    arguments = _post_arguments()
+    arguments[name] = mutate(arguments[name])
+    with nothing_written(), pytest.raises(error, match=message):
+        MHCPostBwdOp()(*arguments.values())
+    with nothing_written(), pytest.raises(ValueError, match="target='cuda' but x_layer_out"):
+        MHCPostBwdOp(target="cuda")(*_post_arguments().values())
+
+
+@pytest.mark.gpu
+def test_backward_inputs_on_different_devices():
+    arguments = {name: on("cuda", a) for name, a in _pre_arguments().items()}
+    arguments["grad_h_post"] = _pre_arguments()["grad_h_post"]
+    with nothing_written(), pytest.raises(ValueError, match="grad_h_post is on the host"):
+        MHCPreBwdOp(1, 1, 1, 3)(*arguments.values())
+    arguments = {name: on("cuda", a) for name, a in _post_arguments().items()}
+    arguments["grad_x_out"] = _post_arguments()["grad_x_out"]
+    with nothing_written(), pytest.raises(ValueError, match="grad_x_out is on the host"):
+        MHCPostBwdOp()(*arguments.values())
