@@ -274,10 +274,7 @@ def test_launch_values_pack_into_the_kernel_structs(dtype):
     n, c_x, batch = 4, 130, 3
     gates = MHCPreFwdOp(1.0, 1.0, 1.0, 20)._gates
     k_range, k_splits, fuse = plan_geometry(batch, n * c_x, 132)
-    grid = (k_splits, 1, 1)
-    plan = sequence_modeling._PrePlan(
-        None, None, None, grid, grid, grid, 1 << 16, k_range, k_splits, fuse, (1, 1, 1, 1)
-    )
+    plan = sequence_modeling._PrePlan((), n, c_x, k_range, k_splits, fuse, (1, 1, 1, 1))
     x = _device_operand((batch, n * c_x), dtype)
     phi = _device_operand((n * c_x, 24), "float32")
     b = _device_operand((24,), "float32")

@@ -180,6 +180,9 @@ def test_positions_near_2_20_and_2_24_on_device(rng, dtype, direction):
 @pytest.mark.parametrize("id_dtype", ("int32", "int64"))
 @pytest.mark.parametrize("framework", DEVICE_FRAMEWORKS)
 def test_out_of_range_ids_raise_on_device_and_later_calls_work(rng, framework, id_dtype):
+    """Device ids are bounded by the kernel without a sync: a bad id is clamped (no table is
+    read out of bounds), flagged, and reported at this op's ``check()`` or next call, which
+    then rotates nothing; another op's calls are unaffected."""
     max_position = 1000
     op = RoPENeoxPositionIdsFwdOp(max_position, rotary_dim=32)
     other = RoPENeoxPositionIdsBwdOp(max_position)
@@ -189,18 +192,41 @@ def test_out_of_range_ids_raise_on_device_and_later_calls_work(rng, framework, i
     bad_values = [-1, max_position, max_position + 12345, -(2**31), 2**31 - 1]
     if id_dtype == "int64":
         bad_values += [2**40, 2**40 + 7, -(2**40), 2**63 - 1]  # must not wrap to a valid row
-    for bad in bad_values:
+    for i, bad in enumerate(bad_values):
         ids_host = random_position_ids(rng, 64, max_position, np.int64)
-        ids_host[int(rng.integers(64))] = bad
-        with pytest.raises(ValueError, match="position_ids"):
-            op(x, _on_device(ids_host.astype(id_dtype), framework))
-        # the error is this call's only: the next calls (this op and another) are valid
-        ids_host = random_position_ids(rng, 64, max_position, id_dtype)
-        ids = _on_device(ids_host, framework)
-        assert_matches_oracle(op(x, ids), host.astype(np.float64), ids_host[:, None], freqs,
-                              "float16")  # fmt: skip
-        assert_matches_oracle(other(x, ids), host.astype(np.float64), ids_host[:, None],
+        row = int(rng.integers(64))
+        ids_host[row] = bad
+        y = op(x, _on_device(ids_host.astype(id_dtype), framework))  # no sync, no raise yet
+        clamped = ids_host.copy()
+        clamped[row] = 0 if bad < 0 else max_position - 1
+        assert_matches_oracle(y, host.astype(np.float64), clamped[:, None], freqs, "float16")
+        # another op's flag is its own
+        good_host = random_position_ids(rng, 64, max_position, id_dtype)
+        good = _on_device(good_host, framework)
+        assert_matches_oracle(other(x, good), host.astype(np.float64), good_host[:, None],
                               standard_frequencies(64), "float16", inverse=True)  # fmt: skip
+        if i % 2:  # reported by check() ...
+            with pytest.raises(ValueError, match="position_ids"):
+                op.check()
+        else:  # ... or by the next call, which then launches nothing
+            _synchronize(framework)
+            with pytest.raises(ValueError, match="position_ids"):
+                op(x, good)
+        # reported once: the next calls are valid
+        op.check()
+        assert_matches_oracle(op(x, good), host.astype(np.float64), good_host[:, None], freqs,
+                              "float16")  # fmt: skip
+
+
+def _synchronize(framework: str) -> None:
+    if framework == "cupy":
+        import cupy
+
+        cupy.cuda.Device().synchronize()
+    else:
+        import torch
+
+        torch.cuda.synchronize()
 
 
 @pytest.mark.parametrize("framework", DEVICE_FRAMEWORKS)

@@ -101,7 +101,7 @@ def test_position_ids_op_gradients(rng, place, ids_dtype):
 @pytest.mark.parametrize("place", PLACES)
 @pytest.mark.parametrize("offsets", ("int", "tensor"))
 def test_apply_rope_gradients(rng, place, offsets):
-    rope = RoPE(HEAD_DIM, HEADS, KV_HEADS, scheme=YaRN(scale=4.0), rotary_dim=8)
+    rope = RoPE(HEAD_DIM, HEADS, KV_HEADS, scheme=YaRN(scale=4.0), rotary_dim=8, max_position=4096)
     q = _randn(rng, (2, 5, HEADS * HEAD_DIM), place, requires_grad=True)
     k = _randn(rng, (2, 5, KV_HEADS * HEAD_DIM), place, requires_grad=True)
     position = 700 if offsets == "int" else torch.tensor([3, 1500], device=place)

@@ -127,10 +127,21 @@ class ParamStruct:
         """One scalar field of packed ``params``."""
         return struct.unpack_from("@" + dict(self.fields)[name], params, self.offsets[name])[0]
 
-    def field_writer(self, *names: str) -> tuple[tuple[int, struct.Struct], ...]:
-        """(offset, packer) of scalar fields, for :meth:`Launch.relaunch` to patch."""
+    def field_writer(self, *names: str) -> tuple[tuple[int, struct.Struct, int], ...]:
+        """(offset, packer, count) runs of the scalar fields ``names``, for
+        :meth:`Launch.relaunch` to patch; fields adjacent in the struct share one packer."""
+        order = [name for name, _ in self.fields]
         codes = dict(self.fields)
-        return tuple((self.offsets[n], struct.Struct("@" + codes[n])) for n in names)
+        runs: list[list[str]] = []
+        for name in names:
+            if runs and order.index(name) == order.index(runs[-1][-1]) + 1:
+                runs[-1].append(name)
+            else:
+                runs.append([name])
+        return tuple(
+            (self.offsets[run[0]], struct.Struct("@" + "".join(codes[n] for n in run)), len(run))
+            for run in runs
+        )
 
 
 _PARAM_BYTES = 4096  # CUDA allows 4 KB of kernel parameters everywhere; ours are ~200 bytes
@@ -154,53 +165,52 @@ _thread_state = _ThreadLaunchState()
 
 
 @dataclass(frozen=True, slots=True)
-class Launch:
-    """One kernel launch, fully described: what :func:`launch` ran, kept so that a caller
-    with the same layout can run it again changing only some fields (pointers, a position
-    offset) with :meth:`relaunch`, which skips every step that derives the geometry."""
+class Step:
+    """One kernel of a launch: its grid, block and dynamic shared memory. ``cooperative``:
+    cuLaunchCooperativeKernel, for kernels whose blocks wait for each other (the driver
+    refuses a grid that cannot be resident at once instead of hanging)."""
 
     kernel: Any
-    device: int
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
-    params: bytes
     shared_mem: int = 0
     cooperative: bool = False
 
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """Kernels run in order on one stream with one packed parameter struct, fully
+    described: what :func:`launch` ran, kept so that a later call of the same layout can
+    run it again changing only some fields (addresses, an offset) with :meth:`relaunch`,
+    skipping every step that derives the geometry."""
+
+    device: int
+    params: bytes
+    steps: tuple[Step, ...]
+
     def relaunch(
-        self, stream: int, writers: tuple[tuple[int, struct.Struct], ...] = (), *values: Any
+        self, stream: int, writers: tuple[tuple[int, struct.Struct, int], ...] = (), *values: Any
     ) -> None:
-        """Launch again on ``stream`` with ``values`` written at ``writers`` (from
+        """Launch again on ``stream`` with ``values`` (in order) written at ``writers`` (from
         :meth:`ParamStruct.field_writer`), the other fields as before."""
         state = _thread_state
         buffer = state.params
         ctypes.memmove(state.address, self.params, len(self.params))
-        for (offset, packer), value in zip(writers, values, strict=True):
-            packer.pack_into(buffer, offset, value)
-        _launch_current(self, stream, state)
+        start = 0
+        for offset, packer, count in writers:
+            packer.pack_into(buffer, offset, *values[start : start + count])
+            start += count
+        _launch_buffer(self, stream, state)
 
 
-def launch(
-    kernel: Any,
-    device: int,
-    grid: tuple[int, int, int],
-    block: tuple[int, int, int],
-    params: bytes,
-    stream: int,
-    shared_mem: int = 0,
-    cooperative: bool = False,
-) -> Launch:
-    """Launch a compiled ``kernel`` whose one parameter is the packed struct ``params``
-    (:meth:`ParamStruct.pack`), through the driver, on ``device`` and the raw ``stream``.
-
-    ``cooperative``: cuLaunchCooperativeKernel, for kernels whose blocks wait for each
-    other (the driver refuses a grid that cannot be resident at once instead of hanging).
-    Returns the :class:`Launch`, for :meth:`Launch.relaunch`.
-    """
-    done = Launch(kernel, device, grid, block, params, shared_mem, cooperative)
+def launch(device: int, params: bytes, steps: tuple[Step, ...], stream: int) -> Launch:
+    """Launch ``steps`` in order, each kernel's one parameter being the packed struct
+    ``params`` (:meth:`ParamStruct.pack`), through the driver, on ``device`` and the raw
+    ``stream``. Returns the :class:`Launch`, for :meth:`Launch.relaunch`."""
+    done = Launch(device, params, steps)
     state = _thread_state
     ctypes.memmove(state.address, params, len(params))
-    _launch_current(done, stream, state)
+    _launch_buffer(done, stream, state)
     return done
 
 
@@ -209,12 +219,13 @@ def launch_packed(
 ):
     """TRANSITIONAL: the positional form, until _mhc.py moves to :func:`launch`."""
     params = fields._struct.pack(*values)
-    return launch(kernel, device, grid, block, params, stream, shared_mem, cooperative)
+    return launch(device, params, (Step(kernel, grid, block, shared_mem, cooperative),), stream)
 
 
-def _launch_current(done: Launch, stream: int, state: _ThreadLaunchState) -> None:
-    """Launch ``done`` with the parameters now in ``state``'s buffer."""
-    runtime = cupy().cuda.runtime
+def _launch_buffer(done: Launch, stream: int, state: _ThreadLaunchState) -> None:
+    """Run ``done``'s steps with the parameters now in ``state``'s buffer."""
+    cuda = cupy().cuda
+    runtime = cuda.runtime
     device = done.device
     previous = runtime.getDevice()
     if device not in state.devices:
@@ -224,16 +235,17 @@ def _launch_current(done: Launch, stream: int, state: _ThreadLaunchState) -> Non
     elif previous != device:
         runtime.setDevice(device)
     try:
-        driver = cupy().cuda.driver
-        grid, block = done.grid, done.block
-        if done.cooperative:
-            driver.launchCooperativeKernel(
-                done.kernel.ptr, *grid, *block, done.shared_mem, stream, state.pointers_address
-            )
-        else:
-            driver.launchKernel(
-                done.kernel.ptr, *grid, *block, done.shared_mem, stream, state.pointers_address, 0
-            )
+        driver, pointers = cuda.driver, state.pointers_address
+        for step in done.steps:
+            grid, block = step.grid, step.block
+            if step.cooperative:
+                driver.launchCooperativeKernel(
+                    step.kernel.ptr, *grid, *block, step.shared_mem, stream, pointers
+                )
+            else:
+                driver.launchKernel(
+                    step.kernel.ptr, *grid, *block, step.shared_mem, stream, pointers, 0
+                )
     finally:
         if previous != device:
             runtime.setDevice(previous)

@@ -92,6 +92,7 @@ class ErrorFlag:
 
     def __init__(self) -> None:
         self._pointers: dict[int, int] = {}
+        self._cells: tuple[ctypes.c_int32, ...] = ()  # the same memory, read on every call
         self._lock = threading.Lock()
 
     def pointer(self, device: int) -> int:
@@ -104,15 +105,16 @@ class ErrorFlag:
                     with cupy().cuda.Device(device):
                         flags = runtime.hostAllocMapped | runtime.hostAllocPortable
                         pointer = runtime.hostAlloc(4, flags)
-                    ctypes.c_int32.from_address(pointer).value = 0
+                    cell = ctypes.c_int32.from_address(pointer)
+                    cell.value = 0
                     self._pointers[device] = pointer  # lives as long as the process
+                    self._cells += (cell,)
         return pointer
 
     def take(self) -> bool:
         """True if any device's flag was raised since the last take (and clear it)."""
         raised = False
-        for pointer in self._pointers.values():
-            cell = ctypes.c_int32.from_address(pointer)
+        for cell in self._cells:
             if cell.value:
                 raised = True
                 cell.value = 0
@@ -121,7 +123,7 @@ class ErrorFlag:
     def raise_if_set(self, message: str) -> None:
         """ValueError(``message``) if a kernel raised the flag since the last look. Costs no
         synchronisation: a kernel still running is caught at a later look."""
-        if self._pointers and self.take():
+        if self._cells and self.take():
             raise ValueError(message)
 
     def check(self, message: str) -> None:
@@ -139,16 +141,18 @@ class ErrorFlag:
 
 
 _ANY_FLAG = ErrorFlag()  # for launches whose positions were validated on the host
-_flags: dict[tuple, ErrorFlag] = {}
+_flags: dict[int, ErrorFlag] = {}
 _flags_lock = threading.Lock()
 
 
-def error_flag(config: tuple) -> ErrorFlag:
-    """The flag of one op configuration. Ops are rebuilt from their configuration behind
-    the torch dispatcher: keyed by it, the caller's op and its rebuilt twin share a flag,
-    so an error surfaces at the caller's next call whichever path launched the kernel."""
+def error_flag(key: int | None = None) -> tuple[int, ErrorFlag]:
+    """``(key, flag)``: a new flag and its key when ``key`` is None, else the flag of
+    ``key``. An op keeps its flag's key in the configuration its torch custom op carries,
+    so the twin rebuilt behind the dispatcher raises the caller's own flag."""
     with _flags_lock:
-        return _flags.setdefault(config, ErrorFlag())
+        if key is None:
+            key = len(_flags)
+        return key, _flags.setdefault(key, ErrorFlag())
 
 
 def rotate(
@@ -264,9 +268,7 @@ class _LaunchPlan:
     """What a launch derives from shapes, strides and alignment alone, computed once per
     layout: at decode sizes this bookkeeping costs more than the kernel."""
 
-    kernel: object
-    grid: tuple[int, int, int]
-    block: tuple[int, int, int]
+    steps: tuple[_cuda.Step]
     tail_chunks: int
 
 
@@ -296,12 +298,10 @@ def _plan(table: RotaryTable, neox: bool, rows: list[HeadRows], copy_tail: bool)
     chunks = min(max(rotate_chunks, tail_chunks), _THREADS_PER_BLOCK)
     head_lanes = max(1, min(-(-total_heads // _HEADS_IN_FLIGHT), _THREADS_PER_BLOCK // chunks))
     tokens_per_block = max(1, _THREADS_PER_BLOCK // (chunks * head_lanes))
-    plan = _LaunchPlan(
-        kernel=_cuda.function(spec, name, device),
-        grid=(-(-(batch * seq) // tokens_per_block), 1, 1),
-        block=(chunks, head_lanes, tokens_per_block),
-        tail_chunks=tail_chunks,
-    )
+    kernel = _cuda.function(spec, name, device)
+    grid = (-(-(batch * seq) // tokens_per_block), 1, 1)
+    steps = (_cuda.Step(kernel, grid, (chunks, head_lanes, tokens_per_block)),)
+    plan = _LaunchPlan(steps=steps, tail_chunks=tail_chunks)
     if len(_plans) > 4096:  # shapes churn (e.g. growing prefill chunks): start over
         _plans.clear()
     _plans[key] = plan
@@ -339,4 +339,4 @@ def _rotate_cuda(
     )  # fmt: skip
     if stream is None:
         stream = stream_handle(q_in.operand)
-    return _cuda.launch(plan.kernel, device, plan.grid, plan.block, params, stream)
+    return _cuda.launch(device, params, plan.steps, stream)

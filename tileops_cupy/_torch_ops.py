@@ -26,16 +26,18 @@ NAMESPACE = "tileops_cupy"
 
 # Schemas, one per data path. RoPE configurations travel as
 #   seed ops:   scheme, scheme_args, rotary_dim (0 = head_dim), neox, inverse,
-#               input_layout, max_position (0 = none), target ("" = none)
+#               input_layout, max_position (0 = none), target ("" = none), flag
 #   component:  scheme, scheme_args, rotary_dim, neox, head_dim, num_heads,
-#               num_kv_heads, max_position (0 = none), target ("" = none)
+#               num_kv_heads, max_position (0 = none), target ("" = none), flag
+# where flag keys the op's device error flag (_rotate.error_flag), so the op rebuilt
+# behind the dispatcher raises its caller's flag.
 _SEED_CONFIG = (
     "str scheme, float[] scheme_args, int rotary_dim, bool neox, bool inverse, "
-    "str input_layout, int max_position, str target"
+    "str input_layout, int max_position, str target, int flag"
 )
 _COMPONENT_CONFIG = (
     "str scheme, float[] scheme_args, int rotary_dim, bool neox, int head_dim, "
-    "int num_heads, int num_kv_heads, int max_position, str target"
+    "int num_heads, int num_kv_heads, int max_position, str target, int flag"
 )
 _MHC_PRE_CONFIG = (
     "float alpha_pre, float alpha_post, float alpha_res, int sinkhorn_repeat, "
@@ -61,25 +63,66 @@ _lock = threading.Lock()
 
 # --------------------------------------------------------------------------- routing
 
+DISPATCH = "dispatch"
 
-def needs_dispatcher(*tensors: Any) -> bool:
-    """True when a call on ``tensors`` must go through the torch dispatcher: some argument
-    is a torch tensor and autograd must record the call or a tracer is watching it."""
+
+def classify(*args: Any) -> Any:
+    """How a call on ``args`` runs: :data:`DISPATCH` when the torch dispatcher must see it
+    (some argument is a torch tensor and autograd must record the call, or a tracer such as
+    Dynamo, export or a dispatch mode watches it); otherwise :func:`layouts` of the
+    arguments, for the direct path. One pass over the arguments: this runs on every call."""
     torch = sys.modules.get("torch")
     if torch is None:
-        return False
-    compiling = torch.compiler.is_compiling()
+        return (None,) * len(args)
+    tensor = torch.Tensor
+    tracing = torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
+    if tracing and any(isinstance(arg, tensor) for arg in args):
+        ensure_registered()
+        return DISPATCH
     grad = torch.is_grad_enabled()
-    for tensor in tensors:
-        if isinstance(tensor, torch.Tensor) and (
-            compiling
-            or type(tensor) is not torch.Tensor  # FakeTensor, functional or other subclass
-            or (grad and tensor.requires_grad)
-            or torch._C._len_torch_dispatch_stack()  # make_fx, export, a dispatch mode
-        ):
+    keys = []
+    for arg in args:
+        if not isinstance(arg, tensor):
+            keys.append(None)
+        elif type(arg) is not tensor or (grad and arg.requires_grad):  # a subclass: FakeTensor..
             ensure_registered()
-            return True
-    return False
+            return DISPATCH
+        else:
+            keys.append((arg.shape, arg.stride(), arg.dtype, arg.device, arg.data_ptr() & 15))
+    return tuple(keys)
+
+
+def is_compiling() -> bool:
+    """True while Dynamo traces the caller."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.compiler.is_compiling()
+
+
+def layouts(*args: Any) -> tuple:
+    """Per argument, the layout key of a plain torch tensor (shape, strides, dtype, device,
+    address mod 16), None for anything else. An op remembers, per key of its arguments, the
+    launch its first call made; a later call with equal keys was validated and planned by
+    that call and only patches addresses into the launch (:meth:`_cuda.Launch.relaunch`)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return (None,) * len(args)
+    return tuple(
+        (arg.shape, arg.stride(), arg.dtype, arg.device, arg.data_ptr() & 15)
+        if type(arg) is torch.Tensor
+        else None
+        for arg in args
+    )
+
+
+def current_stream(device: int) -> int:
+    """torch's current raw stream on ``device``."""
+    return sys.modules["torch"]._C._cuda_getCurrentRawStream(device)
+
+
+def new_contiguous(tensor: Any) -> Any:
+    """A fresh contiguous tensor of ``tensor``'s shape, dtype and device."""
+    torch = sys.modules["torch"]
+    return torch.empty_like(tensor, memory_format=torch.contiguous_format)
 
 
 def requires_grad(*tensors: Any) -> bool:
@@ -105,36 +148,6 @@ def register_if_torch_imported() -> None:
     compiled function meets registered ops)."""
     if not _registered and "torch" in sys.modules:
         ensure_registered()
-
-
-# --------------------------------------------------------------------------- fast direct calls
-# A public op remembers, per torch CUDA layout, the launch its first call made; a later call
-# with the same layout (shapes, strides, dtype, device, 16-byte alignment class) was
-# validated by that first call and only patches the addresses into the launch.
-
-
-def cuda_layout(tensor: Any) -> tuple | None:
-    """The layout key of a plain torch CUDA tensor, or None for anything else."""
-    torch = sys.modules.get("torch")
-    if torch is None or type(tensor) is not torch.Tensor or not tensor.is_cuda:
-        return None
-    return (
-        tensor.shape,
-        tensor.stride(),
-        tensor.dtype,
-        tensor.get_device(),
-        tensor.data_ptr() & 15,
-    )
-
-
-def current_stream(device: int) -> int:
-    """torch's current raw stream on ``device``."""
-    return sys.modules["torch"]._C._cuda_getCurrentRawStream(device)
-
-
-def new_empty(tensor: Any) -> Any:
-    """A fresh contiguous tensor of ``tensor``'s shape, dtype and device."""
-    return sys.modules["torch"].empty(tensor.shape, dtype=tensor.dtype, device=tensor.device)
 
 
 # --------------------------------------------------------------------------- the calls

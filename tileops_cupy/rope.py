@@ -137,6 +137,7 @@ class _RotaryOp:
         target: Any,
         rotary_dim=None,
         max_position: int | None = None,
+        flag: int | None = None,
     ) -> None:
         self.scheme = scheme
         self.rope_layout = _check_choice("rope_layout", rope_layout, ROPE_LAYOUTS)
@@ -146,12 +147,12 @@ class _RotaryOp:
         self.max_position = None if max_position is None else _check_max_position(max_position)
         self._tables: dict[int, Any] = {}
         self._relaunches: dict[tuple, Any] = {}  # torch CUDA layout -> its first call's launch
-        # the op by value: what the torch custom op carries, and the key of its error flag
+        flag, self._flag = error_flag(flag)  # device-side position errors of this op
+        # the op by value: what its torch custom op carries (its flag by key)
         self.config = (
             *scheme_args(scheme), self.rotary_dim or 0, self.rope_layout == "neox",
-            self._inverse, self.input_layout, self.max_position or 0, self.target or "",
+            self._inverse, self.input_layout, self.max_position or 0, self.target or "", flag,
         )  # fmt: skip
-        self._flag = error_flag(self.config)
         torch_ops.register_if_torch_imported()
 
     def _rows(self, operand: Operand, name: str) -> HeadRows:
@@ -173,22 +174,23 @@ class _RotaryOp:
         for "2d"; the row's seq index is its position). Returns a new array of x's shape,
         dtype, framework and device; x is not modified. On torch tensors that require
         grad the result carries a ``grad_fn`` (the Bwd twin's rotation)."""
-        if torch_ops.needs_dispatcher(x):
+        layout = torch_ops.classify(x)
+        if layout is torch_ops.DISPATCH:
             return torch_ops.rope(self.config, x, None)
-        return self.direct(x)
+        return self.direct(x, None, layout)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward(*args, **kwargs)
 
-    def direct(self, x: Any, position_ids: Any = None) -> Any:
-        """:meth:`forward` without the torch dispatcher (what the custom op runs)."""
-        layout = torch_ops.cuda_layout(x)
-        fast = self._relaunches.get(layout) if layout is not None else None
+    def direct(self, x: Any, position_ids: Any = None, layout: tuple | None = None) -> Any:
+        """:meth:`forward` without the torch dispatcher (what the custom op runs);
+        ``layout``: ``_torch_ops.layouts(x)`` when the caller has it."""
+        layout = layout or torch_ops.layouts(x)
+        fast = self._relaunches.get(layout)
         if fast is not None:  # this layout was validated and planned by an earlier call
-            result = torch_ops.new_empty(x)
-            fast.relaunch(
-                torch_ops.current_stream(fast.device), RELAUNCH_X, x.data_ptr(), result.data_ptr()
-            )
+            result = torch_ops.new_contiguous(x)
+            stream = torch_ops.current_stream(fast.device)
+            fast.relaunch(stream, RELAUNCH_X, x.data_ptr(), result.data_ptr())
             return result
         source = _float_operand(x, "x")
         rows = self._rows(source, "x")
@@ -198,7 +200,7 @@ class _RotaryOp:
             raise ValueError(f"x has {seq} positions; at most 2**24 are supported")
         positions = Positions(limit=max(seq, 1), cover=max(seq, 1))
         result, launch = self._run(source, rows, positions)
-        if layout is not None and launch is not None and source.obj is x:
+        if launch is not None and layout[0] is not None and source.obj is x:
             self._relaunches[layout] = launch
         return to_caller(result)
 
@@ -414,9 +416,10 @@ class RoPENeoxPositionIdsFwdOp(_RotaryOp):
         self._setup(Standard(base), "neox", "2d", target, rotary_dim, max_position)
 
     def forward(self, x: Any, position_ids: Any) -> Any:
-        if torch_ops.needs_dispatcher(x, position_ids):
+        layout = torch_ops.classify(x, position_ids)
+        if layout is torch_ops.DISPATCH:
             return torch_ops.rope(self.config, x, position_ids)
-        return self.direct(x, position_ids)
+        return self.direct(x, position_ids, layout)
 
     def check(self) -> None:
         """Wait for the device and raise ValueError if a kernel of this op met an id outside
@@ -430,12 +433,12 @@ class RoPENeoxPositionIdsFwdOp(_RotaryOp):
             "is not valid)"
         )
 
-    def direct(self, x: Any, position_ids: Any = None) -> Any:
+    def direct(self, x: Any, position_ids: Any = None, layout: tuple | None = None) -> Any:
         self._flag.raise_if_set(self._flagged_message())
-        layout = torch_ops.cuda_layout(x), torch_ops.cuda_layout(position_ids)
-        fast = self._relaunches.get(layout) if None not in layout else None
+        layout = layout or torch_ops.layouts(x, position_ids)
+        fast = self._relaunches.get(layout)
         if fast is not None:  # this layout was validated and planned by an earlier call
-            result = torch_ops.new_empty(x)
+            result = torch_ops.new_contiguous(x)
             fast.relaunch(
                 torch_ops.current_stream(fast.device), RELAUNCH_IDS, x.data_ptr(),
                 result.data_ptr(), position_ids.data_ptr(),
@@ -462,12 +465,8 @@ class RoPENeoxPositionIdsFwdOp(_RotaryOp):
         # device ids are bounded by the kernel (clamped, flagged): no sync, capturable
         positions = Positions(ids=ids, limit=self.max_position, cover=self.max_position)
         result, launch = self._run(source, rows, positions, self._flag)
-        if (
-            None not in layout
-            and launch is not None
-            and source.obj is x
-            and ids.obj is position_ids
-        ):
+        recorded = launch is not None and None not in layout
+        if recorded and source.obj is x and ids.obj is position_ids:  # nothing was copied
             self._relaunches[layout] = launch
         return to_caller(result)
 
@@ -581,12 +580,7 @@ class RoPE:
         self.max_position = None if max_position is None else _check_max_position(max_position)
         self.target = check_target(target)
         self.table = shared_table(self.scheme, self.rotary_dim)
-        # the component by value: what the torch custom ops carry, and its flag's key
-        self.config = (
-            *scheme_args(self.scheme), self.rotary_dim, self.rope_layout == "neox",
-            head_dim, num_heads, num_kv_heads, self.max_position or 0, self.target or "",
-        )  # fmt: skip
-        self._flag = error_flag(("RoPE", *self.config))
+        self._adopt_flag(None)
         self._relaunches: dict[tuple, Any] = {}  # see rotate_in_place
         torch_ops.register_if_torch_imported()
 
@@ -665,6 +659,16 @@ class RoPE:
 
     # ---- the one path
 
+    def _adopt_flag(self, flag: int | None) -> None:
+        """Use the device flag ``flag`` (a new one if None) and set :attr:`config`, the
+        component by value as its torch custom ops carry it (the flag by key)."""
+        flag, self._flag = error_flag(flag)
+        self.config = (
+            *scheme_args(self.scheme), self.rotary_dim, self.rope_layout == "neox",
+            self.head_dim, self.num_heads, self.num_kv_heads, self.max_position or 0,
+            self.target or "", flag,
+        )  # fmt: skip
+
     def _flagged_message(self) -> str:
         return (
             "a position given as a device tensor was outside [0, "
@@ -675,8 +679,9 @@ class RoPE:
     def _in_place(self, q: Any, k: Any, position: Any, inverse: bool, decode: bool) -> None:
         """The in-place calls' one entry: the direct path, or torch's dispatcher when autograd
         or a tracer must see the call."""
-        if not torch_ops.needs_dispatcher(q, k, position):
-            self.rotate_in_place(q, k, position, inverse, decode)
+        layout = torch_ops.classify(q, k, position)
+        if layout is not torch_ops.DISPATCH:
+            self.rotate_in_place(q, k, position, inverse, decode, layout)
         elif torch_ops.requires_grad(q, k):
             self._record_in_place(q, k, position, inverse, decode)
         else:
@@ -695,6 +700,11 @@ class RoPE:
                     f"place (autograd forbids it); use apply_rope(q, k, rope) for a rotated "
                     "copy, or rotate under torch.no_grad()"
                 )
+        if not torch_ops.is_compiling():  # (a traced graph has no memory to compare)
+            operands = {"q": as_operand(q, "q")}
+            if k is not None:
+                operands["k"] = as_operand(k, "k")
+            check_in_place(operands)  # before the first copy_ writes
         offsets, offset = _split_position(position)
         q_rot, k_rot = torch_ops.rope_qk(self.config, q, k, offsets, offset, inverse, decode)
         q.copy_(q_rot)
@@ -702,41 +712,53 @@ class RoPE:
             k.copy_(k_rot)
 
     def rotate_in_place(
-        self, q: Any, k: Any, position: Any, inverse: bool = False, decode: bool = False
+        self,
+        q: Any,
+        k: Any,
+        position: Any,
+        inverse: bool = False,
+        decode: bool = False,
+        layout: tuple | None = None,
     ) -> None:
-        """The in-place rotation without the torch dispatcher (what its custom op runs).
+        """The in-place rotation without the torch dispatcher (what its custom op runs);
+        ``layout``: ``_torch_ops.layouts(q, k, position)`` when the caller has it.
 
-        A call whose torch CUDA layout (q, k, kind of position, direction) an earlier call
-        validated and planned re-runs that launch with the new addresses and offset: at
-        decode sizes the bookkeeping would otherwise cost more than the kernel."""
+        A call whose torch layouts (q, k, the position's kind, the direction) an earlier
+        call validated and planned re-runs that launch with the new addresses and offset:
+        at decode sizes the bookkeeping would otherwise cost more than the kernel."""
+        layout = layout or torch_ops.layouts(q, k, position)
         int_position = isinstance(position, int) and not isinstance(position, bool)
-        layout = (
-            torch_ops.cuda_layout(q),
-            False if k is None else torch_ops.cuda_layout(k),
-            "int" if int_position else torch_ops.cuda_layout(position),
-            inverse,
-            decode,
-        )
-        fast = None if None in layout else self._relaunches.get(layout)
-        if fast is not None and int_position:
-            launch, last_position = fast
-            if not 0 <= position <= last_position:  # outside what the first call covered
-                fast = None
+        key = (*layout, inverse, decode, int_position)
+        fast = self._relaunches.get(key)
+        q_ptr = k_ptr = 0
         if fast is not None:
-            self._flag.raise_if_set(self._flagged_message())
+            launch, last_position, k_gap, q_bytes, k_bytes = fast
             q_ptr, k_ptr = q.data_ptr(), 0 if k is None else k.data_ptr()
-            offsets_ptr, offset = (0, position) if int_position else (position.data_ptr(), 0)
-            launch = fast[0]
-            launch.relaunch(
-                torch_ops.current_stream(launch.device), RELAUNCH_QK, q_ptr, q_ptr, k_ptr, k_ptr,
-                offsets_ptr, offset,
-            )  # fmt: skip
-        else:
-            launch = self._apply(q, k, position, inverse, decode)
-            if launch is not None and None not in layout:
-                # an int offset stays valid up to the positions the launch's table holds
-                limit = ROPE_PARAMS.read(launch.params, "position_limit")
-                self._relaunches[layout] = (launch, limit - q.shape[1])
+            # the first call checked q and k disjoint at this distance; at another they must
+            # lie apart, and an int offset must stay within what the launch's table holds
+            apart = (
+                k is None
+                or k_ptr - q_ptr == k_gap
+                or k_ptr >= q_ptr + q_bytes
+                or q_ptr >= k_ptr + k_bytes
+            )
+            if apart and (not int_position or 0 <= position <= last_position):
+                self._flag.raise_if_set(self._flagged_message())
+                offsets, offset = (0, position) if int_position else (position.data_ptr(), 0)
+                launch.relaunch(
+                    torch_ops.current_stream(launch.device), RELAUNCH_QK, q_ptr, q_ptr, k_ptr,
+                    k_ptr, offsets, offset,
+                )  # fmt: skip
+                torch_ops.bump_versions(q, k)
+                return
+        launch = self._apply(q, k, position, inverse, decode)
+        # only device positions (or ints) may be patched: host ones are uploaded per call
+        device_position = int_position or (layout[2] is not None and layout[2][3].type == "cuda")
+        if launch is not None and device_position:
+            q_ptr, k_ptr = q.data_ptr(), 0 if k is None else k.data_ptr()
+            last_position = ROPE_PARAMS.read(launch.params, "position_limit") - q.shape[1]
+            spans = (_byte_span(q), 0 if k is None else _byte_span(k))
+            self._relaunches[key] = (launch, last_position, k_ptr - q_ptr, *spans)
         torch_ops.bump_versions(q, k)
 
     def rotated(
@@ -877,11 +899,18 @@ def apply_rope(q: Any, k: Any, rope: RoPE, position_offset: Any = 0) -> tuple[An
         >>> q_rot, _ = apply_rope(q, None, rope)
         >>> q_rot.sum().backward()
     """
-    if not torch_ops.needs_dispatcher(q, k, position_offset):
+    if torch_ops.classify(q, k, position_offset) is not torch_ops.DISPATCH:
         return rope.rotated(q, k, position_offset)
     offsets, offset = _split_position(position_offset)
     q_rot, k_rot = torch_ops.rope_qk(rope.config, q, k, offsets, offset, False, False)
     return q_rot, None if k is None else k_rot
+
+
+def _byte_span(tensor: Any) -> int:
+    """Bytes from a torch tensor's first element to just past its last."""
+    extents = zip(tensor.shape, tensor.stride(), strict=True)
+    last = sum((size - 1) * stride for size, stride in extents)
+    return (last + 1) * tensor.element_size()
 
 
 def _split_position(position: Any) -> tuple[Any, Any]:
@@ -896,7 +925,7 @@ def _split_position(position: Any) -> tuple[Any, Any]:
 
 @functools.cache
 def _seed_op(config: tuple) -> _RotaryOp:
-    scheme, numbers, rotary_dim, neox, inverse, input_layout, max_position, target = config
+    scheme, numbers, rotary_dim, neox, inverse, input_layout, max_position, target, flag = config
     if max_position:
         cls = RoPENeoxPositionIdsBwdOp if inverse else RoPENeoxPositionIdsFwdOp
     else:
@@ -904,7 +933,7 @@ def _seed_op(config: tuple) -> _RotaryOp:
     op = cls.__new__(cls)
     op._setup(
         scheme_from_args(scheme, numbers), "neox" if neox else "interleaved", input_layout,
-        target or None, rotary_dim or None, max_position or None,
+        target or None, rotary_dim or None, max_position or None, flag,
     )  # fmt: skip
     return op
 
@@ -916,12 +945,16 @@ def seed_op(config: tuple) -> _RotaryOp:
 
 @functools.cache
 def _component(config: tuple) -> RoPE:
-    scheme, numbers, rotary_dim, neox, head_dim, heads, kv_heads, max_position, target = config
-    return RoPE(
+    scheme, numbers, rotary_dim, neox, head_dim, heads, kv_heads, max_position, target, flag = (
+        config
+    )
+    twin = RoPE(
         head_dim, heads, kv_heads, scheme=scheme_from_args(scheme, numbers),
         rotary_dim=rotary_dim, rope_layout="neox" if neox else "interleaved",
         max_position=max_position or None, target=target or None,
     )  # fmt: skip
+    twin._adopt_flag(flag)
+    return twin
 
 
 def component(config: tuple) -> RoPE:

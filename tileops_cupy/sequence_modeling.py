@@ -159,17 +159,26 @@ class MHCPreFwdOp:
         _init_pre_settings(
             self, alpha_pre, alpha_post, alpha_res, sinkhorn_repeat, sinkhorn_eps, target
         )
+        self._relaunches: dict[tuple, Any] = {}  # torch layouts -> (launch, plan)
         torch_ops.register_if_torch_imported()
 
     def forward(self, phi: Array, x: Array, b: Array) -> tuple[Array, Array, Array]:
         """``(x_res, x_layer, h_post)`` for ``phi``, ``x`` and ``b``; see the class docstring."""
-        if torch_ops.needs_dispatcher(phi, x, b):
+        layout = torch_ops.classify(phi, x, b)
+        if layout is torch_ops.DISPATCH:
             _refuse_autograd(self, phi=phi, x=x, b=b)
             return torch_ops.mhc_pre(self.config, phi, x, b)
-        return self.direct(phi, x, b)
+        return self.direct(phi, x, b, layout)
 
-    def direct(self, phi: Array, x: Array, b: Array) -> tuple[Array, Array, Array]:
-        """:meth:`forward` without the torch dispatcher (what its custom op runs)."""
+    def direct(
+        self, phi: Array, x: Array, b: Array, layout: tuple | None = None
+    ) -> tuple[Array, Array, Array]:
+        """:meth:`forward` without the torch dispatcher (what its custom op runs);
+        ``layout``: ``_torch_ops.layouts(phi, x, b)`` when the caller has it."""
+        layout = layout or torch_ops.layouts(phi, x, b)
+        fast = self._relaunches.get(layout)
+        if fast is not None:  # this layout was validated and planned by an earlier call
+            return _relaunch_pre(fast, phi, x, b)
         phi_op, x_op, b_op = as_operand(phi, "phi"), as_operand(x, "x"), as_operand(b, "b")
         n, c_x = _check_pre(phi_op, x_op, b_op)
         place = select_place(self.target, {"phi": phi_op, "x": x_op, "b": b_op})
@@ -181,7 +190,9 @@ class MHCPreFwdOp:
         )
         x_res, x_layer, h_post = (empty_like(phi_op, shape, dtype) for shape, dtype in layouts)
         if batch:
-            mhc_pre(place, self._gates, phi_op, x_op, b_op, x_res, x_layer, h_post)
+            planned = mhc_pre(place, self._gates, phi_op, x_op, b_op, x_res, x_layer, h_post)
+            if planned is not None and None not in layout and x_op.last_dim_contiguous:
+                self._relaunches[layout] = planned
         return to_caller(x_res), to_caller(x_layer), to_caller(h_post)
 
     __call__ = forward
@@ -224,17 +235,31 @@ class MHCPostFwdOp:
 
     def __init__(self, *, target: str | None = None) -> None:
         self.target = check_target(target)
+        self._relaunches: dict[tuple, Any] = {}  # torch layouts -> launch
         torch_ops.register_if_torch_imported()
 
     def forward(self, x_layer_out: Array, h_post: Array, x_res: Array) -> Array:
         """``x_out`` for the layer output, the post gates and the residual; see the class."""
-        if torch_ops.needs_dispatcher(x_layer_out, h_post, x_res):
+        layout = torch_ops.classify(x_layer_out, h_post, x_res)
+        if layout is torch_ops.DISPATCH:
             _refuse_autograd(self, x_layer_out=x_layer_out, h_post=h_post, x_res=x_res)
             return torch_ops.mhc_post(self.target or "", x_layer_out, h_post, x_res)
-        return self.direct(x_layer_out, h_post, x_res)
+        return self.direct(x_layer_out, h_post, x_res, layout)
 
-    def direct(self, x_layer_out: Array, h_post: Array, x_res: Array) -> Array:
-        """:meth:`forward` without the torch dispatcher (what its custom op runs)."""
+    def direct(
+        self, x_layer_out: Array, h_post: Array, x_res: Array, layout: tuple | None = None
+    ) -> Array:
+        """:meth:`forward` without the torch dispatcher (what its custom op runs);
+        ``layout``: ``_torch_ops.layouts(...)`` of the arguments when the caller has it."""
+        layout = layout or torch_ops.layouts(x_layer_out, h_post, x_res)
+        fast = self._relaunches.get(layout)
+        if fast is not None:  # this layout was validated and planned by an earlier call
+            x_out = torch_ops.new_contiguous(x_res)
+            fast.relaunch(
+                torch_ops.current_stream(fast.device), _POST_RELAUNCH, x_layer_out.data_ptr(),
+                h_post.data_ptr(), x_res.data_ptr(), x_out.data_ptr(),
+            )  # fmt: skip
+            return x_out
         layer_op = as_operand(x_layer_out, "x_layer_out")
         gates_op = as_operand(h_post, "h_post")
         res_op = as_operand(x_res, "x_res")
@@ -244,7 +269,10 @@ class MHCPostFwdOp:
         )
         x_out = empty_like(layer_op, res_op.shape, res_op.dtype)
         if res_op.shape[0] and res_op.shape[1]:
-            mhc_post(place, layer_op, gates_op, res_op, x_out)
+            launch = mhc_post(place, layer_op, gates_op, res_op, x_out)
+            read_in_place = layer_op.last_dim_contiguous and res_op.last_dim_contiguous
+            if launch is not None and None not in layout and read_in_place:
+                self._relaunches[layout] = launch
         return to_caller(x_out)
 
     __call__ = forward
@@ -605,20 +633,24 @@ def mhc_pre(
     x_res: Operand,
     x_layer: Operand,
     h_post: Operand,
-) -> None:
-    """Fill the outputs (fresh contiguous arrays) from validated inputs, on ``place``."""
+) -> tuple[_cuda.Launch, _PrePlan] | None:
+    """Fill the outputs (fresh contiguous arrays) from validated inputs, on ``place``.
+    Returns the CUDA launch and its plan (None on the host)."""
     if place == "cpu":
         mhc_pre_host(phi.host, x.host, b.host, gates, x_res.host, x_layer.host, h_post.host)
-    else:
-        _pre_cuda(gates, phi, x, b, x_res, x_layer, h_post, stream_handle(phi))
+        return None
+    return _pre_cuda(gates, phi, x, b, x_res, x_layer, h_post, stream_handle(phi))
 
 
-def mhc_post(place: str, layer: Operand, gates: Operand, res: Operand, x_out: Operand) -> None:
-    """Fill ``x_out`` (a fresh contiguous array) from validated inputs, on ``place``."""
+def mhc_post(
+    place: str, layer: Operand, gates: Operand, res: Operand, x_out: Operand
+) -> _cuda.Launch | None:
+    """Fill ``x_out`` (a fresh contiguous array) from validated inputs, on ``place``.
+    Returns the CUDA launch (None on the host)."""
     if place == "cpu":
         mhc_post_host(layer.host, gates.host, res.host, x_out.host)
-    else:
-        _post_cuda(layer, gates, res, x_out, stream_handle(layer))
+        return None
+    return _post_cuda(layer, gates, res, x_out, stream_handle(layer))
 
 
 def mhc_pre_backward(
@@ -714,19 +746,27 @@ def _catalog():
 
 @dataclass(frozen=True, slots=True)
 class _PrePlan:
-    """Launch geometry of one (device, dtype, n, c_x, batch), computed once."""
+    """Launch geometry of one (device, dtype, n, c_x, batch), computed once: phi's
+    fragments, the projection (cooperative when fused: its blocks wait for each other, so
+    all must be resident at once), then the mix unless fused."""
 
-    pieces: Any
-    project: Any
-    apply: Any
-    pieces_grid: tuple[int, int, int]
-    project_grid: tuple[int, int, int]
-    apply_grid: tuple[int, int, int]
-    project_smem: int
+    steps: tuple[_cuda.Step, ...]
+    n: int
+    c_x: int
     k_range: int
     k_splits: int
     fuse: bool
     scratch: tuple[int, int, int, int]  # words of partials, coefficients, counters, pieces
+
+    @property
+    def scratch_layout(self) -> tuple[int, tuple[int, ...]]:
+        """(words, word offset of each scratch section) in one buffer: 256-byte sections
+        (the fragment copies are 16-byte cp.async)."""
+        offsets, words = [], 0
+        for size in self.scratch:
+            offsets.append(words)
+            words += -(-size // _SCRATCH_ALIGN_WORDS) * _SCRATCH_ALIGN_WORDS
+        return words, tuple(offsets)
 
 
 _plans: dict[tuple, _PrePlan] = {}
@@ -800,14 +840,18 @@ def _pre_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan
         raise ValueError(f"mHC pre takes batch * ceil(c_x / 8) < 2**32, got {items}")
     tiles = -(-batch // _TILE_ROWS)
     k_blocks = -(-width // _BLOCK_K)
+    threads = (_PROJECT_THREADS, 1, 1)
+    steps = (
+        _cuda.Step(_cuda.function(spec, pieces_name, device), (k_blocks, 1, 1), threads),
+        _cuda.Step(project, (tiles * k_splits, 1, 1), threads, smem, cooperative=fuse),
+    )
+    if not fuse:
+        apply = _cuda.function(spec, apply_name, device)
+        steps += (_cuda.Step(apply, (-(-items // _APPLY_THREADS), 1, 1), (_APPLY_THREADS, 1, 1)),)
     plan = _PrePlan(
-        pieces=_cuda.function(spec, pieces_name, device),
-        project=project,
-        apply=_cuda.function(spec, apply_name, device),
-        pieces_grid=(k_blocks, 1, 1),
-        project_grid=(tiles * k_splits, 1, 1),
-        apply_grid=(-(-items // _APPLY_THREADS), 1, 1),
-        project_smem=smem,
+        steps=steps,
+        n=n,
+        c_x=c_x,
         k_range=k_range,
         k_splits=k_splits,
         fuse=fuse,
@@ -829,12 +873,32 @@ def _scratch(template: Operand, plan: _PrePlan) -> tuple[int, ...]:
     from one fresh buffer of the caller's allocator: stream-ordered, graph-capturable
     (torch's allocator serves a capture from the graph's pool) and never shared between
     concurrent calls. mhc_phi_pieces zeroes the counters, so nothing needs initialising."""
-    offsets, words = [], 0
-    for size in plan.scratch:
-        offsets.append(words)
-        words += -(-size // _SCRATCH_ALIGN_WORDS) * _SCRATCH_ALIGN_WORDS
+    words, offsets = plan.scratch_layout
     buffer = empty_like(template, (words,), "float32")
     return tuple(buffer.ptr + 4 * offset for offset in offsets)
+
+
+_PRE_RELAUNCH = PRE_PARAMS.field_writer(
+    "x", "phi", "bias", "partial", "counter", "coef", "pieces", "x_res", "x_layer", "h_post"
+)
+_POST_RELAUNCH = POST_PARAMS.field_writer("x_layer_out", "h_post", "x_res", "out")
+
+
+def _relaunch_pre(planned: tuple[_cuda.Launch, _PrePlan], phi: Any, x: Any, b: Any) -> tuple:
+    """mHC pre on torch tensors whose layout an earlier call validated and planned: new
+    outputs and scratch (as :func:`_scratch`), their addresses patched into that launch."""
+    launch, plan = planned
+    batch, width = x.shape
+    x_res, x_layer = x.new_empty((batch, width)), x.new_empty((batch, plan.c_x))
+    h_post = phi.new_empty((batch, plan.n))
+    words, (partial, coef, counter, pieces) = plan.scratch_layout
+    scratch = phi.new_empty((words,)).data_ptr()
+    launch.relaunch(
+        torch_ops.current_stream(launch.device), _PRE_RELAUNCH, x.data_ptr(), phi.data_ptr(),
+        b.data_ptr(), scratch + 4 * partial, scratch + 4 * counter, scratch + 4 * coef,
+        scratch + 4 * pieces, x_res.data_ptr(), x_layer.data_ptr(), h_post.data_ptr(),
+    )  # fmt: skip
+    return x_res, x_layer, h_post
 
 
 def pre_launch_params(
@@ -876,7 +940,7 @@ def _pre_cuda(
     x_layer: Operand,
     h_post: Operand,
     stream: int,
-) -> None:
+) -> tuple[_cuda.Launch, _PrePlan]:
     if not x.last_dim_contiguous:
         x = contiguous(x)
     batch, width = x.shape
@@ -886,15 +950,7 @@ def _pre_cuda(
     plan = _pre_plan(device, x.dtype, n, c_x, batch)
     scratch = _scratch(x, plan)
     params = pre_launch_params(gates, plan, x, phi, b, x_res, x_layer, h_post, scratch)
-    threads = (_PROJECT_THREADS, 1, 1)
-    _cuda.launch(plan.pieces, device, plan.pieces_grid, threads, params, stream)
-    # fused: the blocks wait for each other, so all must be resident at once (cooperative)
-    _cuda.launch(
-        plan.project, device, plan.project_grid, threads, params, stream, plan.project_smem,
-        cooperative=plan.fuse,
-    )  # fmt: skip
-    if not plan.fuse:
-        _cuda.launch(plan.apply, device, plan.apply_grid, (_APPLY_THREADS, 1, 1), params, stream)
+    return _cuda.launch(device, params, plan.steps, stream), plan
 
 
 def post_launch_params(layer: Operand, gates: Operand, res: Operand, x_out: Operand) -> bytes:
@@ -913,7 +969,9 @@ def post_launch_params(layer: Operand, gates: Operand, res: Operand, x_out: Oper
     )  # fmt: skip
 
 
-def _post_cuda(layer: Operand, gates: Operand, res: Operand, x_out: Operand, stream: int) -> None:
+def _post_cuda(
+    layer: Operand, gates: Operand, res: Operand, x_out: Operand, stream: int
+) -> _cuda.Launch:
     if not layer.last_dim_contiguous:
         layer = contiguous(layer)
     if not res.last_dim_contiguous:
@@ -926,4 +984,5 @@ def _post_cuda(layer: Operand, gates: Operand, res: Operand, x_out: Operand, str
     kernel = _cuda.function(spec, f"mhc_post<{_CUDA_TYPES[layer.dtype]}>", layer.device)
     params = post_launch_params(layer, gates, res, x_out)
     grid = (-(-items // _POST_THREADS), 1, 1)
-    _cuda.launch(kernel, layer.device, grid, (_POST_THREADS, 1, 1), params, stream)
+    step = _cuda.Step(kernel, grid, (_POST_THREADS, 1, 1))
+    return _cuda.launch(layer.device, params, (step,), stream)
