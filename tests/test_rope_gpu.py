@@ -209,7 +209,7 @@ def test_out_of_range_ids_raise_on_device_and_later_calls_work(rng, framework, i
             with pytest.raises(ValueError, match="position_ids"):
                 op.check()
         else:  # ... or by the next call, which then launches nothing
-            _synchronize(framework)
+            _wait_for_device(framework)
             with pytest.raises(ValueError, match="position_ids"):
                 op(x, good)
         # reported once: the next calls are valid
@@ -218,7 +218,7 @@ def test_out_of_range_ids_raise_on_device_and_later_calls_work(rng, framework, i
                               "float16")  # fmt: skip
 
 
-def _synchronize(framework: str) -> None:
+def _wait_for_device(framework: str) -> None:
     if framework == "cupy":
         import cupy
 

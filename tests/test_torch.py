@@ -28,7 +28,7 @@ from tileops_cupy.rope import (
     YaRN,
     apply_rope,
 )
-from tileops_cupy.sequence_modeling import MHCPostFwdOp, MHCPreFwdOp
+from tileops_cupy.sequence_modeling import MHCPostBwdOp, MHCPostFwdOp, MHCPreBwdOp, MHCPreFwdOp
 
 REPO = Path(__file__).resolve().parents[1]
 PLACES = ("cpu", pytest.param("cuda", marks=pytest.mark.gpu))
@@ -179,7 +179,7 @@ def test_in_place_after_autograd_saved_the_tensor_makes_backward_raise(rng, plac
         z.backward()
 
 
-# --------------------------------------------------------------------------- mHC (forward only)
+# --------------------------------------------------------------------------- mHC
 
 
 def _mhc_inputs(rng, place, n=2, c_x=16, batch=3, x_dtype=torch.float32):
@@ -190,16 +190,39 @@ def _mhc_inputs(rng, place, n=2, c_x=16, batch=3, x_dtype=torch.float32):
 
 
 @pytest.mark.parametrize("place", PLACES)
-def test_mhc_refuses_autograd_until_it_has_a_backward(rng, place):
+def test_mhc_gradients_are_the_backward_ops(rng, place):
+    """loss.backward() through pre -> layer -> post gives phi, x and b the gradients the
+    MHCPreBwdOp / MHCPostBwdOp ops compute for the same upstream gradients."""
+    phi, x, b = _mhc_inputs(rng, place, n=4, c_x=32, batch=5)
+    alphas, repeat = (0.8, 1.1, 0.9), 6
+    pre, post = MHCPreFwdOp(*alphas, repeat), MHCPostFwdOp()
+    leaves = [t.clone().requires_grad_() for t in (phi, x, b)]
+    x_res, x_layer, h_post = pre(*leaves)
+    assert all(t.grad_fn is not None for t in (x_res, x_layer, h_post))
+    layer_out = x_layer * 2  # a layer whose gradient (2 g) is exact in any order
+    x_out = post(layer_out, h_post, x_res)
+    weights = _randn(rng, x_out.shape, place).float()
+    (x_out * weights).sum().backward()
+
+    g_layer, g_h_post, g_x_res = MHCPostBwdOp()(layer_out.detach(), h_post.detach(),
+                                                x_res.detach(), weights)  # fmt: skip
+    g_x_layer = g_layer * 2
+    expected = MHCPreBwdOp(*alphas, repeat)(phi, x, b, g_x_res, g_x_layer, g_h_post)
+    for leaf, grad in zip(leaves, expected[:3], strict=True):
+        _assert_same(leaf.grad, grad)
+
+
+@pytest.mark.parametrize("place", PLACES)
+def test_mhc_unused_outputs_take_zero_gradients(rng, place):
     phi, x, b = _mhc_inputs(rng, place)
-    pre, post = MHCPreFwdOp(1.0, 1.0, 1.0, 4), MHCPostFwdOp()
-    with pytest.raises(NotImplementedError, match="x requires grad"):
-        pre(phi, x.requires_grad_(), b)
-    x_res, x_layer, h_post = pre(phi, x.detach(), b)
-    with pytest.raises(NotImplementedError, match="x_layer_out requires grad"):
-        post(x_layer.requires_grad_(), h_post, x_res)
-    with torch.no_grad():
-        pre(phi, x, b)
+    x = x.requires_grad_()
+    pre = MHCPreFwdOp(1.0, 1.0, 1.0, 4)
+    x_res, _, _ = pre(phi, x, b)  # x_layer and h_post unused
+    x_res.sum().backward()
+    zeros = [torch.zeros(s, device=place) for s in ((3, 32), (3, 16), (3, 2))]
+    ones = torch.ones_like(x_res)
+    expected = MHCPreBwdOp(1.0, 1.0, 1.0, 4)(phi, x.detach(), b, ones, zeros[1], zeros[2])
+    _assert_same(x.grad, expected[1])
 
 
 # --------------------------------------------------------------------------- torch.compile
@@ -345,7 +368,14 @@ def test_mhc_ops_compile(rng, place):
         for batch in (3, 6, 9):
             phi, x, b = _mhc_inputs(rng, place, batch=batch)
             torch.testing.assert_close(compiled(phi, x, b), block(phi, x, b))
-            counter.first_call_done()
+            # forward and backward: the same gradients as eager
+            leaves = [t.clone().requires_grad_() for t in (phi, x, b)]
+            eager_leaves = [t.clone().requires_grad_() for t in (phi, x, b)]
+            compiled(*leaves).square().sum().backward()
+            block(*eager_leaves).square().sum().backward()
+            for leaf, eager in zip(leaves, eager_leaves, strict=True):
+                torch.testing.assert_close(leaf.grad, eager.grad)
+            counter.first_call_done()  # one graph without grad, one with: then no more
         counter.assert_no_recompile()
 
 

@@ -176,6 +176,15 @@ class Step:
     shared_mem: int = 0
     cooperative: bool = False
 
+    def run(self, stream: int, parameter_pointers: int) -> None:
+        driver = cupy().cuda.driver
+        start = driver.launchCooperativeKernel if self.cooperative else driver.launchKernel
+        extra = () if self.cooperative else (0,)
+        start(
+            self.kernel.ptr, *self.grid, *self.block, self.shared_mem, stream,
+            parameter_pointers, *extra,
+        )  # fmt: skip
+
 
 @dataclass(frozen=True, slots=True)
 class Launch:
@@ -224,8 +233,7 @@ def launch_packed(
 
 def _launch_buffer(done: Launch, stream: int, state: _ThreadLaunchState) -> None:
     """Run ``done``'s steps with the parameters now in ``state``'s buffer."""
-    cuda = cupy().cuda
-    runtime = cuda.runtime
+    runtime = cupy().cuda.runtime
     device = done.device
     previous = runtime.getDevice()
     if device not in state.devices:
@@ -235,17 +243,9 @@ def _launch_buffer(done: Launch, stream: int, state: _ThreadLaunchState) -> None
     elif previous != device:
         runtime.setDevice(device)
     try:
-        driver, pointers = cuda.driver, state.pointers_address
+        pointers = state.pointers_address
         for step in done.steps:
-            grid, block = step.grid, step.block
-            if step.cooperative:
-                driver.launchCooperativeKernel(
-                    step.kernel.ptr, *grid, *block, step.shared_mem, stream, pointers
-                )
-            else:
-                driver.launchKernel(
-                    step.kernel.ptr, *grid, *block, step.shared_mem, stream, pointers, 0
-                )
+            step.run(stream, pointers)
     finally:
         if previous != device:
             runtime.setDevice(previous)

@@ -55,6 +55,14 @@ SCHEMAS = {
     ),
     "mhc_pre": f"(Tensor phi, Tensor x, Tensor b, {_MHC_PRE_CONFIG}) -> (Tensor, Tensor, Tensor)",
     "mhc_post": "(Tensor x_layer_out, Tensor h_post, Tensor x_res, str target) -> Tensor",
+    "mhc_pre_bwd": (
+        "(Tensor phi, Tensor x, Tensor b, Tensor grad_x_res, Tensor grad_x_layer, "
+        f"Tensor grad_h_post, {_MHC_PRE_CONFIG}) -> (Tensor, Tensor, Tensor, Tensor)"
+    ),
+    "mhc_post_bwd": (
+        "(Tensor x_layer_out, Tensor h_post, Tensor x_res, Tensor grad_x_out, str target) "
+        "-> (Tensor, Tensor, Tensor)"
+    ),
 }
 
 _registered = False
@@ -65,64 +73,101 @@ _lock = threading.Lock()
 
 DISPATCH = "dispatch"
 
+# torch's per-call entry points, bound once torch is imported: attribute chains such as
+# torch._C._len_torch_dispatch_stack cost a visible share of a decode call
+_Tensor: Any = None
+_is_compiling: Any = None
+_dispatch_depth: Any = None
+_grad_enabled: Any = None
+_increment_version: Any = None
+_raw_stream: Any = None
+_empty_like: Any = None
+_contiguous_format: Any = None
+
+
+def _bind(torch: Any) -> None:
+    global _Tensor, _is_compiling, _dispatch_depth, _grad_enabled, _increment_version
+    global _raw_stream, _empty_like, _contiguous_format
+    _is_compiling, _dispatch_depth = torch.compiler.is_compiling, torch._C._len_torch_dispatch_stack
+    _grad_enabled, _increment_version = torch.is_grad_enabled, torch._C._increment_version
+    _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # CUDA builds only
+    _empty_like, _contiguous_format = torch.empty_like, torch.contiguous_format
+    _Tensor = torch.Tensor  # last: the others are bound once this is
+
+
+def _torch_bound() -> bool:
+    if _Tensor is None:
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return False
+        _bind(torch)
+    return True
+
 
 def classify(*args: Any) -> Any:
     """How a call on ``args`` runs: :data:`DISPATCH` when the torch dispatcher must see it
     (some argument is a torch tensor and autograd must record the call, or a tracer such as
-    Dynamo, export or a dispatch mode watches it); otherwise :func:`layouts` of the
-    arguments, for the direct path. One pass over the arguments: this runs on every call."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return (None,) * len(args)
-    tensor = torch.Tensor
-    tracing = torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
-    if tracing and any(isinstance(arg, tensor) for arg in args):
+    Dynamo, export, a dispatch mode or a tensor subclass watches it); otherwise
+    :func:`layouts` of the arguments, for the direct path. One pass: this runs every call."""
+    if not _torch_bound():
+        return (None,) * len(args), (0,) * len(args)
+    tensor = _Tensor
+    if (_is_compiling() or _dispatch_depth()) and any(isinstance(arg, tensor) for arg in args):
         ensure_registered()
         return DISPATCH
-    grad = torch.is_grad_enabled()
-    keys = []
+    grad = _grad_enabled()
+    keys, pointers = [], []
     for arg in args:
-        if not isinstance(arg, tensor):
-            keys.append(None)
-        elif type(arg) is not tensor or (grad and arg.requires_grad):  # a subclass: FakeTensor..
+        if type(arg) is tensor:
+            if grad and arg.requires_grad:
+                ensure_registered()
+                return DISPATCH
+            pointer = arg.data_ptr()
+            keys.append((arg.shape, arg.stride(), arg.dtype, arg.device, pointer & 15))
+            pointers.append(pointer)
+        elif isinstance(arg, tensor):  # a subclass: FakeTensor, functional, Parameter...
             ensure_registered()
             return DISPATCH
         else:
-            keys.append((arg.shape, arg.stride(), arg.dtype, arg.device, arg.data_ptr() & 15))
-    return tuple(keys)
+            keys.append(None)
+            pointers.append(0)
+    return tuple(keys), pointers
 
 
 def is_compiling() -> bool:
     """True while Dynamo traces the caller."""
-    torch = sys.modules.get("torch")
-    return torch is not None and torch.compiler.is_compiling()
+    return _torch_bound() and _is_compiling()
 
 
-def layouts(*args: Any) -> tuple:
-    """Per argument, the layout key of a plain torch tensor (shape, strides, dtype, device,
-    address mod 16), None for anything else. An op remembers, per key of its arguments, the
-    launch its first call made; a later call with equal keys was validated and planned by
-    that call and only patches addresses into the launch (:meth:`_cuda.Launch.relaunch`)."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return (None,) * len(args)
-    return tuple(
-        (arg.shape, arg.stride(), arg.dtype, arg.device, arg.data_ptr() & 15)
-        if type(arg) is torch.Tensor
-        else None
-        for arg in args
-    )
+def layouts(*args: Any) -> tuple[tuple, list[int]]:
+    """``(keys, addresses)``: per argument, the layout key of a plain torch tensor (shape,
+    strides, dtype, device, address mod 16; None for anything else) and its address (0).
+
+    An op remembers, per keys of its arguments, the launch its first call made; a later
+    call with equal keys was validated and planned by that call and only patches the
+    addresses into the launch (:meth:`_cuda.Launch.relaunch`)."""
+    if not _torch_bound():
+        return (None,) * len(args), [0] * len(args)
+    keys, pointers = [], []
+    for arg in args:
+        if type(arg) is _Tensor:
+            pointer = arg.data_ptr()
+            keys.append((arg.shape, arg.stride(), arg.dtype, arg.device, pointer & 15))
+            pointers.append(pointer)
+        else:
+            keys.append(None)
+            pointers.append(0)
+    return tuple(keys), pointers
 
 
 def current_stream(device: int) -> int:
     """torch's current raw stream on ``device``."""
-    return sys.modules["torch"]._C._cuda_getCurrentRawStream(device)
+    return _raw_stream(device)
 
 
 def new_contiguous(tensor: Any) -> Any:
     """A fresh contiguous tensor of ``tensor``'s shape, dtype and device."""
-    torch = sys.modules["torch"]
-    return torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    return _empty_like(tensor, memory_format=_contiguous_format)
 
 
 def requires_grad(*tensors: Any) -> bool:
@@ -136,11 +181,10 @@ def requires_grad(*tensors: Any) -> bool:
 def bump_versions(*tensors: Any) -> None:
     """Tell autograd that the direct path wrote into these (torch) tensors in place, so a
     tensor saved for backward before the write makes that backward raise."""
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        written = [t for t in tensors if isinstance(t, torch.Tensor)]
+    if _torch_bound():
+        written = [t for t in tensors if isinstance(t, _Tensor)]
         if written:
-            torch._C._increment_version(written)
+            _increment_version(written)
 
 
 def register_if_torch_imported() -> None:
@@ -185,6 +229,18 @@ def mhc_post(target: str, x_layer_out: Any, h_post: Any, x_res: Any) -> Any:
     import torch
 
     return torch.ops.tileops_cupy.mhc_post(x_layer_out, h_post, x_res, target)
+
+
+def mhc_pre_bwd(config: tuple, *tensors: Any) -> Any:
+    import torch
+
+    return torch.ops.tileops_cupy.mhc_pre_bwd(*tensors, *config)
+
+
+def mhc_post_bwd(target: str, *tensors: Any) -> Any:
+    import torch
+
+    return torch.ops.tileops_cupy.mhc_post_bwd(*tensors, target)
 
 
 # --------------------------------------------------------------------------- implementations
@@ -270,6 +326,24 @@ def _mhc_pre_fake(phi, x, b, *config):
     )
 
 
+def _mhc_pre_setup(ctx, inputs, output):
+    phi, x, b, *config = inputs
+    ctx.save_for_backward(phi, x, b)
+    ctx.config = tuple(config)
+
+
+def _mhc_pre_backward(ctx, grad_x_res, grad_x_layer, grad_h_post):
+    # an output autograd did not reach has no gradient: zeros of its layout
+    phi, x, b = ctx.saved_tensors
+    outputs = _mhc_pre_fake(phi, x, b, *ctx.config)
+    upstream = [
+        output.zero_() if grad is None else grad.contiguous()
+        for grad, output in zip((grad_x_res, grad_x_layer, grad_h_post), outputs, strict=True)
+    ]
+    grad_phi, grad_x, grad_b, _ = mhc_pre_bwd(ctx.config, phi, x, b, *upstream)
+    return (grad_phi, grad_x, grad_b, *(None,) * len(ctx.config))
+
+
 def _mhc_post_impl(x_layer_out, h_post, x_res, target):
     from .sequence_modeling import post_op
 
@@ -280,14 +354,47 @@ def _mhc_post_fake(x_layer_out, h_post, x_res, target):
     return x_res.new_empty(x_res.shape)
 
 
+def _mhc_post_setup(ctx, inputs, output):
+    *tensors, ctx.target = inputs
+    ctx.save_for_backward(*tensors)
+
+
+def _mhc_post_backward(ctx, grad_x_out):
+    grads = mhc_post_bwd(ctx.target, *ctx.saved_tensors, grad_x_out.contiguous())
+    return (*grads, None)
+
+
+def _mhc_pre_bwd_impl(phi, x, b, grad_x_res, grad_x_layer, grad_h_post, *config):
+    from .sequence_modeling import pre_backward_op
+
+    return pre_backward_op(config).direct(phi, x, b, grad_x_res, grad_x_layer, grad_h_post)
+
+
+def _mhc_pre_bwd_fake(phi, x, b, grad_x_res, grad_x_layer, grad_h_post, *config):
+    return phi.new_empty(phi.shape), x.new_empty(x.shape), b.new_empty(b.shape), b.new_empty(3)
+
+
+def _mhc_post_bwd_impl(x_layer_out, h_post, x_res, grad_x_out, target):
+    from .sequence_modeling import post_backward_op
+
+    return post_backward_op(target).direct(x_layer_out, h_post, x_res, grad_x_out)
+
+
+def _mhc_post_bwd_fake(x_layer_out, h_post, x_res, grad_x_out, target):
+    layer, gates, residual = (t.new_empty(t.shape) for t in (x_layer_out, h_post, x_res))
+    return layer, gates, residual
+
+
 # --------------------------------------------------------------------------- registration
 
 _IMPLEMENTATIONS = {
     "rope": (_rope_impl, _rope_fake, (), (_rope_backward, _rope_setup)),
     "rope_qk": (_rope_qk_impl, _rope_qk_fake, (), (_rope_qk_backward, _rope_qk_setup)),
     "rope_qk_": (_rope_qk__impl, _rope_qk__fake, ("q", "k"), None),
-    "mhc_pre": (_mhc_pre_impl, _mhc_pre_fake, (), None),
-    "mhc_post": (_mhc_post_impl, _mhc_post_fake, (), None),
+    "mhc_pre": (_mhc_pre_impl, _mhc_pre_fake, (), (_mhc_pre_backward, _mhc_pre_setup)),
+    "mhc_post": (_mhc_post_impl, _mhc_post_fake, (), (_mhc_post_backward, _mhc_post_setup)),
+    "mhc_pre_bwd": (_mhc_pre_bwd_impl, _mhc_pre_bwd_fake, (), None),
+    "mhc_post_bwd": (_mhc_post_bwd_impl, _mhc_post_bwd_fake, (), None),
 }
 
 

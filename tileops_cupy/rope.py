@@ -185,12 +185,12 @@ class _RotaryOp:
     def direct(self, x: Any, position_ids: Any = None, layout: tuple | None = None) -> Any:
         """:meth:`forward` without the torch dispatcher (what the custom op runs);
         ``layout``: ``_torch_ops.layouts(x)`` when the caller has it."""
-        layout = layout or torch_ops.layouts(x)
-        fast = self._relaunches.get(layout)
+        keys, (x_ptr,) = layout or torch_ops.layouts(x)
+        fast = self._relaunches.get(keys)
         if fast is not None:  # this layout was validated and planned by an earlier call
             result = torch_ops.new_contiguous(x)
             stream = torch_ops.current_stream(fast.device)
-            fast.relaunch(stream, RELAUNCH_X, x.data_ptr(), result.data_ptr())
+            fast.relaunch(stream, RELAUNCH_X, x_ptr, result.data_ptr())
             return result
         source = _float_operand(x, "x")
         rows = self._rows(source, "x")
@@ -200,8 +200,8 @@ class _RotaryOp:
             raise ValueError(f"x has {seq} positions; at most 2**24 are supported")
         positions = Positions(limit=max(seq, 1), cover=max(seq, 1))
         result, launch = self._run(source, rows, positions)
-        if launch is not None and layout[0] is not None and source.obj is x:
-            self._relaunches[layout] = launch
+        if launch is not None and keys[0] is not None and source.obj is x:
+            self._relaunches[keys] = launch
         return to_caller(result)
 
     def _run(
@@ -435,14 +435,12 @@ class RoPENeoxPositionIdsFwdOp(_RotaryOp):
 
     def direct(self, x: Any, position_ids: Any = None, layout: tuple | None = None) -> Any:
         self._flag.raise_if_set(self._flagged_message())
-        layout = layout or torch_ops.layouts(x, position_ids)
-        fast = self._relaunches.get(layout)
+        keys, (x_ptr, ids_ptr) = layout or torch_ops.layouts(x, position_ids)
+        fast = self._relaunches.get(keys)
         if fast is not None:  # this layout was validated and planned by an earlier call
             result = torch_ops.new_contiguous(x)
-            fast.relaunch(
-                torch_ops.current_stream(fast.device), RELAUNCH_IDS, x.data_ptr(),
-                result.data_ptr(), position_ids.data_ptr(),
-            )  # fmt: skip
+            stream = torch_ops.current_stream(fast.device)
+            fast.relaunch(stream, RELAUNCH_IDS, x_ptr, result.data_ptr(), ids_ptr)
             return result
         source = _float_operand(x, "x")
         if source.ndim != 3:
@@ -465,9 +463,9 @@ class RoPENeoxPositionIdsFwdOp(_RotaryOp):
         # device ids are bounded by the kernel (clamped, flagged): no sync, capturable
         positions = Positions(ids=ids, limit=self.max_position, cover=self.max_position)
         result, launch = self._run(source, rows, positions, self._flag)
-        recorded = launch is not None and None not in layout
+        recorded = launch is not None and None not in keys
         if recorded and source.obj is x and ids.obj is position_ids:  # nothing was copied
-            self._relaunches[layout] = launch
+            self._relaunches[keys] = launch
         return to_caller(result)
 
     def __repr__(self) -> str:
@@ -726,14 +724,12 @@ class RoPE:
         A call whose torch layouts (q, k, the position's kind, the direction) an earlier
         call validated and planned re-runs that launch with the new addresses and offset:
         at decode sizes the bookkeeping would otherwise cost more than the kernel."""
-        layout = layout or torch_ops.layouts(q, k, position)
-        int_position = isinstance(position, int) and not isinstance(position, bool)
-        key = (*layout, inverse, decode, int_position)
+        keys, (q_ptr, k_ptr, offsets_ptr) = layout or torch_ops.layouts(q, k, position)
+        int_position = type(position) is int
+        key = (keys, inverse, decode, int_position)
         fast = self._relaunches.get(key)
-        q_ptr = k_ptr = 0
         if fast is not None:
             launch, last_position, k_gap, q_bytes, k_bytes = fast
-            q_ptr, k_ptr = q.data_ptr(), 0 if k is None else k.data_ptr()
             # the first call checked q and k disjoint at this distance; at another they must
             # lie apart, and an int offset must stay within what the launch's table holds
             apart = (
@@ -744,18 +740,17 @@ class RoPE:
             )
             if apart and (not int_position or 0 <= position <= last_position):
                 self._flag.raise_if_set(self._flagged_message())
-                offsets, offset = (0, position) if int_position else (position.data_ptr(), 0)
                 launch.relaunch(
                     torch_ops.current_stream(launch.device), RELAUNCH_QK, q_ptr, q_ptr, k_ptr,
-                    k_ptr, offsets, offset,
+                    k_ptr, offsets_ptr, position if int_position else 0,
                 )  # fmt: skip
                 torch_ops.bump_versions(q, k)
                 return
         launch = self._apply(q, k, position, inverse, decode)
-        # only device positions (or ints) may be patched: host ones are uploaded per call
-        device_position = int_position or (layout[2] is not None and layout[2][3].type == "cuda")
-        if launch is not None and device_position:
-            q_ptr, k_ptr = q.data_ptr(), 0 if k is None else k.data_ptr()
+        # torch q (and k) only; device positions or ints: host ones are uploaded per call
+        device_position = int_position or (keys[2] is not None and keys[2][3].type == "cuda")
+        torch_operands = keys[0] is not None and (k is None or keys[1] is not None)
+        if launch is not None and torch_operands and device_position:
             last_position = ROPE_PARAMS.read(launch.params, "position_limit") - q.shape[1]
             spans = (_byte_span(q), 0 if k is None else _byte_span(k))
             self._relaunches[key] = (launch, last_position, k_ptr - q_ptr, *spans)

@@ -165,8 +165,7 @@ class MHCPreFwdOp:
     def forward(self, phi: Array, x: Array, b: Array) -> tuple[Array, Array, Array]:
         """``(x_res, x_layer, h_post)`` for ``phi``, ``x`` and ``b``; see the class docstring."""
         layout = torch_ops.classify(phi, x, b)
-        if layout is torch_ops.DISPATCH:
-            _refuse_autograd(self, phi=phi, x=x, b=b)
+        if layout is torch_ops.DISPATCH:  # autograd's backward: MHCPreBwdOp
             return torch_ops.mhc_pre(self.config, phi, x, b)
         return self.direct(phi, x, b, layout)
 
@@ -175,10 +174,10 @@ class MHCPreFwdOp:
     ) -> tuple[Array, Array, Array]:
         """:meth:`forward` without the torch dispatcher (what its custom op runs);
         ``layout``: ``_torch_ops.layouts(phi, x, b)`` when the caller has it."""
-        layout = layout or torch_ops.layouts(phi, x, b)
-        fast = self._relaunches.get(layout)
+        keys, pointers = layout or torch_ops.layouts(phi, x, b)
+        fast = self._relaunches.get(keys)
         if fast is not None:  # this layout was validated and planned by an earlier call
-            return _relaunch_pre(fast, phi, x, b)
+            return _relaunch_pre(fast, phi, x, pointers)
         phi_op, x_op, b_op = as_operand(phi, "phi"), as_operand(x, "x"), as_operand(b, "b")
         n, c_x = _check_pre(phi_op, x_op, b_op)
         place = select_place(self.target, {"phi": phi_op, "x": x_op, "b": b_op})
@@ -191,8 +190,8 @@ class MHCPreFwdOp:
         x_res, x_layer, h_post = (empty_like(phi_op, shape, dtype) for shape, dtype in layouts)
         if batch:
             planned = mhc_pre(place, self._gates, phi_op, x_op, b_op, x_res, x_layer, h_post)
-            if planned is not None and None not in layout and x_op.last_dim_contiguous:
-                self._relaunches[layout] = planned
+            if planned is not None and None not in keys and x_op.last_dim_contiguous:
+                self._relaunches[keys] = planned
         return to_caller(x_res), to_caller(x_layer), to_caller(h_post)
 
     __call__ = forward
@@ -241,8 +240,7 @@ class MHCPostFwdOp:
     def forward(self, x_layer_out: Array, h_post: Array, x_res: Array) -> Array:
         """``x_out`` for the layer output, the post gates and the residual; see the class."""
         layout = torch_ops.classify(x_layer_out, h_post, x_res)
-        if layout is torch_ops.DISPATCH:
-            _refuse_autograd(self, x_layer_out=x_layer_out, h_post=h_post, x_res=x_res)
+        if layout is torch_ops.DISPATCH:  # autograd's backward: MHCPostBwdOp
             return torch_ops.mhc_post(self.target or "", x_layer_out, h_post, x_res)
         return self.direct(x_layer_out, h_post, x_res, layout)
 
@@ -251,14 +249,12 @@ class MHCPostFwdOp:
     ) -> Array:
         """:meth:`forward` without the torch dispatcher (what its custom op runs);
         ``layout``: ``_torch_ops.layouts(...)`` of the arguments when the caller has it."""
-        layout = layout or torch_ops.layouts(x_layer_out, h_post, x_res)
-        fast = self._relaunches.get(layout)
+        keys, pointers = layout or torch_ops.layouts(x_layer_out, h_post, x_res)
+        fast = self._relaunches.get(keys)
         if fast is not None:  # this layout was validated and planned by an earlier call
             x_out = torch_ops.new_contiguous(x_res)
-            fast.relaunch(
-                torch_ops.current_stream(fast.device), _POST_RELAUNCH, x_layer_out.data_ptr(),
-                h_post.data_ptr(), x_res.data_ptr(), x_out.data_ptr(),
-            )  # fmt: skip
+            stream = torch_ops.current_stream(fast.device)
+            fast.relaunch(stream, _POST_RELAUNCH, *pointers, x_out.data_ptr())
             return x_out
         layer_op = as_operand(x_layer_out, "x_layer_out")
         gates_op = as_operand(h_post, "h_post")
@@ -271,8 +267,8 @@ class MHCPostFwdOp:
         if res_op.shape[0] and res_op.shape[1]:
             launch = mhc_post(place, layer_op, gates_op, res_op, x_out)
             read_in_place = layer_op.last_dim_contiguous and res_op.last_dim_contiguous
-            if launch is not None and None not in layout and read_in_place:
-                self._relaunches[layout] = launch
+            if launch is not None and None not in keys and read_in_place:
+                self._relaunches[keys] = launch
         return to_caller(x_out)
 
     __call__ = forward
@@ -346,7 +342,10 @@ class MHCPreBwdOp:
         grad_h_post: Array,
     ) -> tuple[Array, Array, Array, Array]:  # fmt: skip
         """``(grad_phi, grad_x, grad_b, grad_alpha)``; see the class docstring."""
-        return self.direct(phi, x, b, grad_x_res, grad_x_layer, grad_h_post)
+        upstream = (grad_x_res, grad_x_layer, grad_h_post)
+        if torch_ops.classify(phi, x, b, *upstream) is torch_ops.DISPATCH:
+            return torch_ops.mhc_pre_bwd(self.config, phi, x, b, *upstream)
+        return self.direct(phi, x, b, *upstream)
 
     def direct(
         self, phi: Array, x: Array, b: Array, grad_x_res: Array, grad_x_layer: Array,
@@ -432,7 +431,10 @@ class MHCPostBwdOp:
         self, x_layer_out: Array, h_post: Array, x_res: Array, grad_x_out: Array
     ) -> tuple[Array, Array, Array]:
         """``(grad_x_layer_out, grad_h_post, grad_x_res)``; see the class docstring."""
-        return self.direct(x_layer_out, h_post, x_res, grad_x_out)
+        tensors = (x_layer_out, h_post, x_res, grad_x_out)
+        if torch_ops.classify(*tensors) is torch_ops.DISPATCH:
+            return torch_ops.mhc_post_bwd(self.target or "", *tensors)
+        return self.direct(*tensors)
 
     def direct(
         self, x_layer_out: Array, h_post: Array, x_res: Array, grad_x_out: Array
@@ -462,18 +464,6 @@ class MHCPostBwdOp:
     __repr__ = MHCPostFwdOp.__repr__
 
 
-def _refuse_autograd(op: Any, **tensors: Any) -> None:
-    """The mHC backward kernels do not exist yet: refuse a call autograd would record,
-    rather than hand back outputs whose gradients silently stop here."""
-    names = [name for name, tensor in tensors.items() if torch_ops.requires_grad(tensor)]
-    if names:
-        raise NotImplementedError(
-            f"{type(op).__name__} has no backward yet, and {', '.join(names)} "
-            f"require{'s' if len(names) == 1 else ''} grad: call it under torch.no_grad() "
-            "or on detached tensors"
-        )
-
-
 @functools.cache
 def _pre_op(config: tuple) -> MHCPreFwdOp:
     *numbers, target = config
@@ -489,6 +479,23 @@ def pre_op(config: tuple) -> MHCPreFwdOp:
 def post_op(target: str) -> MHCPostFwdOp:
     """The MHCPostFwdOp of one target ("" for None), built once."""
     return MHCPostFwdOp(target=target or None)
+
+
+@functools.cache
+def _pre_backward_op(config: tuple) -> MHCPreBwdOp:
+    *numbers, target = config
+    return MHCPreBwdOp(*numbers, target=target or None)
+
+
+def pre_backward_op(config: tuple) -> MHCPreBwdOp:
+    """The MHCPreBwdOp a torch custom op's configuration describes (built once)."""
+    return _pre_backward_op(tuple(config))
+
+
+@functools.cache
+def post_backward_op(target: str) -> MHCPostBwdOp:
+    """The MHCPostBwdOp of one target ("" for None), built once."""
+    return MHCPostBwdOp(target=target or None)
 
 
 # --------------------------------------------------------------------------- validation
@@ -884,18 +891,22 @@ _PRE_RELAUNCH = PRE_PARAMS.field_writer(
 _POST_RELAUNCH = POST_PARAMS.field_writer("x_layer_out", "h_post", "x_res", "out")
 
 
-def _relaunch_pre(planned: tuple[_cuda.Launch, _PrePlan], phi: Any, x: Any, b: Any) -> tuple:
-    """mHC pre on torch tensors whose layout an earlier call validated and planned: new
-    outputs and scratch (as :func:`_scratch`), their addresses patched into that launch."""
+def _relaunch_pre(
+    planned: tuple[_cuda.Launch, _PrePlan], phi: Any, x: Any, pointers: list[int]
+) -> tuple:
+    """mHC pre on torch tensors whose layout an earlier call validated and planned (phi,
+    x and b at ``pointers``): new outputs and scratch (as :func:`_scratch`), their
+    addresses patched into that launch."""
     launch, plan = planned
+    phi_ptr, x_ptr, b_ptr = pointers
     batch, width = x.shape
     x_res, x_layer = x.new_empty((batch, width)), x.new_empty((batch, plan.c_x))
     h_post = phi.new_empty((batch, plan.n))
     words, (partial, coef, counter, pieces) = plan.scratch_layout
     scratch = phi.new_empty((words,)).data_ptr()
     launch.relaunch(
-        torch_ops.current_stream(launch.device), _PRE_RELAUNCH, x.data_ptr(), phi.data_ptr(),
-        b.data_ptr(), scratch + 4 * partial, scratch + 4 * counter, scratch + 4 * coef,
+        torch_ops.current_stream(launch.device), _PRE_RELAUNCH, x_ptr, phi_ptr, b_ptr,
+        scratch + 4 * partial, scratch + 4 * counter, scratch + 4 * coef,
         scratch + 4 * pieces, x_res.data_ptr(), x_layer.data_ptr(), h_post.data_ptr(),
     )  # fmt: skip
     return x_res, x_layer, h_post
