@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from tileops_cupy import bench
-from tileops_cupy._arrays import as_operand, check_in_place, overlapping, self_overlapping
+from tileops_cupy._arrays import as_operand, overlapping, self_overlapping
+from tileops_cupy._validate import check_in_place
 from tileops_cupy.rope import (
     LongRoPEFwdOp,
     RoPE,

@@ -450,7 +450,7 @@ def test_pre_backward_constructor_is_the_forward_one():
         ((1, 1, 1, 2.5), TypeError, "sinkhorn_repeat must be an int"),
         ((1, 1, 1, 3, -0.1), ValueError, "sinkhorn_eps must be >= 0"),
         ((1, 1, float("nan"), 3), ValueError, "alpha_res must be finite"),
-        (("one", 1, 1, 3), TypeError, "alpha_pre must be a real number"),
+        (("one", 1, 1, 3), TypeError, "alpha_pre must be a number"),
     ):
         for op_class in (MHCPreFwdOp, MHCPreBwdOp):
             with pytest.raises(error, match=message):

@@ -265,36 +265,6 @@ def overlapping(a: Operand, b: Operand) -> bool:
     )  # fmt: skip
 
 
-def check_in_place(operands: dict[str, Operand]) -> None:
-    """Refuse, before anything is written, operands that an in-place call cannot write
-    each element of exactly once: read-only memory, an operand that addresses an element
-    twice (:func:`self_overlapping`), or two operands that share memory
-    (:func:`overlapping`). Raises ValueError naming the argument(s)."""
-    items = list(operands.items())
-    for name, operand in items:
-        if operand.host is not None and not operand.host.flags.writeable:
-            raise ValueError(
-                f"{name} is read-only (a {operand.framework} array with writeable=False); "
-                "expected writable memory, since this call writes into it"
-            )
-        if self_overlapping(operand):
-            raise ValueError(
-                f"{name} addresses some elements more than once (shape {operand.shape}, "
-                f"element strides {operand.strides}: e.g. an expanded dim of stride 0); "
-                "expected each element stored once, since this call writes into it: pass "
-                "a copy (.contiguous(), numpy.ascontiguousarray)"
-            )
-    for i, (name_a, a) in enumerate(items):
-        for name_b, b in items[i + 1 :]:
-            if overlapping(a, b):
-                raise ValueError(
-                    f"{name_a} and {name_b} overlap in memory ({name_a}: shape {a.shape}, "
-                    f"strides {a.strides}; {name_b}: shape {b.shape}, strides {b.strides}); "
-                    "expected disjoint memory, since this call writes into both (e.g. "
-                    "disjoint slices of one fused QKV buffer)"
-                )
-
-
 # --------------------------------------------------------------------------- outputs
 
 
@@ -463,13 +433,6 @@ BUILTIN = "builtin"
 """``target=BUILTIN``: this package's own kernels, placed where the data lives (as None)."""
 
 TARGETS = (None, BUILTIN, "cuda", "cpu")
-
-
-def check_target(target: Any) -> str | None:
-    """Validate an op's ``target`` argument at construction."""
-    if target not in TARGETS:
-        raise ValueError(f"target must be None, BUILTIN, 'cuda' or 'cpu', got {target!r}")
-    return target
 
 
 def select_place(target: str | None, operands: dict[str, Operand]) -> str:

@@ -23,11 +23,11 @@ from typing import Any
 import numpy as np
 
 from ._arrays import cupy
+from ._validate import MAX_POSITIONS
 from .schemes import Scheme
 
 FINE_BITS = 10
 FINE_ROWS = 1 << FINE_BITS
-MAX_POSITIONS = 1 << 24  # the accuracy contract is stated for positions below 2**24
 _MIN_COARSE_ROWS = 8  # 8k positions on first use
 
 

@@ -26,11 +26,8 @@ import numpy as np
 from . import _torch_ops as torch_ops
 from ._arrays import (
     BUILTIN,
-    FLOAT_DTYPES,
     Operand,
     as_operand,
-    check_in_place,
-    check_target,
     contiguous,
     contiguous_strides,
     empty_like,
@@ -39,7 +36,19 @@ from ._arrays import (
     upload,
 )
 from ._rotate import ROPE_PARAMS, HeadRows, Positions, error_flag, rotate
-from ._tables import MAX_POSITIONS, shared_table, table_bytes, table_cache_info
+from ._tables import shared_table, table_bytes, table_cache_info
+from ._validate import (
+    MAX_POSITIONS,
+    check_choice,
+    check_float_operand,
+    check_head_dim_rotary_dim,
+    check_host_positions,
+    check_in_place,
+    check_max_position,
+    check_positive_int,
+    check_rotary_dim,
+    check_target,
+)
 from .schemes import Llama31, LongRoPE, Scheme, Standard, YaRN, scheme_args, scheme_from_args
 
 __all__ = [
@@ -73,54 +82,6 @@ RELAUNCH_QK = ROPE_PARAMS.field_writer(
 INPUT_LAYOUTS = ("1d", "2d")
 
 
-# --------------------------------------------------------------------------- shared checks
-
-
-def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
-    return value
-
-
-def _check_rotary_dim(rotary_dim: int | None) -> int | None:
-    if rotary_dim is not None and (
-        not isinstance(rotary_dim, (int, np.integer)) or rotary_dim <= 0 or rotary_dim % 2
-    ):
-        raise ValueError(f"rotary_dim must be a positive even int or None, got {rotary_dim!r}")
-    return None if rotary_dim is None else int(rotary_dim)
-
-
-def _check_max_position(max_position: int) -> int:
-    if not isinstance(max_position, (int, np.integer)) or not 0 < max_position <= MAX_POSITIONS:
-        raise ValueError(
-            f"max_position must be an int in [1, 2**24] (the range the accuracy contract "
-            f"covers), got {max_position!r}"
-        )
-    return int(max_position)
-
-
-def _float_operand(obj: Any, name: str) -> Operand:
-    """``obj`` as an Operand with a float dtype and a contiguous last dimension."""
-    operand = as_operand(obj, name)
-    if operand.dtype not in FLOAT_DTYPES:
-        raise TypeError(
-            f"{name} must be float16, bfloat16, float32 or float64, got {operand.dtype}"
-        )
-    if operand.is_cuda and operand.dtype == "float64":
-        raise TypeError(f"{name} is float64 on a CUDA device; float64 runs on the host path only")
-    return contiguous(operand) if not operand.last_dim_contiguous else operand
-
-
-def _head_dim_rotary_dim(name: str, head_dim: int, rotary_dim: int | None) -> int:
-    if head_dim % 2:
-        raise ValueError(f"head_dim ({name}.shape[-1]) must be even, got {head_dim}")
-    if rotary_dim is None:
-        return head_dim
-    if rotary_dim > head_dim:
-        raise ValueError(f"rotary_dim must be <= head_dim = {head_dim}, got {rotary_dim}")
-    return rotary_dim
-
-
 # --------------------------------------------------------------------------- seed ops
 
 
@@ -140,11 +101,11 @@ class _RotaryOp:
         flag: int | None = None,
     ) -> None:
         self.scheme = scheme
-        self.rope_layout = _check_choice("rope_layout", rope_layout, ROPE_LAYOUTS)
-        self.input_layout = _check_choice("input_layout", input_layout, INPUT_LAYOUTS)
+        self.rope_layout = check_choice("rope_layout", rope_layout, ROPE_LAYOUTS)
+        self.input_layout = check_choice("input_layout", input_layout, INPUT_LAYOUTS)
         self.target = check_target(target)
-        self.rotary_dim = _check_rotary_dim(rotary_dim)
-        self.max_position = None if max_position is None else _check_max_position(max_position)
+        self.rotary_dim = check_rotary_dim(rotary_dim)
+        self.max_position = None if max_position is None else check_max_position(max_position)
         self._tables: dict[int, Any] = {}
         self._relaunches: dict[tuple, Any] = {}  # torch CUDA layout -> its first call's launch
         flag, self._flag = error_flag(flag)  # device-side position errors of this op
@@ -192,7 +153,7 @@ class _RotaryOp:
             stream = torch_ops.current_stream(fast.device)
             fast.relaunch(stream, RELAUNCH_X, x_ptr, result.data_ptr())
             return result
-        source = _float_operand(x, "x")
+        source = check_float_operand(x, "x")
         rows = self._rows(source, "x")
         select_place(self.target, {"x": source})
         seq = rows.shape[1]
@@ -209,7 +170,7 @@ class _RotaryOp:
     ) -> tuple[Operand, Any]:
         """(the rotated copy, the CUDA launch or None)."""
         head_dim = rows.shape[3]
-        rotary_dim = _head_dim_rotary_dim("x", head_dim, self.rotary_dim)
+        rotary_dim = check_head_dim_rotary_dim("x", head_dim, self.rotary_dim)
         table = self._tables.get(rotary_dim)
         if table is None:  # the shared registry's table, remembered per head size
             table = self._tables[rotary_dim] = shared_table(self.scheme, rotary_dim)
@@ -412,7 +373,7 @@ class RoPENeoxPositionIdsFwdOp(_RotaryOp):
         *,
         target: Any = None,
     ) -> None:
-        max_position = _check_max_position(max_position)  # required here: ids are bounded by it
+        max_position = check_max_position(max_position)  # required here: ids are bounded by it
         self._setup(Standard(base), "neox", "2d", target, rotary_dim, max_position)
 
     def forward(self, x: Any, position_ids: Any) -> Any:
@@ -442,7 +403,7 @@ class RoPENeoxPositionIdsFwdOp(_RotaryOp):
             stream = torch_ops.current_stream(fast.device)
             fast.relaunch(stream, RELAUNCH_IDS, x_ptr, result.data_ptr(), ids_ptr)
             return result
-        source = _float_operand(x, "x")
+        source = check_float_operand(x, "x")
         if source.ndim != 3:
             raise ValueError(f"x must be [tokens, heads, head_dim], got shape {source.shape}")
         ids = as_operand(position_ids, "position_ids")
@@ -455,7 +416,7 @@ class RoPENeoxPositionIdsFwdOp(_RotaryOp):
             )
         place = select_place(self.target, {"x": source, "position_ids": ids})
         if place == "cpu":
-            _check_host_positions("position_ids", ids.host, self.max_position)
+            check_host_positions("position_ids", ids.host, self.max_position)
         elif ids.strides[0] != 1 and tokens > 1:
             ids = contiguous(ids)
         tokens_, heads, head_dim = source.shape
@@ -470,17 +431,6 @@ class RoPENeoxPositionIdsFwdOp(_RotaryOp):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(max_position={self.max_position}, {self.scheme})"
-
-
-def _check_host_positions(name: str, positions: np.ndarray, limit: int) -> None:
-    if positions.size == 0:
-        return
-    low, high = int(positions.min()), int(positions.max())
-    if low < 0 or high >= limit:
-        bad = positions[(positions < 0) | (positions >= limit)]
-        raise ValueError(
-            f"{name} must lie in [0, {limit}); got {bad.size} out of range, e.g. {int(bad[0])}"
-        )
 
 
 def _make_backward(forward: type[_RotaryOp]) -> type[_RotaryOp]:
@@ -559,23 +509,19 @@ class RoPE:
         max_position: int | None = None,
         target: Any = None,
     ) -> None:
+        head_dim = check_positive_int("head_dim", head_dim, even=True)
+        num_heads = check_positive_int("num_heads", num_heads)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        for name, value in (("head_dim", head_dim), ("num_heads", num_heads)):
-            if not isinstance(value, (int, np.integer)) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if head_dim % 2:
-            raise ValueError(f"head_dim must be even, got {head_dim}")
-        if not isinstance(num_kv_heads, (int, np.integer)) or num_kv_heads <= 0:
-            raise ValueError(f"num_kv_heads must be a positive int or None, got {num_kv_heads!r}")
+        num_kv_heads = check_positive_int("num_kv_heads", num_kv_heads)
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
             )
         self.head_dim, self.num_heads, self.num_kv_heads = head_dim, num_heads, num_kv_heads
         self.scheme = Standard() if scheme is None else scheme
-        self.rotary_dim = _head_dim_rotary_dim("q", head_dim, _check_rotary_dim(rotary_dim))
-        self.rope_layout = _check_choice("rope_layout", rope_layout, ROPE_LAYOUTS)
-        self.max_position = None if max_position is None else _check_max_position(max_position)
+        self.rotary_dim = check_head_dim_rotary_dim("q", head_dim, check_rotary_dim(rotary_dim))
+        self.rope_layout = check_choice("rope_layout", rope_layout, ROPE_LAYOUTS)
+        self.max_position = None if max_position is None else check_max_position(max_position)
         self.target = check_target(target)
         self.table = shared_table(self.scheme, self.rotary_dim)
         self._adopt_flag(None)
@@ -778,21 +724,7 @@ class RoPE:
         )
 
     def _operand(self, obj: Any, name: str, heads: int, in_place: bool) -> HeadRows:
-        if not in_place:  # read only: any layout will do, copied once if it must be
-            return self._rows(_float_operand(obj, name), name, heads)
-        operand = as_operand(obj, name)
-        if operand.framework == "jax":
-            raise TypeError(f"{name} is a JAX array, which cannot change in place; use RoPEFwdOp")
-        if operand.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"{name} must be a float tensor, got {operand.dtype}")
-        if operand.is_cuda and operand.dtype == "float64":
-            raise TypeError(f"{name} is float64 on a CUDA device; float64 runs on the host only")
-        if not operand.last_dim_contiguous:
-            raise ValueError(
-                f"{name} must have a contiguous last dimension to be rotated in place, "
-                f"got strides {operand.strides}"
-            )
-        return self._rows(operand, name, heads)
+        return self._rows(check_float_operand(obj, name, in_place=in_place), name, heads)
 
     def _positions(self, value: Any, name: str, rows: HeadRows, place: str) -> Positions:
         """Positions for a call: ints and host tensors checked here, device tensors bounded
@@ -814,8 +746,8 @@ class RoPE:
                 f"{name} must be an int or a tensor of shape [B] = ({batch},), got {offsets.shape}"
             )
         if not offsets.is_cuda:
-            _check_host_positions(name, offsets.host.astype(np.int64) + seq - 1, limit)
-            _check_host_positions(name, offsets.host, limit)
+            check_host_positions(name, offsets.host.astype(np.int64) + seq - 1, limit)
+            check_host_positions(name, offsets.host, limit)
             highest = int(offsets.host.max(initial=0)) + seq
             if place == "cuda":
                 offsets = upload(rows.operand, np.ascontiguousarray(offsets.host))

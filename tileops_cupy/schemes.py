@@ -17,26 +17,13 @@ Example::
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass, field, fields
 
 import numpy as np
 
+from ._validate import check_real
+
 __all__ = ["Standard", "Llama31", "YaRN", "LongRoPE", "Scheme", "scheme_args", "scheme_from_args"]
-
-
-def _require_positive(name: str, value: float, integer: bool = False) -> float | int:
-    """``value`` as a float (an int for ``integer`` fields), refused unless it is a finite
-    number > 0. Types are checked here, so a string or a bool fails at construction with
-    the field's name, not at the first call deep inside the table code."""
-    kind = numbers.Integral if integer else numbers.Real
-    if isinstance(value, bool) or not isinstance(value, kind):
-        expected = "an int" if integer else "an int or a float"
-        raise TypeError(f"{name} must be a number ({expected}), got {value!r}")
-    number = int(value) if integer else float(value)
-    if not (number > 0 and (integer or math.isfinite(number))):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    return number
 
 
 def _base_inv_freq(base: float, rotary_dim: int) -> np.ndarray:
@@ -51,7 +38,7 @@ class Standard:
     base: float = 10000.0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "base", _require_positive("base", self.base))
+        object.__setattr__(self, "base", check_real("base", self.base, positive=True))
 
     def inv_freq(self, rotary_dim: int) -> np.ndarray:
         return _base_inv_freq(self.base, rotary_dim)
@@ -73,8 +60,10 @@ class Llama31:
 
     def __post_init__(self) -> None:
         for name in ("base", "scale_factor", "low_freq_factor", "high_freq_factor"):
-            object.__setattr__(self, name, _require_positive(name, getattr(self, name)))
-        original = _require_positive("original_max_position", self.original_max_position, True)
+            object.__setattr__(self, name, check_real(name, getattr(self, name), positive=True))
+        original = check_real(
+            "original_max_position", self.original_max_position, integer=True, positive=True
+        )
         object.__setattr__(self, "original_max_position", original)
         if self.high_freq_factor <= self.low_freq_factor:
             raise ValueError(
@@ -117,8 +106,10 @@ class YaRN:
 
     def __post_init__(self) -> None:
         for name in ("base", "scale", "beta_fast", "beta_slow", "attn_factor"):
-            object.__setattr__(self, name, _require_positive(name, getattr(self, name)))
-        original = _require_positive("original_max_position", self.original_max_position, True)
+            object.__setattr__(self, name, check_real(name, getattr(self, name), positive=True))
+        original = check_real(
+            "original_max_position", self.original_max_position, integer=True, positive=True
+        )
         object.__setattr__(self, "original_max_position", original)
 
     def _correction_dim(self, rotations: float, rotary_dim: int) -> float:
@@ -156,9 +147,11 @@ class LongRoPE:
     original_max_position_embeddings: int = 4096
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "base", _require_positive("base", self.base))
+        object.__setattr__(self, "base", check_real("base", self.base, positive=True))
         for name in ("max_position_embeddings", "original_max_position_embeddings"):
-            object.__setattr__(self, name, _require_positive(name, getattr(self, name), True))
+            object.__setattr__(
+                self, name, check_real(name, getattr(self, name), integer=True, positive=True)
+            )
         if (
             self.max_position_embeddings > self.original_max_position_embeddings
             and self.original_max_position_embeddings <= 1

@@ -49,7 +49,6 @@ from ._arrays import (
     Operand,
     as_cupy,
     as_operand,
-    check_target,
     contiguous,
     cupy,
     empty_like,
@@ -64,6 +63,7 @@ from ._mhc_host import (
     mhc_pre_backward_host,
     mhc_pre_host,
 )
+from ._validate import check_dtype, check_ndim, check_real, check_target
 
 __all__ = ["BUILTIN", "MHCPreFwdOp", "MHCPostFwdOp", "MHCPreBwdOp", "MHCPostBwdOp"]
 
@@ -515,12 +515,12 @@ def _init_pre_settings(
     op.target = check_target(target)
     alphas = {"alpha_pre": alpha_pre, "alpha_post": alpha_post, "alpha_res": alpha_res}
     for name, value in alphas.items():
-        _check_finite(name, value)
+        check_real(name, value)
     if isinstance(sinkhorn_repeat, bool) or not isinstance(sinkhorn_repeat, (int, np.integer)):
         raise TypeError(f"sinkhorn_repeat must be an int, got {type(sinkhorn_repeat).__name__}")
     if sinkhorn_repeat < 0:
         raise ValueError(f"sinkhorn_repeat must be >= 0, got {sinkhorn_repeat}")
-    _check_finite("sinkhorn_eps", sinkhorn_eps)
+    check_real("sinkhorn_eps", sinkhorn_eps)
     if sinkhorn_eps < 0:
         raise ValueError(f"sinkhorn_eps must be >= 0, got {sinkhorn_eps}")
     op.alpha_pre, op.alpha_post, op.alpha_res = alpha_pre, alpha_post, alpha_res
@@ -539,27 +539,6 @@ def _init_pre_settings(
     )  # fmt: skip
 
 
-def _check_finite(name: str, value: Any) -> None:
-    try:
-        ok = math.isfinite(float(value))
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}") from None
-    if not ok:
-        raise ValueError(f"{name} must be finite, got {value!r}")
-
-
-def _check_ndim(operand: Operand, name: str, ndim: int, layout: str) -> None:
-    if operand.ndim != ndim:
-        raise ValueError(
-            f"{name} must be {ndim}-D {layout}, got {operand.ndim}-D shape {operand.shape}"
-        )
-
-
-def _check_dtype(operand: Operand, name: str, allowed: tuple[str, ...]) -> None:
-    if operand.dtype not in allowed:
-        raise ValueError(f"{name} must be {' or '.join(allowed)}, got {operand.dtype}")
-
-
 def streams_of(q: int) -> int:
     """n for a phi of width ``q = n*n + 2n``: ``isqrt(q + 1) - 1``."""
     return math.isqrt(q + 1) - 1
@@ -567,12 +546,12 @@ def streams_of(q: int) -> int:
 
 def _check_pre(phi: Operand, x: Operand, b: Operand) -> tuple[int, int]:
     """(n, c_x), or ValueError naming the argument, what was expected and what came."""
-    _check_ndim(phi, "phi", 2, "[n*c_x, n*n+2n]")
-    _check_ndim(x, "x", 2, "[batch, n*c_x]")
-    _check_ndim(b, "b", 1, "[n*n+2n]")
-    _check_dtype(phi, "phi", ("float32",))
-    _check_dtype(x, "x", X_DTYPES)
-    _check_dtype(b, "b", ("float32",))
+    check_ndim(phi, "phi", 2, "[n*c_x, n*n+2n]")
+    check_ndim(x, "x", 2, "[batch, n*c_x]")
+    check_ndim(b, "b", 1, "[n*n+2n]")
+    check_dtype(phi, "phi", ("float32",))
+    check_dtype(x, "x", X_DTYPES)
+    check_dtype(b, "b", ("float32",))
     width, q = phi.shape
     n = streams_of(q)
     if n < 1 or n * n + 2 * n != q:
@@ -592,11 +571,11 @@ def _check_pre(phi: Operand, x: Operand, b: Operand) -> tuple[int, int]:
 
 
 def _check_post(layer: Operand, gates: Operand, res: Operand) -> None:
-    _check_ndim(layer, "x_layer_out", 2, "[batch, c_x]")
-    _check_ndim(gates, "h_post", 2, "[batch, n]")
-    _check_ndim(res, "x_res", 2, "[batch, n*c_x]")
-    _check_dtype(layer, "x_layer_out", X_DTYPES)
-    _check_dtype(gates, "h_post", ("float32",))
+    check_ndim(layer, "x_layer_out", 2, "[batch, c_x]")
+    check_ndim(gates, "h_post", 2, "[batch, n]")
+    check_ndim(res, "x_res", 2, "[batch, n*c_x]")
+    check_dtype(layer, "x_layer_out", X_DTYPES)
+    check_dtype(gates, "h_post", ("float32",))
     if res.dtype != layer.dtype:
         raise ValueError(f"x_res must have x_layer_out's dtype ({layer.dtype}), got {res.dtype}")
     batch, c_x = layer.shape
@@ -621,7 +600,7 @@ def _check_upstream(
     """An upstream gradient has exactly the shape and dtype of the forward ``output`` it
     belongs to; ValueError naming it, what was expected and what came."""
     layout = "[" + ", ".join(str(size) for size in shape) + "]"
-    _check_ndim(grad, name, len(shape), f"{layout} like {output}")
+    check_ndim(grad, name, len(shape), f"{layout} like {output}")
     if grad.dtype != dtype:
         raise ValueError(f"{name} must be {dtype} like {output}, got {grad.dtype}")
     if tuple(grad.shape) != tuple(shape):

@@ -1,0 +1,183 @@
+"""Argument validation for every op: one home for the checks the public modules share.
+
+Each check raises ValueError or TypeError naming the argument, what was expected and what
+came, and returns the value in the form the op keeps. Checks run before anything is
+written: an op validates every argument, then picks the place, then launches.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import numpy as np
+
+from ._arrays import (
+    FLOAT_DTYPES,
+    TARGETS,
+    Operand,
+    as_operand,
+    contiguous,
+    overlapping,
+    self_overlapping,
+)
+
+MAX_POSITIONS = 1 << 24  # the accuracy contract is stated for positions below 2**24
+
+
+# --------------------------------------------------------------------------- scalars
+
+
+def check_real(
+    name: str, value: Any, *, integer: bool = False, positive: bool = False
+) -> float | int:
+    """``value`` as a float (an int for ``integer``), refused unless it is a finite number
+    (and > 0 for ``positive``). Strings and bools are refused by type, so a wrong type
+    fails at construction with the parameter's name, not deep inside the first call."""
+    kind = numbers.Integral if integer else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, kind):
+        expected = "an int" if integer else "an int or a float"
+        raise TypeError(f"{name} must be a number ({expected}), got {value!r}")
+    number = int(value) if integer else float(value)
+    if not (integer or math.isfinite(number)) or (positive and number <= 0):
+        bound = " and > 0" if positive else ""
+        raise ValueError(f"{name} must be finite{bound}, got {value!r}")
+    return number
+
+
+def check_positive_int(name: str, value: Any, *, even: bool = False) -> int:
+    """A positive int (numpy ints included; bools refused), even when ``even``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if even and value % 2:
+        raise ValueError(f"{name} must be even, got {value}")
+    return int(value)
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
+def check_target(target: Any) -> str | None:
+    """An op's ``target``: None/BUILTIN (where the data lives), "cuda" or "cpu"."""
+    if target not in TARGETS:
+        raise ValueError(f"target must be None, BUILTIN, 'cuda' or 'cpu', got {target!r}")
+    return target
+
+
+def check_rotary_dim(rotary_dim: int | None) -> int | None:
+    if rotary_dim is not None and (
+        isinstance(rotary_dim, bool)
+        or not isinstance(rotary_dim, (int, np.integer))
+        or rotary_dim <= 0
+        or rotary_dim % 2
+    ):
+        raise ValueError(f"rotary_dim must be a positive even int or None, got {rotary_dim!r}")
+    return None if rotary_dim is None else int(rotary_dim)
+
+
+def check_max_position(max_position: int) -> int:
+    if (
+        isinstance(max_position, bool)
+        or not isinstance(max_position, (int, np.integer))
+        or not 0 < max_position <= MAX_POSITIONS
+    ):
+        raise ValueError(
+            f"max_position must be an int in [1, 2**24] (the range the accuracy contract "
+            f"covers), got {max_position!r}"
+        )
+    return int(max_position)
+
+
+def check_head_dim_rotary_dim(name: str, head_dim: int, rotary_dim: int | None) -> int:
+    """The rotary_dim a call on heads of ``head_dim`` (``name``'s last dim) uses."""
+    if head_dim % 2:
+        raise ValueError(f"head_dim ({name}.shape[-1]) must be even, got {head_dim}")
+    if rotary_dim is None:
+        return head_dim
+    if rotary_dim > head_dim:
+        raise ValueError(f"rotary_dim must be <= head_dim = {head_dim}, got {rotary_dim}")
+    return rotary_dim
+
+
+def check_host_positions(name: str, positions: np.ndarray, limit: int) -> None:
+    """Every position of a host array in ``[0, limit)`` (int64 compared as int64)."""
+    if positions.size == 0:
+        return
+    low, high = int(positions.min()), int(positions.max())
+    if low < 0 or high >= limit:
+        bad = positions[(positions < 0) | (positions >= limit)]
+        raise ValueError(
+            f"{name} must lie in [0, {limit}); got {bad.size} out of range, e.g. {int(bad[0])}"
+        )
+
+
+# --------------------------------------------------------------------------- arrays
+
+
+def check_float_operand(obj: Any, name: str, *, in_place: bool = False) -> Operand:
+    """``obj`` as a float Operand (float64 on the host only) whose last dimension is
+    contiguous: a read-only input with a strided last dimension is copied once; an operand
+    written in place must already be so (and not a JAX array, which cannot change)."""
+    operand = as_operand(obj, name)
+    if in_place and operand.framework == "jax":
+        raise TypeError(f"{name} is a JAX array, which cannot change in place; use RoPEFwdOp")
+    if operand.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} must be float16, bfloat16, float32 or float64, got {operand.dtype}"
+        )
+    if operand.is_cuda and operand.dtype == "float64":
+        raise TypeError(f"{name} is float64 on a CUDA device; float64 runs on the host path only")
+    if operand.last_dim_contiguous:
+        return operand
+    if in_place:
+        raise ValueError(
+            f"{name} must have a contiguous last dimension to be rotated in place, "
+            f"got strides {operand.strides}"
+        )
+    return contiguous(operand)
+
+
+def check_ndim(operand: Operand, name: str, ndim: int, layout: str) -> None:
+    if operand.ndim != ndim:
+        raise ValueError(
+            f"{name} must be {ndim}-D {layout}, got {operand.ndim}-D shape {operand.shape}"
+        )
+
+
+def check_dtype(operand: Operand, name: str, allowed: tuple[str, ...]) -> None:
+    if operand.dtype not in allowed:
+        raise ValueError(f"{name} must be {' or '.join(allowed)}, got {operand.dtype}")
+
+
+def check_in_place(operands: dict[str, Operand]) -> None:
+    """Refuse, before anything is written, operands that an in-place call cannot write
+    each element of exactly once: read-only memory, an operand that addresses an element
+    twice (:func:`self_overlapping`), or two operands that share memory
+    (:func:`overlapping`). Raises ValueError naming the argument(s)."""
+    items = list(operands.items())
+    for name, operand in items:
+        if operand.host is not None and not operand.host.flags.writeable:
+            raise ValueError(
+                f"{name} is read-only (a {operand.framework} array with writeable=False); "
+                "expected writable memory, since this call writes into it"
+            )
+        if self_overlapping(operand):
+            raise ValueError(
+                f"{name} addresses some elements more than once (shape {operand.shape}, "
+                f"element strides {operand.strides}: e.g. an expanded dim of stride 0); "
+                "expected each element stored once, since this call writes into it: pass "
+                "a copy (.contiguous(), numpy.ascontiguousarray)"
+            )
+    for i, (name_a, a) in enumerate(items):
+        for name_b, b in items[i + 1 :]:
+            if overlapping(a, b):
+                raise ValueError(
+                    f"{name_a} and {name_b} overlap in memory ({name_a}: shape {a.shape}, "
+                    f"strides {a.strides}; {name_b}: shape {b.shape}, strides {b.strides}); "
+                    "expected disjoint memory, since this call writes into both (e.g. "
+                    "disjoint slices of one fused QKV buffer)"
+                )
