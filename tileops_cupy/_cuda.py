@@ -15,7 +15,7 @@ import ctypes
 import struct
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import kernels_cu
@@ -176,14 +176,10 @@ class Step:
     shared_mem: int = 0
     cooperative: bool = False
 
-    def run(self, stream: int, parameter_pointers: int) -> None:
-        driver = cupy().cuda.driver
-        start = driver.launchCooperativeKernel if self.cooperative else driver.launchKernel
-        extra = () if self.cooperative else (0,)
-        start(
-            self.kernel.ptr, *self.grid, *self.block, self.shared_mem, stream,
-            parameter_pointers, *extra,
-        )  # fmt: skip
+    @property
+    def driver_arguments(self) -> tuple:
+        """The driver call's leading arguments: function, grid, block, shared memory."""
+        return (self.kernel.ptr, *self.grid, *self.block, self.shared_mem)
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +192,12 @@ class Launch:
     device: int
     params: bytes
     steps: tuple[Step, ...]
+    # per step: (cooperative, the driver call's leading arguments), derived once
+    calls: tuple[tuple[bool, tuple], ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        calls = tuple((step.cooperative, step.driver_arguments) for step in self.steps)
+        object.__setattr__(self, "calls", calls)
 
     def relaunch(
         self, stream: int, writers: tuple[tuple[int, struct.Struct, int], ...] = (), *values: Any
@@ -243,9 +245,12 @@ def _launch_buffer(done: Launch, stream: int, state: _ThreadLaunchState) -> None
     elif previous != device:
         runtime.setDevice(device)
     try:
-        pointers = state.pointers_address
-        for step in done.steps:
-            step.run(stream, pointers)
+        driver, pointers = cupy().cuda.driver, state.pointers_address
+        for cooperative, arguments in done.calls:
+            if cooperative:
+                driver.launchCooperativeKernel(*arguments, stream, pointers)
+            else:
+                driver.launchKernel(*arguments, stream, pointers, 0)
     finally:
         if previous != device:
             runtime.setDevice(previous)

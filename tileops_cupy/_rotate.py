@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
@@ -120,13 +121,15 @@ class ErrorFlag:
                 cell.value = 0
         return raised
 
-    def raise_if_set(self, message: str) -> None:
-        """ValueError(``message``) if a kernel raised the flag since the last look. Costs no
-        synchronisation: a kernel still running is caught at a later look."""
-        if self._cells and self.take():
-            raise ValueError(message)
+    def raise_if_set(self, message: Callable[[], str]) -> None:
+        """ValueError(``message()``) if a kernel raised the flag since the last look. Costs
+        no synchronisation: a kernel still running is caught at a later look."""
+        for cell in self._cells:  # (take(), inline: this runs on every call)
+            if cell.value:
+                self.take()
+                raise ValueError(message())
 
-    def check(self, message: str) -> None:
+    def check(self, message: Callable[[], str]) -> None:
         """Wait for every device this flag has seen, then :meth:`raise_if_set`."""
         if self._pointers:
             runtime = cupy().cuda.runtime

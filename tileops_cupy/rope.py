@@ -385,7 +385,7 @@ class RoPENeoxPositionIdsFwdOp(_RotaryOp):
     def check(self) -> None:
         """Wait for the device and raise ValueError if a kernel of this op met an id outside
         ``[0, max_position)`` since the last look."""
-        self._flag.check(self._flagged_message())
+        self._flag.check(self._flagged_message)
 
     def _flagged_message(self) -> str:
         return (
@@ -395,7 +395,7 @@ class RoPENeoxPositionIdsFwdOp(_RotaryOp):
         )
 
     def direct(self, x: Any, position_ids: Any = None, layout: tuple | None = None) -> Any:
-        self._flag.raise_if_set(self._flagged_message())
+        self._flag.raise_if_set(self._flagged_message)
         keys, (x_ptr, ids_ptr) = layout or torch_ops.layouts(x, position_ids)
         fast = self._relaunches.get(keys)
         if fast is not None:  # this layout was validated and planned by an earlier call
@@ -555,7 +555,7 @@ class RoPE:
     def check(self) -> None:
         """Wait for the device and raise ValueError if any kernel of this component met a
         position outside its range since the last check."""
-        self._flag.check(self._flagged_message())
+        self._flag.check(self._flagged_message)
 
     # ---- memory accounting
 
@@ -685,7 +685,7 @@ class RoPE:
                 or q_ptr >= k_ptr + k_bytes
             )
             if apart and (not int_position or 0 <= position <= last_position):
-                self._flag.raise_if_set(self._flagged_message())
+                self._flag.raise_if_set(self._flagged_message)
                 launch.relaunch(
                     torch_ops.current_stream(launch.device), RELAUNCH_QK, q_ptr, q_ptr, k_ptr,
                     k_ptr, offsets_ptr, position if int_position else 0,
@@ -774,7 +774,7 @@ class RoPE:
     ) -> Any:
         """Rotate (q, k) at ``position``: in place, or into ``out`` (same shapes, contiguous).
         Returns the CUDA launch (None on the host or for an empty call)."""
-        self._flag.raise_if_set(self._flagged_message())
+        self._flag.raise_if_set(self._flagged_message)
         in_place = out is None
         q_rows = self._operand(q, "q", self.num_heads, in_place)
         k_rows = None if k is None else self._operand(k, "k", self.num_kv_heads, in_place)
