@@ -312,7 +312,50 @@ __device__ void sum_partials(const PreParams& p, i64 row0, int rows, float* sh_h
   __syncthreads();
 }
 
-// Gates and Sinkhorn matrix of rows row0 .. row0+rows-1 from sh_h [rows][Q+1], into
+__device__ __forceinline__ bool is_inf(float v) {
+  return (__float_as_uint(v) & 0x7fffffffu) == 0x7f800000u;
+}
+
+// sh_h[t][Q] of rows row0 .. row0+rows-1 turned from sum(x*x) into sqrt(sum(x*x) / width).
+// A row whose sum overflowed to inf (|x| from ~1e19 up in a 128-wide row; x finite) is read
+// again and summed scaled by the power of two that brings its max |x| into [0.5, 1), then the
+// root is scaled back: exact steps, so the RMS is finite for every finite x, while every other
+// row keeps the very bits of the unscaled sum. One warp per row; every thread calls it.
+template <typename T, int N>
+__device__ void rows_rms(const PreParams& p, float* sh_h, i64 row0, int rows) {
+  constexpr int Q = Dims<N>::Q, QP = Dims<N>::QP;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const float width = (float)(N * p.c_x);
+  for (int t = warp; t < rows; t += warps) {  // warp-uniform: the shuffles below see all lanes
+    const float sumsq = sh_h[t * QP + Q];
+    float rms = sqrtf(sumsq) / sqrtf(width);
+    if (is_inf(sumsq)) {
+      const typename Io<T>::elem* x = (const typename Io<T>::elem*)p.x + (row0 + t) * p.x_stride;
+      const i64 K = N * p.c_x;
+      float peak = 0.f;
+      for (i64 c = lane; c < K; c += 32) peak = fmaxf(peak, fabsf(Io<T>::to_float(x[c])));
+#pragma unroll
+      for (int d = 16; d > 0; d >>= 1) peak = fmaxf(peak, __shfl_xor_sync(0xffffffffu, peak, d));
+      int exponent;
+      frexpf(peak, &exponent);  // peak = m * 2^exponent, m in [0.5, 1)
+      const float scale = ldexpf(1.f, -exponent);
+      float s = 0.f;
+      for (i64 c = lane; c < K; c += 32) {
+        const float v = Io<T>::to_float(x[c]) * scale;
+        s = fmaf(v, v, s);
+      }
+#pragma unroll
+      for (int d = 16; d > 0; d >>= 1) s += __shfl_xor_sync(0xffffffffu, s, d);
+      rms = sqrtf(s) / sqrtf(width) / scale;
+    }
+    __syncwarp();
+    if (lane == 0) sh_h[t * QP + Q] = rms;
+  }
+  __syncthreads();
+}
+
+// Gates and Sinkhorn matrix of rows row0 .. row0+rows-1 from sh_h [rows][Q+1] (h, then the
+// RMS from rows_rms), into
 // p.coef [row][n + n*n] and p.h_post. Each warp takes 32/N tokens at a time: lane i of a
 // token's group owns row i of its matrix, and column sums are shuffles within the group, so
 // the Sinkhorn loop stays in registers. Not inlined: one compiled body for every caller.
@@ -324,12 +367,11 @@ __device__ __attribute__((noinline)) void tile_coefficients(const PreParams& p, 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int slot = lane / N, i = lane - slot * N;
   const int group = slot * N;  // first lane of this token's group
-  const float width = (float)(N * p.c_x);
   for (int t0 = warp * PER_WARP; t0 < rows; t0 += warps * PER_WARP) {  // warp-uniform
     const int t = t0 + slot;
     const bool active = slot < PER_WARP && t < rows;  // idle lanes shadow token t0
     const float* h = sh_h + (active ? t : t0) * QP;
-    const float rms = sqrtf(h[Q]) / sqrtf(width) + 1e-4f;
+    const float rms = h[Q] + 1e-4f;
     const float pre = sigmoid(p.alpha_pre * h[i] / rms + p.bias[i * p.bias_stride]);
     const float post = 2.f * sigmoid(p.alpha_post * h[N + i] / rms + p.bias[(N + i) * p.bias_stride]);
     float m[N];
@@ -738,6 +780,7 @@ __global__ void __launch_bounds__(PROJECT_THREADS, N <= 4 && Io<T>::x_pieces == 
     grid_barrier(&p.counter[0]);
     for (i64 row = blockIdx.x; row < p.batch; row += gridDim.x) {
       sum_partials<N>(p, row, 1, sh_h, sh_scratch);
+      rows_rms<T, N>(p, sh_h, row, 1);
       tile_coefficients<N>(p, sh_h, row, 1);
       __syncthreads();  // sh_h is rewritten for the next row
     }
@@ -767,6 +810,7 @@ __global__ void __launch_bounds__(PROJECT_THREADS, N <= 4 && Io<T>::x_pieces == 
   __threadfence();
   const int tile_rows = p.batch - row0 < TILE_ROWS ? (int)(p.batch - row0) : TILE_ROWS;
   sum_partials<N>(p, row0, tile_rows, sh_h, sh_scratch);
+  rows_rms<T, N>(p, sh_h, row0, tile_rows);
   tile_coefficients<N>(p, sh_h, row0, tile_rows);
 }
 

@@ -1,18 +1,20 @@
-"""Bench rows of mHC pre and post (../shared/PERF.md), beside torch eager and torch.compile
-of the same float32 math.
+"""Bench rows of mHC pre and post and their backward (../shared/PERF.md), beside torch eager
+and torch.compile of the same float32 math.
 
 Bytes: pre reads x and phi (and b) once and writes x_res, x_layer and h_post once; its
 one-pass floor is those bytes over the copy ceiling. Post reads x_layer_out, h_post and
 x_res once and writes x_out once. Batches of at most 128 tokens are latency rows: the
 end-to-end time of one Python call (host dispatch included), with the device time in the
-note.
+note. The backward rows time torch's autograd of the same math as forward+backward minus
+forward; pre backward's one-pass floor reads x, the three upstream gradients and phi once and
+writes grad_x and grad_phi once.
 """
 
 from __future__ import annotations
 
 import math
 
-from .bench import _torch, measure_row, median_us
+from .bench import _format_row, _torch, measure_row, median_us
 
 _ALPHAS = (0.8, 1.2, 1.0)
 _REPEAT, _EPS = 20, 0.02
@@ -92,9 +94,111 @@ def _post_row(ceiling: float, batch: int, n: int, c_x: int, with_compile: bool) 
     return row
 
 
+def _backward_us(forward, leaves, upstream) -> float:
+    """Device time of torch autograd's backward of ``forward(*leaves)`` for the gradients
+    ``upstream``: forward+backward minus forward (both median, L2 flushed)."""
+    torch = _torch()
+    forward(*leaves)  # compiles, when forward is compiled
+
+    def forward_backward():
+        return torch.autograd.grad(forward(*leaves), leaves, upstream)
+
+    return median_us(forward_backward) - median_us(lambda: forward(*leaves))
+
+
+def _backward_row(
+    name: str, ours, forward, leaves, upstream, moved: int, ceiling: float, with_compile: bool
+) -> dict:
+    """A row for a backward op: ours against torch autograd of ``forward`` (eager and
+    torch.compile), printed like measure_row's."""
+    torch = _torch()
+    ours_us = median_us(ours)
+    eager_us = _backward_us(forward, leaves, upstream)
+    compile_us = None
+    if with_compile:
+        compile_us = _backward_us(torch.compile(forward, dynamic=False), leaves, upstream)
+    gbs = moved / (ours_us * 1e-6) / 1e9
+    row = {
+        "name": name,
+        "ours_us": ours_us,
+        "eager_us": eager_us,
+        "compile_us": compile_us,
+        "gbs": gbs,
+        "pct_ceiling": 100 * gbs / ceiling,
+        "floor_us": moved / (ceiling * 1e3),
+        "note": "",
+    }
+    return row
+
+
+def _pre_backward_row(ceiling: float, batch: int, n: int, c_x: int, with_compile: bool) -> dict:
+    from .sequence_modeling import MHCPreBwdOp
+
+    torch = _torch()
+    width, q = n * c_x, n * n + 2 * n
+    phi = torch.randn(width, q, device="cuda") / math.sqrt(width)
+    b = 0.5 * torch.randn(q, device="cuda")
+    x = torch.randn(batch, width, device="cuda").bfloat16()
+    upstream = (
+        torch.randn(batch, width, device="cuda").bfloat16(),  # grad_x_res
+        torch.randn(batch, c_x, device="cuda").bfloat16(),  # grad_x_layer
+        torch.randn(batch, n, device="cuda"),  # grad_h_post
+    )
+    op = MHCPreBwdOp(*_ALPHAS, _REPEAT, _EPS)
+    # read once: x, the upstream gradients, phi; written once: grad_x, grad_phi
+    moved = 2 * x.numel() * 2 + sum(u.numel() * u.element_size() for u in upstream)
+    moved += 2 * phi.numel() * 4
+    leaves = [t.clone().requires_grad_() for t in (phi, x, b)]
+    leaves += [torch.tensor(a, device="cuda", requires_grad=True) for a in _ALPHAS]
+
+    def forward(phi, x, b, *alphas):
+        return torch_pre(phi, x, b, n, alphas)
+
+    row = _backward_row(
+        f"mhc pre-bwd B{batch} n{n} c_x{c_x} bf16",
+        lambda: op(phi, x, b, *upstream),
+        forward,
+        leaves,
+        upstream,
+        moved,
+        ceiling,
+        with_compile,
+    )
+    row["note"] = f"{row['ours_us'] / row['floor_us']:.2f}x one-pass floor"
+    print(_format_row(row), flush=True)
+    return row
+
+
+def _post_backward_row(ceiling: float, batch: int, n: int, c_x: int, with_compile: bool) -> dict:
+    from .sequence_modeling import MHCPostBwdOp
+
+    torch = _torch()
+    layer = torch.randn(batch, c_x, device="cuda").bfloat16()
+    gates = 2 * torch.rand(batch, n, device="cuda")
+    res = torch.randn(batch, n * c_x, device="cuda").bfloat16()
+    grad_out = torch.randn(batch, n * c_x, device="cuda").bfloat16()
+    op = MHCPostBwdOp()
+    # read once: x_layer_out, h_post, grad_x_out; written once: their gradients, grad_x_res
+    moved = 2 * (layer.numel() * 2 + gates.numel() * 4) + 2 * grad_out.numel() * 2
+    leaves = [t.clone().requires_grad_() for t in (layer, gates, res)]
+    row = _backward_row(
+        f"mhc post-bwd B{batch} n{n} c_x{c_x} bf16",
+        lambda: op(layer, gates, res, grad_out),
+        torch_post,
+        leaves,
+        (grad_out,),
+        moved,
+        ceiling,
+        with_compile,
+    )
+    row["floor_us"] = None
+    print(_format_row(row), flush=True)
+    return row
+
+
 def mhc_rows(copy_ceiling_gbs: float, with_compile: bool = True) -> list[dict]:
-    """PERF.md's mHC rows plus a B4 decode row, each a dict with name, ours_us, eager_us,
-    compile_us, gbs, pct_ceiling, floor_us (pre only) and note."""
+    """PERF.md's mHC rows plus a B4 decode row and the backward rows, each a dict with name,
+    ours_us, eager_us, compile_us, gbs, pct_ceiling, floor_us (pre and pre-bwd) and note."""
     torch = _torch()
     rows = []
     for batch, c_x in ((1, 1280), (4, 7168), (128, 4096), (4096, 4096), (16384, 7168)):
@@ -102,5 +206,10 @@ def mhc_rows(copy_ceiling_gbs: float, with_compile: bool = True) -> list[dict]:
         torch.cuda.empty_cache()  # the row's tensors are gone; give the next row the memory
     for batch, c_x in ((4096, 4096), (16384, 7168)):
         rows.append(_post_row(copy_ceiling_gbs, batch, 4, c_x, with_compile))
+        torch.cuda.empty_cache()
+    for batch, c_x in ((4096, 4096), (16384, 7168)):
+        rows.append(_pre_backward_row(copy_ceiling_gbs, batch, 4, c_x, with_compile))
+        torch.cuda.empty_cache()
+        rows.append(_post_backward_row(copy_ceiling_gbs, batch, 4, c_x, with_compile))
         torch.cuda.empty_cache()
     return rows

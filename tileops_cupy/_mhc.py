@@ -5,14 +5,68 @@ Callers validate; these functions only launch. Every array argument is an
 arrays the caller allocated with ``empty_like``; ``stream`` is the raw handle of the
 caller's current stream. Nothing here synchronises the host or allocates outside the
 caller's allocator, so every launch can be captured in a CUDA graph.
+
+The backward kernels live in ``kernels_cu/mhc_backward.cu`` (its header describes them):
+pre backward is five kernels per call (phi's fragments; a first pass over x and the
+upstream gradients; the per-token chain rule; a second pass writing grad_x and grad_phi's
+partials; the fixed-order reductions), post backward one. Their scratch (partial sums,
+per-token coefficients, Sinkhorn checkpoints) is one fresh buffer of the caller's
+allocator per call.
 """
 
 from __future__ import annotations
 
-from ._arrays import Operand
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import kernels_cu
+
+from . import _cuda
+from ._arrays import ITEMSIZE, Operand, contiguous, cupy, empty_like
 from ._mhc_host import SinkhornGates
 
 __all__ = ["pre_backward_cuda", "post_backward_cuda"]
+
+# Mirror PreBwdParams / PostBwdParams in kernels_cu/mhc_backward.cu, field by field.
+PRE_BWD_PARAMS = _cuda.ParamStruct(
+    "PreBwdParams",
+    (
+        ("x", "P"), ("phi", "P"), ("bias", "P"), ("grad_x_res", "P"), ("grad_x_layer", "P"),
+        ("grad_h_post", "P"), ("grad_phi", "P"), ("grad_x", "P"), ("grad_b", "P"),
+        ("grad_alpha", "P"), ("pieces", "P"), ("stats", "P"), ("coef", "P"),
+        ("dh_pieces", "P"), ("per_token", "P"), ("sinkhorn", "P"), ("phi_partial", "P"),
+        ("x_stride", "q"), ("gxr_stride", "q"), ("gxl_stride", "q"), ("ghp_stride_row", "q"),
+        ("ghp_stride_col", "q"), ("phi_stride_k", "q"), ("phi_stride_q", "q"),
+        ("bias_stride", "q"), ("batch", "q"), ("c_x", "q"), ("c_range", "q"),
+        ("k_splits", "q"), ("grad_items", "q"), ("grad_blocks", "q"), ("slot_cap", "q"),
+        ("vector_io", "i"), ("repeat", "i"), ("segment", "i"), ("stages", "i"),
+        ("alpha_pre", "f"), ("alpha_post", "f"), ("alpha_res", "f"), ("eps", "f"),
+    ),
+)  # fmt: skip
+POST_BWD_PARAMS = _cuda.ParamStruct(
+    "PostBwdParams",
+    (
+        ("x_layer_out", "P"), ("h_post", "P"), ("grad_x_out", "P"), ("grad_x_layer_out", "P"),
+        ("grad_h_post", "P"), ("grad_x_res", "P"),
+        ("layer_stride", "q"), ("h_stride_row", "q"), ("h_stride_col", "q"),
+        ("grad_stride", "q"), ("batch", "q"), ("n", "q"), ("c_x", "q"), ("units", "q"),
+        ("vector_io", "i"), ("unused", "i"),
+    ),
+)  # fmt: skip
+
+# Launch geometry: NVRTC gets these as the BWD_* defines (one source of truth), and
+# mhc_backward.cu asserts the stage sizes it derives against the ones _geometry computes.
+_THREADS = 256  # mhc_bwd_pieces, mhc_bwd_stats, mhc_bwd_grad
+_STATS_TILE = 128  # tokens per mhc_bwd_stats block: two threads per token
+_GRAD_TILE = 32  # tokens per mhc_bwd_grad item: two 16-token m-tiles
+_TOKEN_THREADS = 64  # mhc_bwd_token: one thread per token, small blocks spread over the SMs
+_REDUCE_THREADS = 256
+_POST_THREADS = 256
+_MAX_STAGES = 3  # cp.async pipeline depth where shared memory allows (at least 2)
+_SCRATCH_ALIGN_WORDS = 64  # 256-byte sections: the scratch rows are read by 16-byte cp.async
+_MAX_SMEM_OPTIN, _MULTIPROCESSORS = 97, 16  # cudaDeviceAttr values
 
 
 def pre_backward_cuda(
@@ -34,7 +88,53 @@ def pre_backward_cuda(
     exact gradient of mHC pre (SPEC section 8) for the upstream gradients ``grad_x_res``
     ``[B, n*c_x]`` and ``grad_x_layer`` ``[B, c_x]`` (x's dtype) and ``grad_h_post``
     ``[B, n]`` (float32). Reductions over the batch are deterministic."""
-    raise NotImplementedError("mHC pre backward has no CUDA body yet")
+    x, grad_x_res, grad_x_layer = (
+        operand if operand.last_dim_contiguous else contiguous(operand)
+        for operand in (x, grad_x_res, grad_x_layer)
+    )
+    batch, width = x.shape
+    q = phi.shape[1]
+    n = math.isqrt(q + 1) - 1
+    c_x = width // n
+    device = x.device
+    streams = _forward_kinds()[1]
+    if n not in streams:
+        raise ValueError(
+            f"the CUDA mHC kernels take n <= {streams[-1]} streams, got n = {n} "
+            "(phi width n*n+2n); run on the host (target='cpu' with host arrays) instead"
+        )
+    plan = _pre_backward_plan(device, x.dtype, n, c_x, batch)
+    segment, slots = sinkhorn_checkpoints(gates.sinkhorn_repeat)
+    sections = (*plan.scratch, slots * n * n * batch)
+    offsets, words = [], 0
+    for size in sections:
+        offsets.append(words)
+        words += -(-size // _SCRATCH_ALIGN_WORDS) * _SCRATCH_ALIGN_WORDS
+    base = empty_like(x, (words,), "float32").ptr
+    pieces, stats, coef, dh_pieces, per_token, phi_partial, sinkhorn = (
+        base + 4 * offset for offset in offsets
+    )
+    size = ITEMSIZE[x.dtype]
+    alignment = x.ptr | grad_x_res.ptr | grad_x_layer.ptr | grad_x.ptr
+    if batch > 1:
+        alignment |= (x.strides[0] | grad_x_res.strides[0] | grad_x_layer.strides[0]) * size
+    params = PRE_BWD_PARAMS.pack(
+        x=x.ptr, phi=phi.ptr, bias=b.ptr, grad_x_res=grad_x_res.ptr,
+        grad_x_layer=grad_x_layer.ptr, grad_h_post=grad_h_post.ptr, grad_phi=grad_phi.ptr,
+        grad_x=grad_x.ptr, grad_b=grad_b.ptr, grad_alpha=grad_alpha.ptr, pieces=pieces,
+        stats=stats, coef=coef, dh_pieces=dh_pieces, per_token=per_token, sinkhorn=sinkhorn,
+        phi_partial=phi_partial, x_stride=x.strides[0], gxr_stride=grad_x_res.strides[0],
+        gxl_stride=grad_x_layer.strides[0], ghp_stride_row=grad_h_post.strides[0],
+        ghp_stride_col=grad_h_post.strides[1], phi_stride_k=phi.strides[0],
+        phi_stride_q=phi.strides[1], bias_stride=b.strides[0], batch=batch, c_x=c_x,
+        c_range=plan.c_range, k_splits=plan.k_splits, grad_items=plan.grad_items,
+        grad_blocks=plan.grad_blocks, slot_cap=plan.slot_cap,
+        vector_io=c_x % (16 // size) == 0 and alignment % 16 == 0,
+        repeat=gates.sinkhorn_repeat, segment=segment, stages=plan.stages,
+        alpha_pre=gates.alpha_pre, alpha_post=gates.alpha_post, alpha_res=gates.alpha_res,
+        eps=gates.sinkhorn_eps,
+    )  # fmt: skip
+    _cuda.launch(device, params, plan.steps, stream)
 
 
 def post_backward_cuda(
@@ -49,4 +149,272 @@ def post_backward_cuda(
 ) -> None:
     """Fill ``grad_x_layer_out [B, c_x]``, ``grad_h_post [B, n]`` (float32) and
     ``grad_x_res [B, n*c_x]`` for ``x_out = h_post[i] * x_layer_out + x_res[i]``."""
-    raise NotImplementedError("mHC post backward has no CUDA body yet")
+    layer, grad = (
+        operand if operand.last_dim_contiguous else contiguous(operand)
+        for operand in (x_layer_out, grad_x_out)
+    )
+    batch, c_x = layer.shape
+    n = h_post.shape[1]
+    if batch >= 1 << 31:
+        raise ValueError(f"mHC post backward takes batch < 2**31, got {batch}")
+    size = ITEMSIZE[layer.dtype]
+    alignment = layer.ptr | grad.ptr | grad_x_layer_out.ptr | grad_x_res.ptr
+    if batch > 1:
+        alignment |= (layer.strides[0] | grad.strides[0]) * size
+    spec = post_backward_module(layer.dtype)
+    # n streams unrolled up to 8; a kernel for any n beyond
+    name = f"mhc_post_bwd<{_forward_kinds()[0][layer.dtype]}, {n if n <= 8 else 0}>"
+    params = POST_BWD_PARAMS.pack(
+        x_layer_out=layer.ptr, h_post=h_post.ptr, grad_x_out=grad.ptr,
+        grad_x_layer_out=grad_x_layer_out.ptr, grad_h_post=grad_h_post.ptr,
+        grad_x_res=grad_x_res.ptr, layer_stride=layer.strides[0],
+        h_stride_row=h_post.strides[0], h_stride_col=h_post.strides[1],
+        grad_stride=grad.strides[0], batch=batch, n=n, c_x=c_x, units=-(-c_x // 8),
+        vector_io=c_x % 8 == 0 and alignment % 16 == 0, unused=0,
+    )  # fmt: skip
+    kernel = _cuda.function(spec, name, layer.device)
+    step = _cuda.Step(kernel, (batch, 1, 1), (_POST_THREADS, 1, 1))
+    _cuda.launch(layer.device, params, (step,), stream)
+
+
+# --------------------------------------------------------------------------- modules
+
+
+def _forward_kinds() -> tuple[dict[str, str], tuple[int, ...]]:
+    """The forward's CUDA type of each x dtype and the n its kernels are compiled for
+    (sequence_modeling imports this module, so it is read at call time)."""
+    from . import sequence_modeling
+
+    return sequence_modeling._CUDA_TYPES, sequence_modeling.CUDA_STREAMS
+
+
+class _AfterForwardSpec(_cuda.ModuleSpec):
+    """A module whose source is compiled after ``kernels_cu/mhc.cu``'s text (NVRTC gets no
+    include path here), so the backward kernels use the forward's conversions, PTX wrappers
+    and 8-element helpers as they are. The defines follow mhc.cu, never touching its names."""
+
+    @property
+    def code(self) -> str:
+        return kernels_cu.source("mhc") + "\n" + super().code
+
+
+@dataclass(frozen=True)
+class _Geometry:
+    """The layout of one (x dtype, n) pre-backward module: ``BwdGeo`` in mhc_backward.cu."""
+
+    n: int
+    c_stage: int  # mhc_bwd_stats: columns of every stream per pipeline stage
+    c_grad: int  # mhc_bwd_grad: columns of every stream per chunk
+    stats_stage_bytes: int
+    grad_stage_bytes: int
+    grad_d_bytes: int  # mhc_bwd_grad's (dh @ phi^T) tile, after its stages
+    stats_row: int  # h, sum(x*x), dh_pre, dM: Q + 1 + n + n*n floats
+    coef_row: int  # h_pre, M, c_r, scale, padded to 4 floats
+    dh_row: int  # u16 per token: dloss/dh in bf16 pieces
+    piece_words: int  # phi fragments of one stats column block
+
+    @property
+    def defines(self) -> tuple[str, ...]:
+        return (
+            f"BWD_N={self.n}", f"BWD_C_STAGE={self.c_stage}", f"BWD_C_GRAD={self.c_grad}",
+            f"BWD_STATS_STAGE_BYTES={self.stats_stage_bytes}",
+            f"BWD_GRAD_STAGE_BYTES={self.grad_stage_bytes}",
+            f"BWD_GRAD_D_BYTES={self.grad_d_bytes}", f"BWD_THREADS={_THREADS}",
+            f"BWD_STATS_TILE={_STATS_TILE}", f"BWD_GRAD_TILE={_GRAD_TILE}",
+            f"BWD_TOKEN_THREADS={_TOKEN_THREADS}", f"BWD_REDUCE_THREADS={_REDUCE_THREADS}",
+        )  # fmt: skip
+
+
+@functools.cache
+def _geometry(dtype: str, n: int) -> _Geometry:
+    size = ITEMSIZE[dtype]
+    vec = 16 // size  # elements per 16-byte copy
+    q = n * n + 2 * n
+    n_tiles, q16 = -(-q // 8), -(-q // 16) * 16
+    # first pass: about 64 (16-bit x) or 32 (float32) K positions per stage, in whole
+    # 16-byte copies of each stream, padded to whole 16-deep k-steps
+    c_stage = max(vec, (64 if size == 2 else 32) // n // vec * vec)
+    positions = -(-n * c_stage // 16) * 16
+    piece_words = positions // 16 * n_tiles * 3 * 32 * 2
+    stats_stage = (2 * (positions + 8) + c_stage + vec) * _STATS_TILE * size + 4 * piece_words
+    # second pass: 128-byte rows of each stream per chunk where grad_phi's accumulators
+    # (chunk positions x Q, in registers) allow
+    c_grad = max(16, (64 if n <= 4 else 32 if n <= 6 else 16) // (size // 2))
+    chunk = n * c_grad
+    dh_pieces = 3 if size == 4 else 2
+    coef_row = -(-(n + n * n + 2) // 4) * 4
+    grad_stage = _GRAD_TILE * (
+        (2 * (chunk + vec) + c_grad + vec) * size + (dh_pieces * q16 + 8) * 2 + 4 * coef_row
+    )
+    return _Geometry(
+        n=n,
+        c_stage=c_stage,
+        c_grad=c_grad,
+        stats_stage_bytes=stats_stage,
+        grad_stage_bytes=grad_stage,
+        grad_d_bytes=_GRAD_TILE * (chunk + 8) * 4,
+        stats_row=q + 1 + n + n * n,
+        coef_row=coef_row,
+        dh_row=dh_pieces * q16,
+        piece_words=piece_words,
+    )
+
+
+_PRE_BACKWARD_KERNELS = (
+    "mhc_bwd_pieces", "mhc_bwd_stats", "mhc_bwd_token", "mhc_bwd_grad", "mhc_bwd_reduce",
+)  # fmt: skip
+
+
+def pre_backward_module(dtype: str, n: int) -> _cuda.ModuleSpec:
+    """The five pre-backward kernels of one x dtype and n, in launch order."""
+    cuda_type = _forward_kinds()[0][dtype]
+    names = tuple(f"{kernel}<{cuda_type}, {n}>" for kernel in _PRE_BACKWARD_KERNELS)
+    return _AfterForwardSpec("mhc_backward", names, _geometry(dtype, n).defines)
+
+
+def post_backward_module(dtype: str) -> _cuda.ModuleSpec:
+    """The post-backward kernel of one dtype, for n = 1 .. 8 unrolled and for any n (0)."""
+    cuda_type = _forward_kinds()[0][dtype]
+    names = tuple(f"mhc_post_bwd<{cuda_type}, {n}>" for n in range(9))
+    return _AfterForwardSpec("mhc_backward", names, (f"BWD_POST_THREADS={_POST_THREADS}",))
+
+
+@_cuda.register_catalog
+def _catalog():
+    cuda_types, streams = _forward_kinds()
+    for dtype in cuda_types:
+        for n in streams:
+            yield pre_backward_module(dtype, n)
+        yield post_backward_module(dtype)
+
+
+# --------------------------------------------------------------------------- plans
+
+
+def sinkhorn_checkpoints(repeat: int) -> tuple[int, int]:
+    """(segment, slots): mhc_bwd_token keeps the Sinkhorn matrix before every segment-th
+    step (ceil(repeat / segment) checkpoints) and recomputes one segment at a time into
+    ``segment`` more slots, so ~2*sqrt(repeat) matrices per token for any repeat."""
+    segment = max(1, math.isqrt(max(repeat - 1, 0)) + 1)  # ceil(sqrt(repeat)), at least 1
+    return segment, -(-repeat // segment) + segment
+
+
+@dataclass(frozen=True, slots=True)
+class _PreBackwardPlan:
+    """Launch geometry of one (device, dtype, n, c_x, batch), computed once."""
+
+    steps: tuple[_cuda.Step, ...]
+    stages: int
+    c_range: int  # first pass: columns per K split (a multiple of c_stage)
+    k_splits: int
+    grad_items: int  # second pass: (column chunk, token tile) items ...
+    grad_blocks: int  # ... shared evenly by this many blocks
+    slot_cap: int  # most blocks sharing one chunk (grad_phi partials per chunk)
+    scratch: tuple[int, ...]  # words: pieces, stats, coef, dh_pieces, per_token, phi_partial
+
+
+_plans: dict[tuple, _PreBackwardPlan] = {}
+_attributes: dict[tuple[int, int], int] = {}
+
+
+def _attribute(device: int, attribute: int) -> int:
+    value = _attributes.get((device, attribute))
+    if value is None:
+        value = cupy().cuda.runtime.deviceGetAttribute(attribute, device)
+        _attributes[(device, attribute)] = value
+    return value
+
+
+def _resident_blocks(kernel: Any, device: int, threads: int, smem: int) -> int:
+    """Blocks of ``kernel`` resident at once on the device, with ``smem`` bytes of dynamic
+    shared memory each (allowed past 48 KB first; idempotent)."""
+    cp = cupy()
+    driver = cp.cuda.driver
+    with cp.cuda.Device(device):
+        driver.funcSetAttribute(
+            kernel.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem
+        )
+        per_multiprocessor = driver.occupancyMaxActiveBlocksPerMultiprocessor(
+            kernel.ptr, threads, smem
+        )
+    return max(1, per_multiprocessor) * _attribute(device, _MULTIPROCESSORS)
+
+
+def _grad_owner(item: int, items: int, blocks: int) -> int:
+    """The mhc_bwd_grad block that takes ``item``: block j takes items
+    [j*items // blocks, (j+1)*items // blocks) (the kernel's formula)."""
+    return ((item + 1) * blocks - 1) // items
+
+
+def _pre_backward_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PreBackwardPlan:
+    key = (device, dtype, n, c_x, batch)
+    plan = _plans.get(key)
+    if plan is not None:
+        return plan
+    geometry = _geometry(dtype, n)
+    spec = pre_backward_module(dtype, n)
+    pieces, stats, token, grad, reduce = (
+        _cuda.function(spec, name, device) for name in spec.name_expressions
+    )
+    smem_cap = _attribute(device, _MAX_SMEM_OPTIN)
+    stages = min(
+        _MAX_STAGES,
+        smem_cap // geometry.stats_stage_bytes,
+        (smem_cap - geometry.grad_d_bytes) // geometry.grad_stage_bytes,
+    )
+    if stages < 2:
+        raise ValueError(
+            f"the mHC backward kernels need {2 * geometry.stats_stage_bytes} and "
+            f"{2 * geometry.grad_stage_bytes + geometry.grad_d_bytes} bytes of shared memory "
+            f"per block; this device allows {smem_cap}"
+        )
+    stats_smem = stages * geometry.stats_stage_bytes
+    grad_smem = stages * geometry.grad_stage_bytes + geometry.grad_d_bytes
+    threads = (_THREADS, 1, 1)
+    q = n * n + 2 * n
+    # first pass: tiles of 128 tokens times column ranges, about one block per resident slot
+    tiles = -(-batch // _STATS_TILE)
+    column_blocks = -(-c_x // geometry.c_stage)
+    wanted = max(1, _resident_blocks(stats, device, _THREADS, stats_smem) // tiles)
+    per_split = -(-column_blocks // wanted)
+    k_splits = -(-column_blocks // per_split)
+    # second pass: (chunk, tile) items shared evenly by the resident blocks
+    chunks = -(-c_x // geometry.c_grad)
+    grad_tiles = -(-batch // _GRAD_TILE)
+    items = chunks * grad_tiles
+    blocks = min(items, _resident_blocks(grad, device, _THREADS, grad_smem))
+    slot_cap = max(
+        _grad_owner((chunk + 1) * grad_tiles - 1, items, blocks)
+        - _grad_owner(chunk * grad_tiles, items, blocks)
+        + 1
+        for chunk in range(chunks)
+    )
+    reduce_blocks = -(-(n * c_x * q) // _REDUCE_THREADS) + q + 3
+    steps = (
+        _cuda.Step(pieces, (column_blocks, 1, 1), threads),
+        _cuda.Step(stats, (tiles * k_splits, 1, 1), threads, stats_smem),
+        _cuda.Step(token, (-(-batch // _TOKEN_THREADS), 1, 1), (_TOKEN_THREADS, 1, 1)),
+        _cuda.Step(grad, (blocks, 1, 1), threads, grad_smem),
+        _cuda.Step(reduce, (reduce_blocks, 1, 1), (_REDUCE_THREADS, 1, 1)),
+    )
+    plan = _PreBackwardPlan(
+        steps=steps,
+        stages=stages,
+        c_range=per_split * geometry.c_stage,
+        k_splits=k_splits,
+        grad_items=items,
+        grad_blocks=blocks,
+        slot_cap=slot_cap,
+        scratch=(
+            column_blocks * geometry.piece_words,
+            k_splits * geometry.stats_row * batch,
+            batch * geometry.coef_row,
+            -(-batch * geometry.dh_row // 2),
+            (q + 3) * batch,
+            chunks * slot_cap * n * geometry.c_grad * q,
+        ),
+    )
+    if len(_plans) > 4096:  # shapes churn (e.g. growing prefill chunks): start over
+        _plans.clear()
+    _plans[key] = plan
+    return plan

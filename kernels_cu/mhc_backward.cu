@@ -1,0 +1,1260 @@
+// mHC backward (SPEC section 8): the exact gradients of mhc.cu's pre and post.
+//
+// Compiled after mhc.cu's text (tileops_cupy._mhc prepends it: NVRTC gets no include path
+// here), so these kernels use the forward's conversions (Io, split_bf16), PTX wrappers
+// (cp.async, mma.sync, streaming loads and stores) and 8-element helpers (Raw8, unpack8,
+// store8, load_raw8) as they are. The geometry defines (BWD_*) follow mhc.cu in the module
+// text, so they never touch the forward's names.
+//
+// Pre backward, five kernels per call (one module per x dtype and n):
+//   mhc_bwd_pieces  phi as bf16 B fragments of h = x @ phi, one column block per block.
+//   mhc_bwd_stats   the first pass over x, grad_x_res (gxr) and grad_x_layer (gxl), a tile of
+//                   128 tokens by a range of columns c of every stream: h on the tensor cores
+//                   (phi in three exact bf16 pieces, as the forward), and in float32 FMA
+//                   sum(x*x), dh_pre[k] = sum_c gxl[c]*x_k[c] and dM[i,k] = sum_c gxr_i[c]*x_k[c],
+//                   into per-split partial sums.
+//   mhc_bwd_token   one thread per token: the partials summed in a fixed order, the gates and
+//                   every Sinkhorn step recomputed (checkpoints every ~sqrt(repeat) steps in a
+//                   scratch), then the chain rule back to dh = dloss/dh [Q], the coefficient of
+//                   x in the row norm's gradient, and the token's grad_b and grad_alpha terms.
+//   mhc_bwd_grad    the second pass: grad_x = h_pre[k]*gxl + sum_i M[i,k]*gxr_i + (dh @ phi^T)_k
+//                   + c_r*x, one rounding, and grad_phi = x^T @ dh, both products on the tensor
+//                   cores (dh and phi in bf16 pieces). Each block takes an equal static share of
+//                   the (column chunk, token tile) items and keeps grad_phi of its chunk in
+//                   registers, flushed to a per-(chunk, block) partial.
+//   mhc_bwd_reduce  grad_phi's partials, grad_b and grad_alpha summed in a fixed order.
+// Nothing is accumulated with atomics: two runs give the same bits.
+//
+// Post backward (mhc_post_bwd) is one pass, one block per row: grad_x_layer_out, grad_h_post
+// (a fixed-order block reduction) and the copy grad_x_res = grad_x_out.
+
+struct alignas(16) F4 {
+  float x, y, z, w;
+};
+struct alignas(8) F2 {
+  float x, y;
+};
+
+// 8 consecutive elements of a shared-memory row in their storage format (16-byte aligned).
+template <typename T>
+__device__ __forceinline__ void smem_raw8(const typename Io<T>::elem* p, Raw8<T>& r) {
+  constexpr int WORDS = sizeof(typename Io<T>::elem) == 2 ? 1 : 2;
+#pragma unroll
+  for (int h = 0; h < WORDS; ++h) r.w[h] = ((const U4*)p)[h];
+}
+
+// COUNT consecutive elements of a shared-memory row as floats, in 16- (or 8-) byte loads.
+template <typename T, int COUNT>
+__device__ __forceinline__ void smem_floats(const typename Io<T>::elem* p, float (&v)[COUNT]) {
+  typedef typename Io<T>::elem E;
+  constexpr int PER_WORD = 4 / (int)sizeof(E);
+  constexpr int WORDS = COUNT / PER_WORD;
+  static_assert(WORDS % 2 == 0, "rows are read 8 bytes at a time at least");
+  u32 w[WORDS];
+  if constexpr (WORDS % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < WORDS / 4; ++i) {
+      const U4 u = ((const U4*)p)[i];
+      w[4 * i] = u.x, w[4 * i + 1] = u.y, w[4 * i + 2] = u.z, w[4 * i + 3] = u.w;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < WORDS / 2; ++i) {
+      const U2 u = ((const U2*)p)[i];
+      w[2 * i] = u.x, w[2 * i + 1] = u.y;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < WORDS; ++i) {
+    if constexpr (PER_WORD == 2) {
+      v[2 * i] = Io<T>::to_float((u16)(w[i] & 0xffffu));
+      v[2 * i + 1] = Io<T>::to_float((u16)(w[i] >> 16));
+    } else {
+      v[i] = __uint_as_float(w[i]);
+    }
+  }
+}
+
+// Four 8x8 matrices of 16-bit elements from shared memory, transposed: lane l gives the
+// address of row l%8 of matrix l/8 and receives, of each matrix, its elements (2(l%4), l/4)
+// and (2(l%4)+1, l/4) in one register (the first in the low half).
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* smem) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_address(smem))
+               : "memory");
+}
+
+// ================================================================== pre backward
+#ifdef BWD_N
+
+// One by-value parameter for every pre-backward kernel (tileops_cupy._mhc.PRE_BWD_PARAMS
+// declares the same fields in the same order).
+struct PreBwdParams {
+  const void* x;             // [batch, n*c_x], rows x_stride elements apart, columns dense
+  const float* phi;          // [n*c_x, Q] through (phi_stride_k, phi_stride_q)
+  const float* bias;         // [Q] through bias_stride
+  const void* grad_x_res;    // [batch, n*c_x] in x's dtype, rows gxr_stride apart
+  const void* grad_x_layer;  // [batch, c_x] in x's dtype, rows gxl_stride apart
+  const float* grad_h_post;  // [batch, n] through (ghp_stride_row, ghp_stride_col)
+  float* grad_phi;           // [n*c_x, Q], contiguous
+  void* grad_x;              // [batch, n*c_x] in x's dtype, contiguous
+  float* grad_b;             // [Q]
+  float* grad_alpha;         // [3]: pre, post, res
+  u32* pieces;               // scratch: phi as B fragments, column block by column block
+  float* stats;              // scratch [k_splits][W][batch]: h, sum(x*x), dh_pre, dM
+  float* coef;               // scratch [batch][CW4]: h_pre, M, c_r, scale
+  u16* dh_pieces;            // scratch [batch][DP][QP16]: dloss/dh in bf16 pieces
+  float* per_token;          // scratch [Q + 3][batch]: dloss/dlogit (grad_b), grad_alpha terms
+  float* sinkhorn;           // scratch [slots][n*n][batch]: Sinkhorn checkpoints and steps
+  float* phi_partial;        // scratch [chunks][slot_cap][PG][Q]: grad_phi per (chunk, block)
+  i64 x_stride, gxr_stride, gxl_stride, ghp_stride_row, ghp_stride_col;
+  i64 phi_stride_k, phi_stride_q, bias_stride;
+  i64 batch, c_x, c_range, k_splits;
+  i64 grad_items, grad_blocks, slot_cap;
+  int vector_io, repeat, segment, stages;
+  float alpha_pre, alpha_post, alpha_res, eps;
+};
+
+static_assert(sizeof(PreBwdParams) == 288, "PreBwdParams changed: update PRE_BWD_PARAMS");
+
+constexpr int BWD_BLOCK = BWD_THREADS;  // threads of mhc_bwd_pieces, _stats and _grad
+
+// Layout of one module's kernels (x dtype T, n = N). The Python side computes the stage
+// sizes from the same rules and passes them as defines; the asserts keep the two in step.
+template <typename T, int N>
+struct BwdGeo {
+  static_assert(N == BWD_N, "the BWD_ defines of this module describe another n");
+  typedef typename Io<T>::elem E;
+  static constexpr int ES = (int)sizeof(E);
+  static constexpr int VEC = 16 / ES;  // elements per 16-byte access
+  static constexpr int Q = N * N + 2 * N;
+  static constexpr int NN = N * N;
+  static constexpr int NT = (Q + 7) / 8;           // 8-wide tiles of q
+  static constexpr int QP16 = (Q + 15) / 16 * 16;  // q padded to whole 16-deep k-steps
+  static constexpr int KQ = QP16 / 16;
+  static constexpr int XP = Io<T>::x_pieces;
+
+  // mhc_bwd_stats: a stage is CS columns of each of the n streams; stage position
+  // k*CS + j holds column j of stream k, padded with zeros to whole 16-deep k-steps
+  static constexpr int TILE = BWD_STATS_TILE;
+  static constexpr int CS = BWD_C_STAGE;
+  static constexpr int P = (N * CS + 15) / 16 * 16;
+  static constexpr int KS = P / 16;
+  static constexpr int XS_PITCH = P + 8;  // elements: a fragment's 8 rows fall in distinct banks
+  static constexpr int LS_PITCH = CS + VEC;
+  static constexpr int HC = CS / 2;  // columns of one product thread (two per token)
+  static constexpr int W = Q + 1 + N + NN;  // stats row: h, sum(x*x), dh_pre, dM
+  static constexpr int PW = 1 + N + NN;     // product sums of one token
+  static constexpr int PIECE_WORDS = KS * NT * 3 * 32 * 2;
+  static constexpr int XS_BYTES = TILE * XS_PITCH * ES;
+  static constexpr int LS_BYTES = TILE * LS_PITCH * ES;
+  static constexpr int STATS_STAGE = 2 * XS_BYTES + LS_BYTES + PIECE_WORDS * 4;
+  static constexpr int STATS_EPILOGUE = TILE * (2 * NT * 4 + PW) * 4;
+
+  // mhc_bwd_grad: a chunk is CG columns of each stream (PG positions k*CG + j)
+  static constexpr int GTILE = BWD_GRAD_TILE;
+  static constexpr int CG = BWD_C_GRAD;
+  static constexpr int PG = N * CG;
+  static constexpr int GX_PITCH = PG + VEC;  // an odd number of 16-byte units: ldmatrix rows
+  static constexpr int GL_PITCH = CG + VEC;  // fall in distinct banks
+  static constexpr int DP = ES == 4 ? 3 : 2;  // bf16 pieces of dh: enough for x's dtype
+  static constexpr int DH_ROW = DP * QP16;    // u16 per token in the dh_pieces scratch
+  static constexpr int DH_PITCH = DH_ROW + 8;
+  static constexpr int CW4 = (N + NN + 2 + 3) / 4 * 4;  // coefficient row: h_pre, M, c_r, scale
+  static constexpr int D_PITCH = PG + 8;                // floats
+  static constexpr int GX_BYTES = GTILE * GX_PITCH * ES;
+  static constexpr int GL_BYTES = GTILE * GL_PITCH * ES;
+  static constexpr int DH_BYTES = GTILE * DH_PITCH * 2;
+  static constexpr int CF_BYTES = GTILE * CW4 * 4;
+  static constexpr int GRAD_STAGE = 2 * GX_BYTES + GL_BYTES + DH_BYTES + CF_BYTES;
+  static constexpr int D_BYTES = GTILE * D_PITCH * 4;
+  static constexpr int MTK = PG / 16, MT_W = (MTK + 7) / 8;  // grad_phi m-tiles (positions)
+  static constexpr int NTK = PG / 8, NW = (NTK + 7) / 8;     // dh @ phi^T n-tiles (positions)
+  static constexpr int XPG = XP == 1 ? 1 : 2;  // x pieces for grad_phi (hi + mid is plenty)
+
+  static_assert(STATS_STAGE == BWD_STATS_STAGE_BYTES, "stats stage: tileops_cupy._mhc differs");
+  static_assert(GRAD_STAGE == BWD_GRAD_STAGE_BYTES, "grad stage: tileops_cupy._mhc differs");
+  static_assert(D_BYTES == BWD_GRAD_D_BYTES, "grad D buffer: tileops_cupy._mhc differs");
+  static_assert(STATS_EPILOGUE <= 2 * STATS_STAGE, "the stats epilogue reuses two stages");
+  static_assert(BWD_BLOCK == 2 * TILE && TILE == 128, "stats: 8 warps, 2 threads per token");
+  static_assert(GTILE == 32, "grad: two 16-token m-tiles per item");
+  static_assert(CS % VEC == 0 && CS % 2 == 0 && CG % 16 == 0 && CG % VEC == 0, "widths");
+};
+
+// The 16x16 A fragment at (row, col) of a row-major tile of x (PITCH elements a row), in XP
+// exact bf16 pieces: a0 (g, k), a1 (g+8, k), a2 (g, k+8), a3 (g+8, k+8).
+template <typename T, int XP, int PITCH>
+__device__ __forceinline__ void x_fragment_pieces(const typename Io<T>::elem* stage, int row, int col,
+                                                  u32 (&a)[XP][4]) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const typename Io<T>::elem* src = stage + (row + (r & 1) * 8) * PITCH + col + (r >> 1) * 8;
+    if constexpr (Io<T>::x_pieces == 1) {
+      a[0][r] = *(const u32*)src;
+    } else {
+      float f0, f1;
+      if constexpr (sizeof(typename Io<T>::elem) == 2) {
+        const u32 w = *(const u32*)src;
+        f0 = Io<T>::to_float((u16)(w & 0xffffu));
+        f1 = Io<T>::to_float((u16)(w >> 16));
+      } else {
+        const U2 w = *(const U2*)src;
+        f0 = __uint_as_float(w.x);
+        f1 = __uint_as_float(w.y);
+      }
+      u32 p0[XP], p1[XP];
+      split_bf16<XP>(f0, p0);
+      split_bf16<XP>(f1, p1);
+#pragma unroll
+      for (int i = 0; i < XP; ++i) a[i][r] = p0[i] | (p1[i] << 16);
+    }
+  }
+}
+
+// ------------------------------------------------------------------ phi fragments
+
+// Block b: the B fragments of h = x @ phi for stats column block b (columns b*CS .. of every
+// stream), each phi value split into three bf16 pieces; 0 past phi. Layout as mhc.cu's
+// build_pieces: [k-step][n-tile][piece][lane] x (b0, b1).
+template <typename T, int N>
+__global__ void __launch_bounds__(BWD_BLOCK) mhc_bwd_pieces(const PreBwdParams p) {
+  typedef BwdGeo<T, N> G;
+  constexpr int Q = G::Q, NT = G::NT, CS = G::CS;
+  const i64 c0 = (i64)blockIdx.x * CS;
+  u32* dst = p.pieces + (i64)blockIdx.x * G::PIECE_WORDS;
+  auto phi_at = [&](int pos, int q) -> float {
+    const int k = pos / CS;
+    const i64 c = c0 + (pos - k * CS);
+    if (k >= N || c >= p.c_x || q >= Q) return 0.f;
+    return p.phi[(k * p.c_x + c) * p.phi_stride_k + q * p.phi_stride_q];
+  };
+  for (int slot = threadIdx.x; slot < G::KS * NT * 64; slot += BWD_BLOCK) {
+    const int half = slot & 1, lane = (slot >> 1) & 31, rest = slot >> 6;
+    const int nt = rest % NT, ks = rest / NT;
+    const int q = nt * 8 + (lane >> 2);
+    const int pos = ks * 16 + half * 8 + 2 * (lane & 3);
+    u32 lo[3], hi[3];
+    split_bf16<3>(phi_at(pos, q), lo);
+    split_bf16<3>(phi_at(pos + 1, q), hi);
+#pragma unroll
+    for (int piece = 0; piece < 3; ++piece)
+      dst[(((ks * NT + nt) * 3 + piece) * 32 + lane) * 2 + half] = lo[piece] | (hi[piece] << 16);
+  }
+}
+
+// ------------------------------------------------------------------ first pass
+
+// Grid: (tiles of 128 tokens) x k_splits; block b takes tile b / k_splits and columns
+// [split*c_range, (split+1)*c_range) of every stream, c_range a multiple of CS. Warps as
+// mhc_project: warp w takes tokens 32*(w%4) .. +32 (two m-tiles) and the k-steps of parity
+// w/4. Product thread tid takes token tid%128 and half tid/128 of each stage's columns.
+// Dynamic shared memory: `stages` stages of (x, gxr, gxl, phi fragments).
+template <typename T, int N>
+__global__ void __launch_bounds__(BWD_BLOCK, 1) mhc_bwd_stats(const PreBwdParams p) {
+  typedef BwdGeo<T, N> G;
+  typedef typename G::E E;
+  constexpr int Q = G::Q, NT = G::NT, KS = G::KS, CS = G::CS, XP = G::XP, HC = G::HC;
+  constexpr int NN = G::NN, W = G::W, PW = G::PW, TILE = G::TILE, VEC = G::VEC;
+  extern __shared__ U4 dynamic_smem[];
+  unsigned char* smem = (unsigned char*)dynamic_smem;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, tg = lane & 3;
+  const int row_group = warp & 3, k_half = warp >> 2;
+  const int token = tid & (TILE - 1), half = tid / TILE;
+  const i64 tile = blockIdx.x / p.k_splits, split = blockIdx.x % p.k_splits;
+  const i64 row0 = tile * TILE;
+  const i64 c_begin = split * p.c_range;
+  const i64 c_end = c_begin + p.c_range < p.c_x ? c_begin + p.c_range : p.c_x;
+  const int blocks = (int)((c_end - c_begin + CS - 1) / CS);
+  const int stages = p.stages;
+  const E* x = (const E*)p.x;
+  const E* gxr = (const E*)p.grad_x_res;
+  const E* gxl = (const E*)p.grad_x_layer;
+
+  // rows past the batch and the padding positions are never loaded: they must read as zeros
+  for (int i = tid; i < stages * (G::STATS_STAGE / 16); i += BWD_BLOCK) dynamic_smem[i] = U4{0u, 0u, 0u, 0u};
+  __syncthreads();
+
+  auto stage_base = [&](int s) { return smem + s * G::STATS_STAGE; };
+  auto load_block = [&](int b) {
+    unsigned char* base = stage_base(b % stages);
+    E* xs = (E*)base;
+    E* gs = (E*)(base + G::XS_BYTES);
+    E* ls = (E*)(base + 2 * G::XS_BYTES);
+    u32* pc = (u32*)(base + 2 * G::XS_BYTES + G::LS_BYTES);
+    const i64 cb = c_begin + (i64)b * CS;
+    const u32* src = p.pieces + (cb / CS) * G::PIECE_WORDS;
+    for (int i = tid; i < G::PIECE_WORDS / 4; i += BWD_BLOCK) cp_async16(pc + 4 * i, src + 4 * i);
+    if (p.vector_io) {  // 16-byte copies: each lies wholly inside or outside [cb, c_end)
+      constexpr int SEGS = CS / VEC;
+      for (int i = tid; i < TILE * N * SEGS; i += BWD_BLOCK) {
+        const int r = i / (N * SEGS), rest = i - r * (N * SEGS);
+        const int k = rest / SEGS, seg = rest - k * SEGS;
+        const i64 row = row0 + r;
+        if (row >= p.batch) continue;  // stays zero from the kernel's start
+        const i64 c = cb + seg * VEC;
+        const int at = r * G::XS_PITCH + k * CS + seg * VEC;
+        if (c < c_end) {
+          cp_async16(xs + at, x + row * p.x_stride + k * p.c_x + c);
+          cp_async16(gs + at, gxr + row * p.gxr_stride + k * p.c_x + c);
+        } else {  // past this range: zeros, so the padded products vanish
+          *(U4*)(xs + at) = U4{0u, 0u, 0u, 0u};
+          *(U4*)(gs + at) = U4{0u, 0u, 0u, 0u};
+        }
+      }
+      for (int i = tid; i < TILE * SEGS; i += BWD_BLOCK) {
+        const int r = i / SEGS, seg = i - r * SEGS;
+        const i64 row = row0 + r;
+        if (row >= p.batch) continue;
+        const i64 c = cb + seg * VEC;
+        E* dst = ls + r * G::LS_PITCH + seg * VEC;
+        if (c < c_end)
+          cp_async16(dst, gxl + row * p.gxl_stride + c);
+        else
+          *(U4*)dst = U4{0u, 0u, 0u, 0u};
+      }
+    } else {  // rows not 16-byte aligned: element by element
+      for (int i = tid; i < TILE * N * CS; i += BWD_BLOCK) {
+        const int r = i / (N * CS), rest = i - r * (N * CS);
+        const int k = rest / CS, j = rest - k * CS;
+        const i64 row = row0 + r;
+        if (row >= p.batch) continue;
+        const i64 c = cb + j;
+        const bool inside = c < c_end;
+        xs[r * G::XS_PITCH + k * CS + j] = inside ? x[row * p.x_stride + k * p.c_x + c] : E{};
+        gs[r * G::XS_PITCH + k * CS + j] = inside ? gxr[row * p.gxr_stride + k * p.c_x + c] : E{};
+      }
+      for (int i = tid; i < TILE * CS; i += BWD_BLOCK) {
+        const int r = i / CS, j = i - r * CS;
+        const i64 row = row0 + r;
+        if (row >= p.batch) continue;
+        const i64 c = cb + j;
+        ls[r * G::LS_PITCH + j] = c < c_end ? gxl[row * p.gxl_stride + c] : E{};
+      }
+    }
+  };
+
+  for (int s = 0; s < stages - 1; ++s) {
+    if (s < blocks) load_block(s);
+    cp_async_commit();
+  }
+
+  float acc[2][NT][4];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
+  float sumsq = 0.f, pre[N], mix[NN];
+#pragma unroll
+  for (int k = 0; k < N; ++k) pre[k] = 0.f;
+#pragma unroll
+  for (int e = 0; e < NN; ++e) mix[e] = 0.f;
+
+  for (int b = 0; b < blocks; ++b) {
+    cp_async_wait_all_but(stages - 2);
+    __syncthreads();  // block b's stage is in; every warp is done with block b-1
+    if (b + stages - 1 < blocks) load_block(b + stages - 1);  // into the stage b-1 used
+    cp_async_commit();
+    const unsigned char* base = stage_base(b % stages);
+    const E* xs = (const E*)base;
+    const E* gs = (const E*)(base + G::XS_BYTES);
+    const E* ls = (const E*)(base + 2 * G::XS_BYTES);
+    const U2* frag = (const U2*)(base + 2 * G::XS_BYTES + G::LS_BYTES);
+
+    // h += x @ phi on the tensor cores
+    for (int ks = k_half; ks < KS; ks += 2) {
+      u32 a[2][XP][4];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+        x_fragment_pieces<T, XP, G::XS_PITCH>(xs, row_group * 32 + mt * 16 + g, ks * 16 + 2 * tg, a[mt]);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+        for (int piece = 0; piece < 3; ++piece) {
+          const U2 bw = frag[((ks * NT + nt) * 3 + piece) * 32 + lane];
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int xp = 0; xp < XP; ++xp)
+              if (xp + piece <= 2) mma_bf16_16816(acc[mt][nt], a[mt][xp], bw);
+        }
+      }
+    }
+
+    // sum(x*x), dh_pre and dM of this thread's token and columns, in float32 FMA
+    {
+      const E* xr = xs + token * G::XS_PITCH + half * HC;
+      const E* gr = gs + token * G::XS_PITCH + half * HC;
+      float gl[HC], gv[N][HC];
+      smem_floats<T, HC>(ls + token * G::LS_PITCH + half * HC, gl);
+#pragma unroll
+      for (int i = 0; i < N; ++i) smem_floats<T, HC>(gr + i * CS, gv[i]);
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        float xv[HC];
+        smem_floats<T, HC>(xr + k * CS, xv);
+#pragma unroll
+        for (int j = 0; j < HC; ++j) {
+          sumsq = fmaf(xv[j], xv[j], sumsq);
+          pre[k] = fmaf(gl[j], xv[j], pre[k]);
+#pragma unroll
+          for (int i = 0; i < N; ++i) mix[i * N + k] = fmaf(gv[i][j], xv[j], mix[i * N + k]);
+        }
+      }
+    }
+  }
+
+  // The two k halves (mma) and the two column halves (products) meet in shared memory.
+  cp_async_wait_all_but(0);
+  __syncthreads();
+  constexpr int RED = 2 * NT * 4;
+  float* red = (float*)smem + (row_group * 32 + lane) * RED;  // [128 lanes][RED]
+  float* prod = (float*)smem + TILE * RED;                      // [128 tokens][PW]
+  if (k_half == 1) {
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) red[(mt * NT + nt) * 4 + e] = acc[mt][nt][e];
+  }
+  if (half == 1) {
+    float* mine = prod + token * PW;
+    mine[0] = sumsq;
+#pragma unroll
+    for (int k = 0; k < N; ++k) mine[1 + k] = pre[k];
+#pragma unroll
+    for (int e = 0; e < NN; ++e) mine[1 + N + e] = mix[e];
+  }
+  __syncthreads();
+  const i64 batch = p.batch;
+  float* out = p.stats + split * W * batch;  // [W][batch] of this split
+  if (k_half == 0) {
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const i64 row = row0 + row_group * 32 + mt * 16 + g + 8 * hh;
+        if (row >= batch) continue;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int q = nt * 8 + 2 * tg + e;
+            if (q < Q) out[q * batch + row] = acc[mt][nt][2 * hh + e] + red[(mt * NT + nt) * 4 + 2 * hh + e];
+          }
+      }
+  }
+  if (half == 0) {
+    const i64 row = row0 + token;
+    if (row < batch) {
+      const float* other = prod + token * PW;
+      out[Q * batch + row] = sumsq + other[0];
+#pragma unroll
+      for (int k = 0; k < N; ++k) out[(Q + 1 + k) * batch + row] = pre[k] + other[1 + k];
+#pragma unroll
+      for (int e = 0; e < NN; ++e) out[(Q + 1 + N + e) * batch + row] = mix[e] + other[1 + N + e];
+    }
+  }
+}
+
+// ------------------------------------------------------------------ per token
+
+// One Sinkhorn step as the forward takes it (rows, then columns; a sum that is exactly 0
+// divides by 1), each division as a multiplication by the divisor's reciprocal.
+template <int N>
+__device__ __forceinline__ void sinkhorn_step(float (&m)[N * N], float eps) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    float s = 0.f;
+#pragma unroll
+    for (int k = 0; k < N; ++k) s += m[i * N + k];
+    s += eps;
+    const float r = 1.f / (s == 0.f ? 1.f : s);
+#pragma unroll
+    for (int k = 0; k < N; ++k) m[i * N + k] *= r;
+  }
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    float c = 0.f;
+#pragma unroll
+    for (int i = 0; i < N; ++i) c += m[i * N + k];
+    c += eps;
+    const float r = 1.f / (c == 0.f ? 1.f : c);
+#pragma unroll
+    for (int i = 0; i < N; ++i) m[i * N + k] *= r;
+  }
+}
+
+// The gradient through one Sinkhorn step, in log form: `a` holds the step's input
+// (overwritten), `u` = grad (.) matrix elementwise, for the step's output on entry and for its
+// input on return. A step out = m / d, d = sum(m) + eps along the axis, has
+// grad_m = (grad_out - sum(grad_out * out)) / d; times m that is u_m = u_out - out * sum(u_out):
+// no division, so a near-empty row or column that the forward lifted (tiny entries over eps,
+// step after step) never makes the gradient overflow float32 (as the host path). Where d was
+// replaced by 1, m and out are all zero and the formula still holds.
+template <int N>
+__device__ __forceinline__ void sinkhorn_step_backward(float (&a)[N * N], float (&u)[N * N], float eps) {
+  float col_inv[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) {  // the row step again: a becomes its output
+    float s = 0.f;
+#pragma unroll
+    for (int k = 0; k < N; ++k) s += a[i * N + k];
+    s += eps;
+    const float r = 1.f / (s == 0.f ? 1.f : s);
+#pragma unroll
+    for (int k = 0; k < N; ++k) a[i * N + k] *= r;
+  }
+#pragma unroll
+  for (int k = 0; k < N; ++k) {  // the column step's divisors; its output is a * col_inv
+    float c = 0.f;
+#pragma unroll
+    for (int i = 0; i < N; ++i) c += a[i * N + k];
+    c += eps;
+    col_inv[k] = 1.f / (c == 0.f ? 1.f : c);
+  }
+#pragma unroll
+  for (int k = 0; k < N; ++k) {  // back through the column step
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < N; ++i) s += u[i * N + k];
+#pragma unroll
+    for (int i = 0; i < N; ++i) u[i * N + k] = fmaf(-(a[i * N + k] * col_inv[k]), s, u[i * N + k]);
+  }
+#pragma unroll
+  for (int i = 0; i < N; ++i) {  // back through the row step (its output is a)
+    float s = 0.f;
+#pragma unroll
+    for (int k = 0; k < N; ++k) s += u[i * N + k];
+#pragma unroll
+    for (int k = 0; k < N; ++k) u[i * N + k] = fmaf(-a[i * N + k], s, u[i * N + k]);
+  }
+}
+
+// One thread per token.
+template <typename T, int N>
+__global__ void __launch_bounds__(BWD_TOKEN_THREADS) mhc_bwd_token(const PreBwdParams p) {
+  typedef BwdGeo<T, N> G;
+  typedef typename G::E E;
+  constexpr int Q = G::Q, W = G::W, NN = G::NN, DP = G::DP, QP16 = G::QP16, CW4 = G::CW4;
+  const i64 t = (i64)blockIdx.x * BWD_TOKEN_THREADS + threadIdx.x;
+  const i64 batch = p.batch;
+  if (t >= batch) return;
+  auto stat = [&](int w) {  // the k_splits partials, summed in a fixed order
+    float v = 0.f;
+    for (i64 s = 0; s < p.k_splits; ++s) v += p.stats[(s * W + w) * batch + t];
+    return v;
+  };
+  auto bias = [&](int q) { return p.bias[q * p.bias_stride]; };
+
+  float h[Q];
+#pragma unroll
+  for (int q = 0; q < Q; ++q) h[q] = stat(q);
+
+  // The row norm. sum(x*x) overflows to inf from |x| ~ 1e19 up (x finite): such a row is
+  // read again and summed scaled by the power of two that brings its max |x| into [0.5, 1).
+  float sumsq = stat(Q), scale = 1.f;
+  if (is_inf(sumsq)) {
+    const E* xr = (const E*)p.x + t * p.x_stride;
+    const i64 K = N * p.c_x;
+    float peak = 0.f;
+    for (i64 c = 0; c < K; ++c) peak = fmaxf(peak, fabsf(Io<T>::to_float(xr[c])));
+    int exponent;
+    frexpf(peak, &exponent);
+    scale = ldexpf(1.f, -exponent);
+    sumsq = 0.f;
+    for (i64 c = 0; c < K; ++c) {
+      const float v = Io<T>::to_float(xr[c]) * scale;
+      sumsq = fmaf(v, v, sumsq);
+    }
+  }
+  const float root_width = sqrtf((float)(N * p.c_x));
+  const float rms = sqrtf(sumsq) / root_width / scale + 1e-4f;  // as the forward
+
+  float* coef = p.coef + t * CW4;
+  u16* dh_out = p.dh_pieces + t * (DP * QP16);
+  float* per_token = p.per_token + t;  // [Q + 3][batch]
+  float grad_alpha_pre = 0.f, grad_alpha_post = 0.f, grad_alpha_res = 0.f;
+  float rms_sum = 0.f;  // sum over logits of dloss/dlogit * alpha*h/rms
+  // logit q = alpha*h[q]/rms + b[q]; `grad` = dloss/dlogit, final
+  auto emit = [&](int q, float grad, float alpha, float& grad_alpha) {
+    const float v = h[q] / rms;  // dlogit/dalpha
+    per_token[q * batch] = grad;
+    grad_alpha = fmaf(grad, v, grad_alpha);
+    rms_sum = fmaf(grad, alpha * v, rms_sum);
+    u32 pieces[3];
+    split_bf16<3>(grad * alpha / rms, pieces);  // dloss/dh[q]
+#pragma unroll
+    for (int j = 0; j < DP; ++j) dh_out[j * QP16 + q] = (u16)pieces[j];
+  };
+
+  // gates: h_pre = sigmoid(z), h_post = 2*sigmoid(z); sigmoid' = sigmoid(z)*sigmoid(-z)
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    const float z = p.alpha_pre * h[k] / rms + bias(k);
+    const float gate = sigmoid(z);
+    coef[k] = gate;
+    emit(k, stat(Q + 1 + k) * gate * sigmoid(-z), p.alpha_pre, grad_alpha_pre);
+  }
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const float z = p.alpha_post * h[N + i] / rms + bias(N + i);
+    const float up = p.grad_h_post[t * p.ghp_stride_row + i * p.ghp_stride_col];
+    emit(N + i, 2.f * up * sigmoid(z) * sigmoid(-z), p.alpha_post, grad_alpha_post);
+  }
+
+  // M = exp(L - rowmax(L)), then the Sinkhorn steps, input of every seg-th step kept
+  float m[NN], row_max[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    float peak = __uint_as_float(0xff800000u);  // -inf
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const int q = 2 * N + i * N + k;
+      m[i * N + k] = p.alpha_res * h[q] / rms + bias(q);
+      peak = fmaxf(peak, m[i * N + k]);
+    }
+    row_max[i] = peak;
+#pragma unroll
+    for (int k = 0; k < N; ++k) m[i * N + k] = expf(m[i * N + k] - peak);
+  }
+  const int repeat = p.repeat, seg = p.segment;
+  const int checkpoints = (repeat + seg - 1) / seg;
+  float* trace = p.sinkhorn + t;  // [slot][NN][batch]; slots: checkpoints, then one segment
+  auto save = [&](int slot, const float (&v)[NN]) {
+#pragma unroll
+    for (int e = 0; e < NN; ++e) trace[((i64)slot * NN + e) * batch] = v[e];
+  };
+  auto restore = [&](int slot, float (&v)[NN]) {
+#pragma unroll
+    for (int e = 0; e < NN; ++e) v[e] = trace[((i64)slot * NN + e) * batch];
+  };
+  for (int it = 0; it < repeat; ++it) {
+    if (it % seg == 0) save(it / seg, m);
+    sinkhorn_step<N>(m, p.eps);
+  }
+#pragma unroll
+  for (int e = 0; e < NN; ++e) coef[N + e] = m[e];  // the final matrix, for grad_x
+
+  // back through the Sinkhorn steps (log form: u = dloss/dM (.) M), one segment at a time
+  // from its checkpoint
+  float u[NN];
+#pragma unroll
+  for (int e = 0; e < NN; ++e) u[e] = stat(Q + 1 + N + e) * m[e];  // dloss/dM[i,k] * M[i,k]
+  for (int c = checkpoints - 1; c >= 0; --c) {
+    const int first = c * seg, last = first + seg < repeat ? first + seg : repeat;
+    float a[NN];
+    restore(c, a);
+    for (int it = first; it < last; ++it) {
+      save(checkpoints + it - first, a);
+      if (it + 1 < last) sinkhorn_step<N>(a, p.eps);
+    }
+    for (int it = last - 1; it >= first; --it) {
+      restore(checkpoints + it - first, a);
+      sinkhorn_step_backward<N>(a, u, p.eps);
+    }
+  }
+
+  // u is now dloss/d(L - rowmax(L)) (exp's derivative is M itself); the row max passes its
+  // share to the row's maximum, split evenly among ties (torch.amax)
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    bool top[N];
+    float total = 0.f;
+    int ties = 0;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+      const int q = 2 * N + i * N + k;
+      top[k] = p.alpha_res * h[q] / rms + bias(q) == row_max[i];  // the forward's logit again
+      total += u[i * N + k];
+      ties += top[k];
+    }
+    const float share = total / (float)ties;
+#pragma unroll
+    for (int k = 0; k < N; ++k)
+      emit(2 * N + i * N + k, u[i * N + k] - (top[k] ? share : 0.f), p.alpha_res, grad_alpha_res);
+  }
+#pragma unroll
+  for (int q = Q; q < QP16; ++q)
+#pragma unroll
+    for (int j = 0; j < DP; ++j) dh_out[j * QP16 + q] = 0;
+
+  // rms = sqrt(sum(x*x))/sqrt(width) + 1e-4: drms/dx_j = x_j*scale / (sqrt(width)*sqrt(sumsq))
+  // (sumsq scaled by scale^2); x = 0 everywhere gives 0 (the subgradient)
+  const float grad_rms = -rms_sum / rms;
+  const float denominator = root_width * sqrtf(sumsq);
+  coef[N + NN] = denominator > 0.f ? grad_rms / denominator : 0.f;
+  coef[N + NN + 1] = scale;
+#pragma unroll
+  for (int e = N + NN + 2; e < CW4; ++e) coef[e] = 0.f;
+  per_token[Q * batch] = grad_alpha_pre;
+  per_token[(Q + 1) * batch] = grad_alpha_post;
+  per_token[(Q + 2) * batch] = grad_alpha_res;
+}
+
+// ------------------------------------------------------------------ second pass
+
+// Items: (column chunk, token tile of 32) pairs, chunk-major, `grad_items` of them; block j
+// takes items [j*items/blocks, (j+1)*items/blocks). Per item: the tile's x, gxr, gxl (CG
+// columns of every stream), dh pieces and coefficients stream through a cp.async pipeline;
+//   (a) D = dh @ phi^T [32 tokens x PG] on the tensor cores, phi^T fragments of the chunk in
+//       registers (warp w: position n-tiles w, w+8, ...), into shared memory;
+//   (b) grad_phi[PG x Q] += x^T @ dh on the tensor cores (warp w: position m-tiles w, w+8,
+//       ...), accumulated in registers while the chunk lasts;
+//   (c) grad_x = h_pre[k]*gxl + sum_i M[i,k]*gxr_i + c_r*scale*x + D, one thread per 8
+//       columns of a token (and group of streams), one rounding, 16-byte stores.
+template <typename T, int N>
+__global__ void __launch_bounds__(BWD_BLOCK, 1) mhc_bwd_grad(const PreBwdParams p) {
+  typedef BwdGeo<T, N> G;
+  typedef typename G::E E;
+  constexpr int Q = G::Q, NT = G::NT, KQ = G::KQ, QP16 = G::QP16, CG = G::CG, PG = G::PG;
+  constexpr int DP = G::DP, VEC = G::VEC, NN = G::NN, TILE = G::GTILE, XPG = G::XPG;
+  constexpr int MTK = G::MTK, MT_W = G::MT_W, NTK = G::NTK, NW = G::NW, CW4 = G::CW4;
+  extern __shared__ U4 dynamic_smem[];
+  unsigned char* smem = (unsigned char*)dynamic_smem;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, tg = lane & 3;
+  const int stages = p.stages;
+  const i64 batch = p.batch, c_x = p.c_x;
+  const i64 tiles = (batch + TILE - 1) / TILE;
+  const i64 items = p.grad_items, blocks = p.grad_blocks;
+  const i64 u_begin = (i64)blockIdx.x * items / blocks;
+  const int count = (int)(((i64)blockIdx.x + 1) * items / blocks - u_begin);
+  const E* x = (const E*)p.x;
+  const E* gxr = (const E*)p.grad_x_res;
+  const E* gxl = (const E*)p.grad_x_layer;
+  float* D = (float*)(smem + stages * G::GRAD_STAGE);  // [TILE][D_PITCH]
+
+  auto stage_base = [&](int s) { return smem + s * G::GRAD_STAGE; };
+  auto load_item = [&](int i) {
+    unsigned char* base = stage_base(i % stages);
+    E* xs = (E*)base;
+    E* gs = (E*)(base + G::GX_BYTES);
+    E* ls = (E*)(base + 2 * G::GX_BYTES);
+    u16* dh = (u16*)(base + 2 * G::GX_BYTES + G::GL_BYTES);
+    float* cf = (float*)(base + 2 * G::GX_BYTES + G::GL_BYTES + G::DH_BYTES);
+    const i64 u = u_begin + i, chunk = u / tiles;
+    const i64 row0 = (u - chunk * tiles) * TILE, c0 = chunk * CG;
+    if (p.vector_io) {  // 16-byte copies: each lies wholly inside or outside [0, c_x)
+      constexpr int SEGS = CG / VEC;
+      for (int j = tid; j < TILE * N * SEGS; j += BWD_BLOCK) {
+        const int r = j / (N * SEGS), rest = j - r * (N * SEGS);
+        const int k = rest / SEGS, seg = rest - k * SEGS;
+        const i64 row = row0 + r, c = c0 + seg * VEC;
+        const int at = r * G::GX_PITCH + k * CG + seg * VEC;
+        if (row < batch && c < c_x) {
+          cp_async16(xs + at, x + row * p.x_stride + k * c_x + c);
+          cp_async16(gs + at, gxr + row * p.gxr_stride + k * c_x + c);
+        } else {
+          *(U4*)(xs + at) = U4{0u, 0u, 0u, 0u};
+          *(U4*)(gs + at) = U4{0u, 0u, 0u, 0u};
+        }
+      }
+      for (int j = tid; j < TILE * SEGS; j += BWD_BLOCK) {
+        const int r = j / SEGS, seg = j - r * SEGS;
+        const i64 row = row0 + r, c = c0 + seg * VEC;
+        E* dst = ls + r * G::GL_PITCH + seg * VEC;
+        if (row < batch && c < c_x)
+          cp_async16(dst, gxl + row * p.gxl_stride + c);
+        else
+          *(U4*)dst = U4{0u, 0u, 0u, 0u};
+      }
+    } else {  // rows not 16-byte aligned: element by element
+      for (int j = tid; j < TILE * N * CG; j += BWD_BLOCK) {
+        const int r = j / (N * CG), rest = j - r * (N * CG);
+        const int k = rest / CG, cc = rest - k * CG;
+        const i64 row = row0 + r, c = c0 + cc;
+        const bool inside = row < batch && c < c_x;
+        xs[r * G::GX_PITCH + k * CG + cc] = inside ? x[row * p.x_stride + k * c_x + c] : E{};
+        gs[r * G::GX_PITCH + k * CG + cc] = inside ? gxr[row * p.gxr_stride + k * c_x + c] : E{};
+      }
+      for (int j = tid; j < TILE * CG; j += BWD_BLOCK) {
+        const int r = j / CG, cc = j - r * CG;
+        const i64 row = row0 + r, c = c0 + cc;
+        ls[r * G::GL_PITCH + cc] = row < batch && c < c_x ? gxl[row * p.gxl_stride + c] : E{};
+      }
+    }
+    constexpr int DH_SEGS = G::DH_ROW * 2 / 16, CF_SEGS = CW4 / 4;
+    for (int j = tid; j < TILE * DH_SEGS; j += BWD_BLOCK) {
+      const int r = j / DH_SEGS, seg = j - r * DH_SEGS;
+      const i64 row = row0 + r;
+      u16* dst = dh + r * G::DH_PITCH + seg * 8;
+      if (row < batch)
+        cp_async16(dst, p.dh_pieces + row * G::DH_ROW + seg * 8);
+      else
+        *(U4*)dst = U4{0u, 0u, 0u, 0u};
+    }
+    for (int j = tid; j < TILE * CF_SEGS; j += BWD_BLOCK) {
+      const int r = j / CF_SEGS, seg = j - r * CF_SEGS;
+      const i64 row = row0 + r;
+      float* dst = cf + r * CW4 + seg * 4;
+      if (row < batch)
+        cp_async16(dst, p.coef + row * CW4 + seg * 4);
+      else
+        *(U4*)dst = U4{0u, 0u, 0u, 0u};
+    }
+  };
+
+  // phi^T as B fragments of (a) for one chunk: n = position nt*8 + g, k = q; DP pieces
+  u32 bphi[NW][KQ][DP][2];
+  auto load_phi = [&](i64 chunk) {
+    const i64 c0 = chunk * CG;
+#pragma unroll
+    for (int nw = 0; nw < NW; ++nw) {
+      const int nt = warp + 8 * nw;
+      const int pos = nt * 8 + g, k = pos / CG;
+      const i64 c = c0 + (pos - k * CG);
+      const bool inside = nt < NTK && c < c_x;
+      const i64 at = inside ? (k * c_x + c) * p.phi_stride_k : 0;
+#pragma unroll
+      for (int kq = 0; kq < KQ; ++kq)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int q = kq * 16 + hf * 8 + 2 * tg;
+          const float v0 = inside && q < Q ? p.phi[at + q * p.phi_stride_q] : 0.f;
+          const float v1 = inside && q + 1 < Q ? p.phi[at + (q + 1) * p.phi_stride_q] : 0.f;
+          u32 lo[3], hi[3];
+          split_bf16<3>(v0, lo);
+          split_bf16<3>(v1, hi);
+#pragma unroll
+          for (int j = 0; j < DP; ++j) bphi[nw][kq][j][hf] = lo[j] | (hi[j] << 16);
+        }
+    }
+  };
+
+  float gacc[MT_W][NT][4];  // grad_phi of the current chunk: positions x q
+  auto zero_gacc = [&]() {
+#pragma unroll
+    for (int mw = 0; mw < MT_W; ++mw)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) gacc[mw][nt][0] = gacc[mw][nt][1] = gacc[mw][nt][2] = gacc[mw][nt][3] = 0.f;
+  };
+  // Slot of this block among the blocks sharing `chunk`: its index minus that of the block
+  // owning the chunk's first item (item u's block is ((u+1)*blocks - 1) / items).
+  auto flush = [&](i64 chunk) {
+    const i64 first = ((chunk * tiles + 1) * blocks - 1) / items;
+    float* dst = p.phi_partial + (chunk * p.slot_cap + ((i64)blockIdx.x - first)) * (PG * Q);
+#pragma unroll
+    for (int mw = 0; mw < MT_W; ++mw) {
+      const int mk = warp + 8 * mw;
+      if (mk >= MTK) continue;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int pos = mk * 16 + g + 8 * (e >> 1), q = nt * 8 + 2 * tg + (e & 1);
+          if (q < Q) dst[pos * Q + q] = gacc[mw][nt][e];
+        }
+    }
+  };
+
+  for (int s = 0; s < stages - 1; ++s) {
+    if (s < count) load_item(s);
+    cp_async_commit();
+  }
+  i64 chunk_now = -1;
+  zero_gacc();
+  for (int i = 0; i < count; ++i) {
+    cp_async_wait_all_but(stages - 2);
+    __syncthreads();  // item i's stage is in; every thread is done with item i-1 (and D)
+    if (i + stages - 1 < count) load_item(i + stages - 1);  // into the stage item i-1 used
+    cp_async_commit();
+    const i64 u = u_begin + i, chunk = u / tiles;
+    const i64 row0 = (u - chunk * tiles) * TILE, c0 = chunk * CG;
+    if (chunk != chunk_now) {
+      if (chunk_now >= 0) flush(chunk_now);
+      zero_gacc();
+      load_phi(chunk);
+      chunk_now = chunk;
+    }
+    const unsigned char* base = stage_base(i % stages);
+    const E* xs = (const E*)base;
+    const E* gs = (const E*)(base + G::GX_BYTES);
+    const E* ls = (const E*)(base + 2 * G::GX_BYTES);
+    const u16* dh = (const u16*)(base + 2 * G::GX_BYTES + G::GL_BYTES);
+    const float* cf = (const float*)(base + 2 * G::GX_BYTES + G::GL_BYTES + G::DH_BYTES);
+
+    // (a) D = dh @ phi^T: m = token, n = position, k = q; pieces (i, j) with i + j < DP
+    {
+      float dacc[2][NW][4];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nw = 0; nw < NW; ++nw) dacc[mt][nw][0] = dacc[mt][nw][1] = dacc[mt][nw][2] = dacc[mt][nw][3] = 0.f;
+#pragma unroll
+      for (int kq = 0; kq < KQ; ++kq) {
+        u32 a[2][DP][4];
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+          for (int j = 0; j < DP; ++j)
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+              a[mt][j][r] = *(const u32*)(dh + (mt * 16 + g + (r & 1) * 8) * G::DH_PITCH + j * QP16 +
+                                          kq * 16 + 2 * tg + (r >> 1) * 8);
+#pragma unroll
+        for (int nw = 0; nw < NW; ++nw) {
+          if (warp + 8 * nw >= NTK) continue;
+#pragma unroll
+          for (int j = 0; j < DP; ++j) {
+            const U2 bw = U2{bphi[nw][kq][j][0], bphi[nw][kq][j][1]};
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+              for (int i2 = 0; i2 < DP; ++i2)
+                if (i2 + j < DP) mma_bf16_16816(dacc[mt][nw], a[mt][i2], bw);
+          }
+        }
+      }
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int nw = 0; nw < NW; ++nw) {
+          const int nt = warp + 8 * nw;
+          if (nt >= NTK) continue;
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh)
+            *(F2*)(D + (mt * 16 + g + 8 * hh) * G::D_PITCH + nt * 8 + 2 * tg) =
+                F2{dacc[mt][nw][2 * hh], dacc[mt][nw][2 * hh + 1]};
+        }
+    }
+
+    // (b) grad_phi += x^T @ dh: m = position, n = q, k = token; pieces (x i, dh j), i + j <= 1
+#pragma unroll
+    for (int kt = 0; kt < TILE / 16; ++kt) {
+      const int t0 = kt * 16;
+      u32 a[MT_W][XPG][4];
+#pragma unroll
+      for (int mw = 0; mw < MT_W; ++mw) {
+        const int mk = warp + 8 * mw;
+        if (mk >= MTK) continue;
+        const int k0 = mk * 16;
+        if constexpr (sizeof(E) == 2) {
+          u32 w[4];
+          ldmatrix_x4_trans(w, xs + (t0 + (lane & 7) + 8 * (lane >> 4)) * G::GX_PITCH + k0 +
+                                   8 * ((lane >> 3) & 1));
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            if constexpr (XPG == 1) {
+              a[mw][0][r] = w[r];
+            } else {
+              u32 p0[2], p1[2];
+              split_bf16<2>(Io<T>::to_float((u16)(w[r] & 0xffffu)), p0);
+              split_bf16<2>(Io<T>::to_float((u16)(w[r] >> 16)), p1);
+              a[mw][0][r] = p0[0] | (p1[0] << 16);
+              a[mw][1][r] = p0[1] | (p1[1] << 16);
+            }
+          }
+        } else {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            const int pos = k0 + g + 8 * (r & 1), tok = t0 + 2 * tg + 8 * (r >> 1);
+            u32 p0[2], p1[2];
+            split_bf16<2>(Io<T>::to_float(xs[tok * G::GX_PITCH + pos]), p0);
+            split_bf16<2>(Io<T>::to_float(xs[(tok + 1) * G::GX_PITCH + pos]), p1);
+            a[mw][0][r] = p0[0] | (p1[0] << 16);
+            a[mw][1][r] = p0[1] | (p1[1] << 16);
+          }
+        }
+      }
+#pragma unroll
+      for (int np = 0; np < KQ; ++np) {  // two q n-tiles per ldmatrix
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          u32 b[4];
+          ldmatrix_x4_trans(b, dh + (t0 + (lane & 7) + 8 * ((lane >> 3) & 1)) * G::DH_PITCH + j * QP16 +
+                                   np * 16 + 8 * (lane >> 4));
+#pragma unroll
+          for (int sub = 0; sub < 2; ++sub) {
+            const int nt = 2 * np + sub;
+            if (nt >= NT) continue;
+            const U2 bw = U2{b[2 * sub], b[2 * sub + 1]};
+#pragma unroll
+            for (int mw = 0; mw < MT_W; ++mw) {
+              if (warp + 8 * mw >= MTK) continue;
+#pragma unroll
+              for (int xp = 0; xp < XPG; ++xp)
+                if (xp + j <= 1) mma_bf16_16816(gacc[mw][nt], a[mw][xp], bw);
+            }
+          }
+        }
+      }
+    }
+    __syncthreads();  // D is complete
+
+    // (c) grad_x of 8 columns of one token, for a group of streams
+    {
+      constexpr int OCTS = CG / 8, GROUPS = (N + 3) / 4, KG = (N + GROUPS - 1) / GROUPS;
+      for (int it = tid; it < TILE * GROUPS * OCTS; it += BWD_BLOCK) {
+        const int o = it % OCTS, rg = it / OCTS, grp = rg % GROUPS, r = rg / GROUPS;
+        const i64 row = row0 + r, c = c0 + o * 8;
+        if (row >= batch || c >= c_x) continue;
+        const int cnt = c_x - c < 8 ? (int)(c_x - c) : 8;
+        const float* co = cf + r * CW4;
+        Raw8<T> res[N];
+#pragma unroll
+        for (int i2 = 0; i2 < N; ++i2) smem_raw8<T>(gs + r * G::GX_PITCH + i2 * CG + o * 8, res[i2]);
+        float layer[8];
+        {
+          Raw8<T> raw;
+          smem_raw8<T>(ls + r * G::GL_PITCH + o * 8, raw);
+          unpack8<T>(raw, layer);
+        }
+        const float c_r = co[N + NN], scale = co[N + NN + 1];
+        E* out = (E*)p.grad_x + row * (N * c_x) + c;
+#pragma unroll
+        for (int kk = 0; kk < KG; ++kk) {
+          const int k = grp * KG + kk;
+          if (k >= N) continue;
+          float o8[8];
+          const float pre = co[k];
+#pragma unroll
+          for (int e = 0; e < 8; ++e) o8[e] = pre * layer[e];
+#pragma unroll
+          for (int i2 = 0; i2 < N; ++i2) {
+            const float w = co[N + i2 * N + k];
+            float v[8];
+            unpack8<T>(res[i2], v);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) o8[e] = fmaf(w, v[e], o8[e]);
+          }
+          {
+            Raw8<T> raw;
+            smem_raw8<T>(xs + r * G::GX_PITCH + k * CG + o * 8, raw);
+            float v[8];
+            unpack8<T>(raw, v);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) o8[e] = fmaf(c_r, v[e] * scale, o8[e]);
+          }
+          const F4* d = (const F4*)(D + r * G::D_PITCH + k * CG + o * 8);
+          const F4 d0 = d[0], d1 = d[1];
+          o8[0] += d0.x, o8[1] += d0.y, o8[2] += d0.z, o8[3] += d0.w;
+          o8[4] += d1.x, o8[5] += d1.y, o8[6] += d1.z, o8[7] += d1.w;
+          if (p.vector_io && cnt == 8)
+            store8<T>(out + k * c_x, o8);
+          else
+            store_some<T>(out + k * c_x, cnt, o8);
+        }
+      }
+    }
+  }
+  if (chunk_now >= 0) flush(chunk_now);
+  cp_async_wait_all_but(0);
+}
+
+// ------------------------------------------------------------------ reductions
+
+// Blocks [0, phi_blocks): grad_phi[kk, q], one thread each, the partials of its chunk in
+// block order. Blocks phi_blocks + j, j < Q + 3: grad_b[j] (j < Q) or grad_alpha[j - Q], the
+// per-token terms summed by a fixed tree.
+template <typename T, int N>
+__global__ void __launch_bounds__(BWD_REDUCE_THREADS) mhc_bwd_reduce(const PreBwdParams p) {
+  typedef BwdGeo<T, N> G;
+  constexpr int Q = G::Q, CG = G::CG, PG = G::PG;
+  __shared__ float sh[BWD_REDUCE_THREADS];
+  const int tid = threadIdx.x;
+  const i64 total = N * p.c_x * Q;
+  const i64 phi_blocks = (total + BWD_REDUCE_THREADS - 1) / BWD_REDUCE_THREADS;
+  if ((i64)blockIdx.x < phi_blocks) {
+    const i64 idx = (i64)blockIdx.x * BWD_REDUCE_THREADS + tid;
+    if (idx >= total) return;
+    float s = 0.f;
+    if (p.grad_items > 0) {  // an empty batch has no partials: grad_phi is 0
+      const i64 kk = idx / Q, q = idx - kk * Q;
+      const i64 k = kk / p.c_x, c = kk - k * p.c_x;
+      const i64 chunk = c / CG, pos = k * CG + (c - chunk * CG);
+      const i64 tiles = (p.batch + G::GTILE - 1) / G::GTILE;
+      const i64 items = p.grad_items, blocks = p.grad_blocks;
+      const i64 first = ((chunk * tiles + 1) * blocks - 1) / items;
+      const i64 last = (((chunk + 1) * tiles) * blocks - 1) / items;
+      const float* src = p.phi_partial + (chunk * p.slot_cap * PG + pos) * Q + q;
+      for (i64 slot = 0; slot <= last - first; ++slot) s += src[slot * PG * Q];
+    }
+    p.grad_phi[idx] = s;
+    return;
+  }
+  const int column = (int)((i64)blockIdx.x - phi_blocks);  // block-uniform: the barriers hold
+  float s = 0.f;
+  for (i64 t = tid; t < p.batch; t += BWD_REDUCE_THREADS) s += p.per_token[column * p.batch + t];
+  sh[tid] = s;
+  __syncthreads();
+#pragma unroll
+  for (int width = BWD_REDUCE_THREADS / 2; width > 0; width >>= 1) {
+    if (tid < width) sh[tid] += sh[tid + width];
+    __syncthreads();
+  }
+  if (tid == 0) {
+    if (column < Q)
+      p.grad_b[column] = sh[0];
+    else
+      p.grad_alpha[column - Q] = sh[0];
+  }
+}
+
+#endif  // BWD_N
+
+// ================================================================== post backward
+#ifdef BWD_POST_THREADS  // the post module (tileops_cupy._mhc.post_backward_module)
+
+// One by-value parameter of mhc_post_bwd (tileops_cupy._mhc.POST_BWD_PARAMS mirrors it).
+struct PostBwdParams {
+  const void* x_layer_out;  // [batch, c_x], rows layer_stride apart, columns dense
+  const float* h_post;      // [batch, n] through (h_stride_row, h_stride_col)
+  const void* grad_x_out;   // [batch, n*c_x], rows grad_stride apart, columns dense
+  void* grad_x_layer_out;   // [batch, c_x], contiguous
+  float* grad_h_post;       // [batch, n], contiguous
+  void* grad_x_res;         // [batch, n*c_x], contiguous
+  i64 layer_stride, h_stride_row, h_stride_col, grad_stride;
+  i64 batch, n, c_x, units;  // units = ceil(c_x / 8)
+  int vector_io, unused;
+};
+
+static_assert(sizeof(PostBwdParams) == 120, "PostBwdParams changed: update POST_BWD_PARAMS");
+
+// The first `count` (< 8) elements of r, element by element (rows not 16-byte aligned).
+template <typename T>
+__device__ __forceinline__ void store_raw_some(typename Io<T>::elem* p, int count, const Raw8<T>& r) {
+  typedef typename Io<T>::elem E;
+  if constexpr (sizeof(E) == 2) {
+    const u32 words[4] = {r.w[0].x, r.w[0].y, r.w[0].z, r.w[0].w};
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      if (e < count) p[e] = (u16)(e & 1 ? words[e >> 1] >> 16 : words[e >> 1] & 0xffffu);
+  } else {
+    const u32 words[8] = {r.w[0].x, r.w[0].y, r.w[0].z, r.w[0].w, r.w[1].x, r.w[1].y, r.w[1].z, r.w[1].w};
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+      if (e < count) p[e] = __uint_as_float(words[e]);
+  }
+}
+
+// The sums of v[0..COUNT) over the block's threads, by a fixed tree: into out[] from
+// thread 0. Every thread of the block calls it; `scratch` holds COUNT floats per warp.
+template <int COUNT>
+__device__ __forceinline__ void block_sums(const float (&v)[COUNT], float* scratch, float* out) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+#pragma unroll
+  for (int i = 0; i < COUNT; ++i) {
+    float s = v[i];
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) s += __shfl_xor_sync(0xffffffffu, s, d);
+    if (lane == 0) scratch[warp * COUNT + i] = s;
+  }
+  __syncthreads();
+  if (threadIdx.x < COUNT) {
+    float s = 0.f;
+    for (int w = 0; w < warps; ++w) s += scratch[w * COUNT + threadIdx.x];
+    out[threadIdx.x] = s;
+  }
+  __syncthreads();  // scratch may be written again
+}
+
+// One block per row. N > 0: the n = N streams unrolled, one pass. N == 0: any n, grad_x_out
+// read twice (a stream loop for grad_h_post and the copy, a column loop for grad_x_layer_out).
+template <typename T, int N>
+__global__ void __launch_bounds__(BWD_POST_THREADS) mhc_post_bwd(const PostBwdParams p) {
+  typedef typename Io<T>::elem E;
+  __shared__ float scratch[BWD_POST_THREADS / 32 * (N > 0 ? N : 1)];
+  const i64 row = blockIdx.x;
+  const int tid = threadIdx.x;
+  const bool vector = p.vector_io;
+  const E* layer = (const E*)p.x_layer_out + row * p.layer_stride;
+  const E* grad = (const E*)p.grad_x_out + row * p.grad_stride;
+  E* out_layer = (E*)p.grad_x_layer_out + row * p.c_x;
+  E* out_res = (E*)p.grad_x_res + row * (p.n * p.c_x);
+  const float* gates = p.h_post + row * p.h_stride_row;
+  float* out_gates = p.grad_h_post + row * p.n;
+  if constexpr (N > 0) {
+    float gate[N], dot[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) gate[i] = gates[i * p.h_stride_col], dot[i] = 0.f;
+    for (i64 u = tid; u < p.units; u += BWD_POST_THREADS) {
+      const i64 c0 = u * 8;
+      const int count = p.c_x - c0 < 8 ? (int)(p.c_x - c0) : 8;
+      float xl[8], acc[8];
+      if (vector)
+        load8<T>(layer + c0, xl);
+      else
+        load_some<T>(layer + c0, count, xl);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        Raw8<T> raw;
+        load_raw8<T>(grad + i * p.c_x + c0, vector, count, raw);
+        if (vector) {
+#pragma unroll
+          for (int h = 0; h < (int)(sizeof(raw.w) / sizeof(U4)); ++h)
+            store_stream16(out_res + i * p.c_x + c0 + h * (16 / (int)sizeof(E)), raw.w[h]);
+        } else {
+          store_raw_some<T>(out_res + i * p.c_x + c0, count, raw);
+        }
+        float v[8];
+        unpack8<T>(raw, v);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          acc[e] = fmaf(gate[i], v[e], acc[e]);
+          dot[i] = fmaf(xl[e], v[e], dot[i]);
+        }
+      }
+      if (vector)
+        store8<T>(out_layer + c0, acc);
+      else
+        store_some<T>(out_layer + c0, count, acc);
+    }
+    block_sums<N>(dot, scratch, out_gates);
+  } else {
+    for (i64 i = 0; i < p.n; ++i) {
+      float dot = 0.f;
+      for (i64 u = tid; u < p.units; u += BWD_POST_THREADS) {
+        const i64 c0 = u * 8;
+        const int count = p.c_x - c0 < 8 ? (int)(p.c_x - c0) : 8;
+        float xl[8];
+        if (vector)
+          load8<T>(layer + c0, xl);
+        else
+          load_some<T>(layer + c0, count, xl);
+        Raw8<T> raw;
+        load_raw8<T>(grad + i * p.c_x + c0, vector, count, raw);
+        if (vector) {
+#pragma unroll
+          for (int h = 0; h < (int)(sizeof(raw.w) / sizeof(U4)); ++h)
+            store_stream16(out_res + i * p.c_x + c0 + h * (16 / (int)sizeof(E)), raw.w[h]);
+        } else {
+          store_raw_some<T>(out_res + i * p.c_x + c0, count, raw);
+        }
+        float v[8];
+        unpack8<T>(raw, v);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) dot = fmaf(xl[e], v[e], dot);
+      }
+      const float dots[1] = {dot};
+      block_sums<1>(dots, scratch, out_gates + i);
+    }
+    for (i64 u = tid; u < p.units; u += BWD_POST_THREADS) {
+      const i64 c0 = u * 8;
+      const int count = p.c_x - c0 < 8 ? (int)(p.c_x - c0) : 8;
+      float acc[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+      for (i64 i = 0; i < p.n; ++i) {
+        float v[8];
+        if (vector)
+          load8<T>(grad + i * p.c_x + c0, v);
+        else
+          load_some<T>(grad + i * p.c_x + c0, count, v);
+        const float gate = gates[i * p.h_stride_col];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] = fmaf(gate, v[e], acc[e]);
+      }
+      if (vector)
+        store8<T>(out_layer + c0, acc);
+      else
+        store_some<T>(out_layer + c0, count, acc);
+    }
+  }
+}
+
+#endif  // BWD_POST_THREADS
