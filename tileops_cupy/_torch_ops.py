@@ -309,9 +309,9 @@ def _position(offsets, offset):
 
 
 def _mhc_pre_impl(phi, x, b, *config):
-    from .sequence_modeling import pre_op
+    from .sequence_modeling import rebuilt_op
 
-    return pre_op(config).direct(phi, x, b)
+    return rebuilt_op("MHCPreFwdOp", config).direct(phi, x, b)
 
 
 def _mhc_pre_fake(phi, x, b, *config):
@@ -345,9 +345,9 @@ def _mhc_pre_backward(ctx, grad_x_res, grad_x_layer, grad_h_post):
 
 
 def _mhc_post_impl(x_layer_out, h_post, x_res, target):
-    from .sequence_modeling import post_op
+    from .sequence_modeling import rebuilt_op
 
-    return post_op(target).direct(x_layer_out, h_post, x_res)
+    return rebuilt_op("MHCPostFwdOp", (target,)).direct(x_layer_out, h_post, x_res)
 
 
 def _mhc_post_fake(x_layer_out, h_post, x_res, target):
@@ -365,9 +365,10 @@ def _mhc_post_backward(ctx, grad_x_out):
 
 
 def _mhc_pre_bwd_impl(phi, x, b, grad_x_res, grad_x_layer, grad_h_post, *config):
-    from .sequence_modeling import pre_backward_op
+    from .sequence_modeling import rebuilt_op
 
-    return pre_backward_op(config).direct(phi, x, b, grad_x_res, grad_x_layer, grad_h_post)
+    upstream = (grad_x_res, grad_x_layer, grad_h_post)
+    return rebuilt_op("MHCPreBwdOp", config).direct(phi, x, b, *upstream)
 
 
 def _mhc_pre_bwd_fake(phi, x, b, grad_x_res, grad_x_layer, grad_h_post, *config):
@@ -375,9 +376,10 @@ def _mhc_pre_bwd_fake(phi, x, b, grad_x_res, grad_x_layer, grad_h_post, *config)
 
 
 def _mhc_post_bwd_impl(x_layer_out, h_post, x_res, grad_x_out, target):
-    from .sequence_modeling import post_backward_op
+    from .sequence_modeling import rebuilt_op
 
-    return post_backward_op(target).direct(x_layer_out, h_post, x_res, grad_x_out)
+    op = rebuilt_op("MHCPostBwdOp", (target,))
+    return op.direct(x_layer_out, h_post, x_res, grad_x_out)
 
 
 def _mhc_post_bwd_fake(x_layer_out, h_post, x_res, grad_x_out, target):

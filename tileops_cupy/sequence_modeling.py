@@ -465,37 +465,15 @@ class MHCPostBwdOp:
 
 
 @functools.cache
-def _pre_op(config: tuple) -> MHCPreFwdOp:
+def _rebuilt(name: str, config: tuple) -> Any:
     *numbers, target = config
-    return MHCPreFwdOp(*numbers, target=target or None)
+    return globals()[name](*numbers, target=target or None)
 
 
-def pre_op(config: tuple) -> MHCPreFwdOp:
-    """The MHCPreFwdOp a torch custom op's configuration describes (built once)."""
-    return _pre_op(tuple(config))
-
-
-@functools.cache
-def post_op(target: str) -> MHCPostFwdOp:
-    """The MHCPostFwdOp of one target ("" for None), built once."""
-    return MHCPostFwdOp(target=target or None)
-
-
-@functools.cache
-def _pre_backward_op(config: tuple) -> MHCPreBwdOp:
-    *numbers, target = config
-    return MHCPreBwdOp(*numbers, target=target or None)
-
-
-def pre_backward_op(config: tuple) -> MHCPreBwdOp:
-    """The MHCPreBwdOp a torch custom op's configuration describes (built once)."""
-    return _pre_backward_op(tuple(config))
-
-
-@functools.cache
-def post_backward_op(target: str) -> MHCPostBwdOp:
-    """The MHCPostBwdOp of one target ("" for None), built once."""
-    return MHCPostBwdOp(target=target or None)
+def rebuilt_op(name: str, config: tuple) -> Any:
+    """The op ``name`` (MHCPreFwdOp, MHCPostBwdOp, ...) that a torch custom op's
+    configuration describes: its numbers, then its target ("" for None). Built once."""
+    return _rebuilt(name, tuple(config))
 
 
 # --------------------------------------------------------------------------- validation
