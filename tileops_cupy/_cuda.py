@@ -21,6 +21,7 @@ from typing import Any
 import kernels_cu
 
 from ._arrays import cupy
+from ._cache import build_once
 
 # No --use_fast_math: the angles and the mHC exponentials must keep full float32 accuracy.
 COMPILE_OPTIONS = ("--std=c++17",)
@@ -64,14 +65,7 @@ def _load(spec: ModuleSpec, device: int) -> dict[str, Any]:
 
 def function(spec: ModuleSpec, name_expression: str, device: int) -> Any:
     """The compiled kernel ``name_expression`` of ``spec`` on ``device`` (compiled on first use)."""
-    key = (spec, device)
-    loaded = _functions.get(key)
-    if loaded is None:
-        with _lock:
-            loaded = _functions.get(key)
-            if loaded is None:
-                loaded = _load(spec, device)
-                _functions[key] = loaded
+    loaded = build_once(_functions, _lock, (spec, device), lambda: _load(spec, device))
     return loaded[name_expression]
 
 

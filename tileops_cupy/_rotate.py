@@ -20,6 +20,7 @@ import numpy as np
 
 from . import _cuda
 from ._arrays import ITEMSIZE, Operand, cupy, stream_handle
+from ._cache import build_once
 from ._tables import RotaryTable
 
 __all__ = ["HeadRows", "Positions", "rotate", "ErrorFlag", "error_flag"]
@@ -97,19 +98,17 @@ class ErrorFlag:
         self._lock = threading.Lock()
 
     def pointer(self, device: int) -> int:
-        pointer = self._pointers.get(device)
-        if pointer is None:
-            with self._lock:
-                pointer = self._pointers.get(device)
-                if pointer is None:
-                    runtime = cupy().cuda.runtime
-                    with cupy().cuda.Device(device):
-                        flags = runtime.hostAllocMapped | runtime.hostAllocPortable
-                        pointer = runtime.hostAlloc(4, flags)
-                    cell = ctypes.c_int32.from_address(pointer)
-                    cell.value = 0
-                    self._pointers[device] = pointer  # lives as long as the process
-                    self._cells += (cell,)
+        """The flag's device-visible address on ``device`` (mapped on first use)."""
+        return build_once(self._pointers, self._lock, device, lambda: self._map(device))
+
+    def _map(self, device: int) -> int:
+        runtime = cupy().cuda.runtime
+        with cupy().cuda.Device(device):
+            flags = runtime.hostAllocMapped | runtime.hostAllocPortable
+            pointer = runtime.hostAlloc(4, flags)  # lives as long as the process
+        cell = ctypes.c_int32.from_address(pointer)
+        cell.value = 0
+        self._cells += (cell,)
         return pointer
 
     def take(self) -> bool:

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from ._arrays import cupy
+from ._cache import build_once
 from ._validate import MAX_POSITIONS
 from .schemes import Scheme
 
@@ -143,15 +144,8 @@ _registry_lock = threading.Lock()
 
 def shared_table(scheme: Scheme, rotary_dim: int) -> RotaryTable:
     """The one table of (scheme, rotary_dim) in this process, created on first use."""
-    key = (scheme, rotary_dim)
-    table = _registry.get(key)
-    if table is None:
-        with _registry_lock:
-            table = _registry.get(key)
-            if table is None:
-                table = RotaryTable(scheme, rotary_dim)
-                _registry[key] = table
-    return table
+    build = lambda: RotaryTable(scheme, rotary_dim)  # noqa: E731
+    return build_once(_registry, _registry_lock, (scheme, rotary_dim), build)
 
 
 def table_bytes(rotary_dim: int, positions: int) -> int:
