@@ -542,20 +542,30 @@ __global__ void __launch_bounds__(BWD_TOKEN_THREADS) mhc_bwd_token(const PreBwdP
   const i64 t = (i64)blockIdx.x * BWD_TOKEN_THREADS + threadIdx.x;
   const i64 batch = p.batch;
   if (t >= batch) return;
-  auto stat = [&](int w) {  // the k_splits partials, summed in a fixed order
-    float v = 0.f;
-    for (i64 s = 0; s < p.k_splits; ++s) v += p.stats[(s * W + w) * batch + t];
-    return v;
-  };
   auto bias = [&](int q) { return p.bias[q * p.bias_stride]; };
 
-  float h[Q];
+  // the k_splits partials of h, sum(x*x), dloss/dh_pre and dloss/dM, summed in a fixed order
+  float h[Q], sumsq = 0.f, up_pre[N], up_mix[NN];
 #pragma unroll
-  for (int q = 0; q < Q; ++q) h[q] = stat(q);
+  for (int q = 0; q < Q; ++q) h[q] = 0.f;
+#pragma unroll
+  for (int k = 0; k < N; ++k) up_pre[k] = 0.f;
+#pragma unroll
+  for (int e = 0; e < NN; ++e) up_mix[e] = 0.f;
+  for (i64 s = 0; s < p.k_splits; ++s) {
+    const float* src = p.stats + s * W * batch + t;  // [W][batch]
+#pragma unroll
+    for (int q = 0; q < Q; ++q) h[q] += src[q * batch];
+    sumsq += src[Q * batch];
+#pragma unroll
+    for (int k = 0; k < N; ++k) up_pre[k] += src[(Q + 1 + k) * batch];
+#pragma unroll
+    for (int e = 0; e < NN; ++e) up_mix[e] += src[(Q + 1 + N + e) * batch];
+  }
 
   // The row norm. sum(x*x) overflows to inf from |x| ~ 1e19 up (x finite): such a row is
   // read again and summed scaled by the power of two that brings its max |x| into [0.5, 1).
-  float sumsq = stat(Q), scale = 1.f;
+  float scale = 1.f;
   if (is_inf(sumsq)) {
     const E* xr = (const E*)p.x + t * p.x_stride;
     const i64 K = N * p.c_x;
@@ -596,7 +606,7 @@ __global__ void __launch_bounds__(BWD_TOKEN_THREADS) mhc_bwd_token(const PreBwdP
     const float z = p.alpha_pre * h[k] / rms + bias(k);
     const float gate = sigmoid(z);
     coef[k] = gate;
-    emit(k, stat(Q + 1 + k) * gate * sigmoid(-z), p.alpha_pre, grad_alpha_pre);
+    emit(k, up_pre[k] * gate * sigmoid(-z), p.alpha_pre, grad_alpha_pre);
   }
 #pragma unroll
   for (int i = 0; i < N; ++i) {
@@ -642,7 +652,7 @@ __global__ void __launch_bounds__(BWD_TOKEN_THREADS) mhc_bwd_token(const PreBwdP
   // from its checkpoint
   float u[NN];
 #pragma unroll
-  for (int e = 0; e < NN; ++e) u[e] = stat(Q + 1 + N + e) * m[e];  // dloss/dM[i,k] * M[i,k]
+  for (int e = 0; e < NN; ++e) u[e] = up_mix[e] * m[e];  // dloss/dM[i,k] * M[i,k]
   for (int c = checkpoints - 1; c >= 0; --c) {
     const int first = c * seg, last = first + seg < repeat ? first + seg : repeat;
     float a[NN];
