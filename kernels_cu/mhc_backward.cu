@@ -14,9 +14,10 @@
 //                   sum(x*x), dh_pre[k] = sum_c gxl[c]*x_k[c] and dM[i,k] = sum_c gxr_i[c]*x_k[c],
 //                   into per-split partial sums.
 //   mhc_bwd_token   one thread per token: the partials summed in a fixed order, the gates and
-//                   every Sinkhorn step recomputed (checkpoints every ~sqrt(repeat) steps in a
-//                   scratch), then the chain rule back to dh = dloss/dh [Q], the coefficient of
-//                   x in the row norm's gradient, and the token's grad_b and grad_alpha terms.
+//                   the Sinkhorn steps recomputed (each step's input kept in a scratch, or, when
+//                   repeat*n*n is large, every ~sqrt(repeat)-th and one segment's at a time),
+//                   then the chain rule back to dh = dloss/dh [Q], the coefficient of x in the
+//                   row norm's gradient, and the token's grad_b and grad_alpha terms.
 //   mhc_bwd_grad    the second pass: grad_x = h_pre[k]*gxl + sum_i M[i,k]*gxr_i + (dh @ phi^T)_k
 //                   + c_r*x, one rounding, and grad_phi = x^T @ dh, both products on the tensor
 //                   cores (dh and phi in bf16 pieces). Each block takes an equal static share of
@@ -632,7 +633,9 @@ __global__ void __launch_bounds__(BWD_TOKEN_THREADS) mhc_bwd_token(const PreBwdP
   }
   const int repeat = p.repeat, seg = p.segment;
   const int checkpoints = (repeat + seg - 1) / seg;
-  float* trace = p.sinkhorn + t;  // [slot][NN][batch]; slots: checkpoints, then one segment
+  // [slot][NN][batch]: the input of every seg-th step, then the inputs of one segment's other
+  // steps (seg = 1 when every step's input fits: nothing is recomputed)
+  float* trace = p.sinkhorn + t;
   auto save = [&](int slot, const float (&v)[NN]) {
 #pragma unroll
     for (int e = 0; e < NN; ++e) trace[((i64)slot * NN + e) * batch] = v[e];
@@ -657,12 +660,12 @@ __global__ void __launch_bounds__(BWD_TOKEN_THREADS) mhc_bwd_token(const PreBwdP
     const int first = c * seg, last = first + seg < repeat ? first + seg : repeat;
     float a[NN];
     restore(c, a);
-    for (int it = first; it < last; ++it) {
-      save(checkpoints + it - first, a);
-      if (it + 1 < last) sinkhorn_step<N>(a, p.eps);
+    for (int it = first + 1; it < last; ++it) {  // the segment's other inputs, again
+      sinkhorn_step<N>(a, p.eps);
+      save(checkpoints + it - first - 1, a);
     }
     for (int it = last - 1; it >= first; --it) {
-      restore(checkpoints + it - first, a);
+      restore(it == first ? c : checkpoints + it - first - 1, a);
       sinkhorn_step_backward<N>(a, u, p.eps);
     }
   }

@@ -66,6 +66,7 @@ _REDUCE_THREADS = 256
 _POST_THREADS = 256
 _MAX_STAGES = 3  # cp.async pipeline depth where shared memory allows (at least 2)
 _SCRATCH_ALIGN_WORDS = 64  # 256-byte sections: the scratch rows are read by 16-byte cp.async
+_SINKHORN_KEPT_FLOATS = 1024  # per token: every Sinkhorn step's input kept up to this
 _MAX_SMEM_OPTIN, _MULTIPROCESSORS = 97, 16  # cudaDeviceAttr values
 
 
@@ -104,7 +105,7 @@ def pre_backward_cuda(
             "(phi width n*n+2n); run on the host (target='cpu' with host arrays) instead"
         )
     plan = _pre_backward_plan(device, x.dtype, n, c_x, batch)
-    segment, slots = sinkhorn_checkpoints(gates.sinkhorn_repeat)
+    segment, slots = sinkhorn_checkpoints(gates.sinkhorn_repeat, n)
     sections = (*plan.scratch, slots * n * n * batch)
     offsets, words = [], 0
     for size in sections:
@@ -291,12 +292,15 @@ def _catalog():
 # --------------------------------------------------------------------------- plans
 
 
-def sinkhorn_checkpoints(repeat: int) -> tuple[int, int]:
-    """(segment, slots): mhc_bwd_token keeps the Sinkhorn matrix before every segment-th
-    step (ceil(repeat / segment) checkpoints) and recomputes one segment at a time into
-    ``segment`` more slots, so ~2*sqrt(repeat) matrices per token for any repeat."""
-    segment = max(1, math.isqrt(max(repeat - 1, 0)) + 1)  # ceil(sqrt(repeat)), at least 1
-    return segment, -(-repeat // segment) + segment
+def sinkhorn_checkpoints(repeat: int, n: int) -> tuple[int, int]:
+    """(segment, slots): mhc_bwd_token keeps the Sinkhorn matrix before every segment-th step
+    (ceil(repeat / segment) checkpoints) and recomputes one segment at a time into
+    ``segment - 1`` more slots. Every step's input (segment 1, nothing recomputed) while
+    that is at most _SINKHORN_KEPT_FLOATS per token; ~2*sqrt(repeat) matrices beyond."""
+    if repeat * n * n <= _SINKHORN_KEPT_FLOATS:
+        return 1, repeat
+    segment = math.isqrt(repeat - 1) + 1  # ceil(sqrt(repeat))
+    return segment, -(-repeat // segment) + segment - 1
 
 
 @dataclass(frozen=True, slots=True)
