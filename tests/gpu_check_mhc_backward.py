@@ -29,6 +29,12 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 GRAD_X_BOUND = {"bfloat16": 2.0**-7, "float16": 2.0**-7, "float32": 1e-4}
 SUM_BOUND = 1e-3  # grad_phi, grad_b, grad_alpha: of the output's max |grad|
 failures: list[str] = []
+DEVICE = "cuda"  # --host: the same checks on the numpy path (a dry run of this script)
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def reference_pre(phi, x, b, alphas, repeat, eps):
@@ -110,18 +116,18 @@ def check_pre(generator, n, c_x, batch, dtype, *, repeat=20, eps=0.02, saturated
     if offset:  # rows sliced out of a wider buffer at an element offset: unaligned rows
         wide = torch.zeros(batch, width + offset + 3, dtype=x.dtype)
         wide[:, offset : offset + width] = x
-        x_dev = wide.cuda()[:, offset : offset + width]
+        x_dev = wide.to(DEVICE)[:, offset : offset + width]
         wide_res = torch.zeros(batch, width + offset + 1, dtype=x.dtype)
         wide_res[:, offset : offset + width] = upstream[0]
-        res_dev = wide_res.cuda()[:, offset : offset + width]
+        res_dev = wide_res.to(DEVICE)[:, offset : offset + width]
     else:
-        x_dev, res_dev = x.cuda(), upstream[0].cuda()
-    upstream_dev = (res_dev, upstream[1].cuda(), upstream[2].cuda())
+        x_dev, res_dev = x.to(DEVICE), upstream[0].to(DEVICE)
+    upstream_dev = (res_dev, upstream[1].to(DEVICE), upstream[2].to(DEVICE))
     op = MHCPreBwdOp(*alphas, repeat, eps)
-    args = (phi.cuda(), x_dev, b.cuda(), *upstream_dev)
+    args = (phi.to(DEVICE), x_dev, b.to(DEVICE), *upstream_dev)
     got = op(*args)
     again = op(*args)
-    torch.cuda.synchronize()
+    sync()
     ref = reference_pre_grads(phi, x, b, alphas, repeat, eps, upstream)
     label = (
         f"pre-bwd n{n} c_x{c_x} B{batch} {dtype} repeat{repeat} eps{eps}"
@@ -149,13 +155,13 @@ def check_post(generator, n, c_x, batch, dtype, offset=0):
     if offset:
         wide = torch.zeros(batch, n * c_x + offset, dtype=cast)
         wide[:, offset:] = grad_out
-        grad_dev = wide.cuda()[:, offset:]
+        grad_dev = wide.to(DEVICE)[:, offset:]
     else:
-        grad_dev = grad_out.cuda()
+        grad_dev = grad_out.to(DEVICE)
     op = MHCPostBwdOp()
-    got = op(layer.cuda(), gates.cuda(), res.cuda(), grad_dev)
-    again = op(layer.cuda(), gates.cuda(), res.cuda(), grad_dev)
-    torch.cuda.synchronize()
+    got = op(layer.to(DEVICE), gates.to(DEVICE), res.to(DEVICE), grad_dev)
+    again = op(layer.to(DEVICE), gates.to(DEVICE), res.to(DEVICE), grad_dev)
+    sync()
     g = grad_out.double().reshape(batch, n, c_x)
     ref_layer = (gates.double()[:, :, None] * g).sum(dim=1)
     ref_gates = (g * layer.double()[:, None, :]).sum(dim=2)
@@ -178,7 +184,7 @@ def check_forward_overflow(generator, dtype):
     n, c_x = 4, 32
     for batch in (3, 300):  # fused (cooperative) and split-K paths
         phi, x, b, _ = make_pre_case(generator, n, c_x, batch, dtype, huge_rows=2)
-        _, _, h_post = MHCPreFwdOp(0.8, 1.2, 1.0, 20)(phi.cuda(), x.cuda(), b.cuda())
+        _, _, h_post = MHCPreFwdOp(0.8, 1.2, 1.0, 20)(phi.to(DEVICE), x.to(DEVICE), b.to(DEVICE))
         with torch.no_grad():
             ref = reference_pre(phi.double(), x.double(), b.double(), (0.8, 1.2, 1.0), 20, 0.02)
         error = float((h_post.cpu().double() - ref[2]).abs().max())
@@ -236,7 +242,10 @@ def timings() -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer shapes, no timings")
+    parser.add_argument("--host", action="store_true", help="dry run on the numpy path")
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = "cpu" if args.host else "cuda"
     generator = torch.Generator().manual_seed(0)
     start = time.perf_counter()
     dtypes = ("bfloat16",) if args.quick else tuple(DTYPES)
@@ -261,7 +270,7 @@ def main() -> int:
     for repeat, eps in ((0, 0.02), (1, 0.02), (20, 0.0), (37, 0.02)):
         check_pre(generator, 4, 96, 12, "bfloat16", repeat=repeat, eps=eps)
     print(f"checks took {time.perf_counter() - start:.1f} s")
-    if not args.quick:
+    if not args.quick and not args.host:
         timings()
     print("ALL OK" if not failures else "FAILED:\n  " + "\n  ".join(failures))
     return 1 if failures else 0
