@@ -4,6 +4,7 @@ Run on a machine with a CUDA device::
 
     python tests/gpu_check_mhc_backward.py          # accuracy, determinism, timings
     python tests/gpu_check_mhc_backward.py --quick  # fewer shapes, no timings
+    python tests/gpu_check_mhc_backward.py --host   # the same checks on the numpy path
 
 For a set of shapes, dtypes and settings it runs MHCPreBwdOp / MHCPostBwdOp on torch CUDA
 tensors and compares every output with torch float64 autograd of SPEC section 4 (its own
@@ -255,6 +256,7 @@ def main() -> int:
         shapes = [(4, 256, 37), (4, 130, 5), (1, 64, 1), (3, 200, 129), (8, 136, 40)]
         if not args.quick:
             shapes += [(2, 1000, 3), (5, 72, 64), (6, 48, 33), (7, 40, 17), (4, 1024, 300)]
+            shapes += [(4, 4096, 100)]  # second-pass blocks spanning chunks, many K splits
         for n, c_x, batch in shapes:
             check_pre(generator, n, c_x, batch, dtype)
         check_pre(generator, 4, 128, 16, dtype, saturated=True)
