@@ -355,10 +355,10 @@ __device__ void rows_rms(const PreParams& p, float* sh_h, i64 row0, int rows) {
 }
 
 // Gates and Sinkhorn matrix of rows row0 .. row0+rows-1 from sh_h [rows][Q+1] (h, then the
-// RMS from rows_rms), into
-// p.coef [row][n + n*n] and p.h_post. Each warp takes 32/N tokens at a time: lane i of a
-// token's group owns row i of its matrix, and column sums are shuffles within the group, so
-// the Sinkhorn loop stays in registers. Not inlined: one compiled body for every caller.
+// RMS from rows_rms), into p.coef [row][n + n*n] and p.h_post. Each warp takes 32/N tokens at
+// a time: lane i of a token's group owns row i of its matrix, and column sums are shuffles
+// within the group, so the Sinkhorn loop stays in registers. Not inlined: one compiled body
+// for every caller.
 template <int N>
 __device__ __attribute__((noinline)) void tile_coefficients(const PreParams& p, const float* sh_h,
                                                              i64 row0, int rows) {
