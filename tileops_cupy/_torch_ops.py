@@ -30,7 +30,9 @@ NAMESPACE = "tileops_cupy"
 #   component:  scheme, scheme_args, rotary_dim, neox, head_dim, num_heads,
 #               num_kv_heads, max_position (0 = none), target ("" = none), flag
 # where flag keys the op's device error flag (_rotate.error_flag), so the op rebuilt
-# behind the dispatcher raises its caller's flag.
+# behind the dispatcher raises its caller's flag. The component's calls take a position as
+# offsets (a [B] tensor) or offset (an int), or per-token positions ([B, T] or [N], with
+# offset 0).
 _SEED_CONFIG = (
     "str scheme, float[] scheme_args, int rotary_dim, bool neox, bool inverse, "
     "str input_layout, int max_position, str target, int flag"
@@ -46,12 +48,12 @@ _MHC_PRE_CONFIG = (
 SCHEMAS = {
     "rope": f"(Tensor x, Tensor? position_ids, {_SEED_CONFIG}) -> Tensor",
     "rope_qk": (
-        f"(Tensor q, Tensor? k, Tensor? offsets, SymInt offset, bool inverse, bool decode, "
-        f"{_COMPONENT_CONFIG}) -> (Tensor, Tensor)"
+        f"(Tensor q, Tensor? k, Tensor? offsets, SymInt offset, Tensor? positions, "
+        f"bool inverse, bool decode, {_COMPONENT_CONFIG}) -> (Tensor, Tensor)"
     ),
     "rope_qk_": (
-        f"(Tensor(a!) q, Tensor(b!)? k, Tensor? offsets, SymInt offset, bool inverse, "
-        f"bool decode, {_COMPONENT_CONFIG}) -> ()"
+        f"(Tensor(a!) q, Tensor(b!)? k, Tensor? offsets, SymInt offset, Tensor? positions, "
+        f"bool inverse, bool decode, {_COMPONENT_CONFIG}) -> ()"
     ),
     "mhc_pre": f"(Tensor phi, Tensor x, Tensor b, {_MHC_PRE_CONFIG}) -> (Tensor, Tensor, Tensor)",
     "mhc_post": "(Tensor x_layer_out, Tensor h_post, Tensor x_res, str target) -> Tensor",
@@ -204,19 +206,34 @@ def rope(config: tuple, x: Any, position_ids: Any) -> Any:
 
 
 def rope_qk(
-    config: tuple, q: Any, k: Any, offsets: Any, offset: Any, inverse: bool, decode: bool
+    config: tuple,
+    q: Any,
+    k: Any,
+    offsets: Any,
+    offset: Any,
+    positions: Any,
+    inverse: bool,
+    decode: bool,
 ) -> Any:
     import torch
 
-    return torch.ops.tileops_cupy.rope_qk(q, k, offsets, offset, inverse, decode, *config)
+    op = torch.ops.tileops_cupy.rope_qk
+    return op(q, k, offsets, offset, positions, inverse, decode, *config)
 
 
 def rope_qk_(
-    config: tuple, q: Any, k: Any, offsets: Any, offset: Any, inverse: bool, decode: bool
+    config: tuple,
+    q: Any,
+    k: Any,
+    offsets: Any,
+    offset: Any,
+    positions: Any,
+    inverse: bool,
+    decode: bool,
 ) -> None:
     import torch
 
-    torch.ops.tileops_cupy.rope_qk_(q, k, offsets, offset, inverse, decode, *config)
+    torch.ops.tileops_cupy.rope_qk_(q, k, offsets, offset, positions, inverse, decode, *config)
 
 
 def mhc_pre(config: tuple, phi: Any, x: Any, b: Any) -> Any:
@@ -268,39 +285,42 @@ def _rope_backward(ctx, grad):
     return (rope(flipped, grad, ctx.position_ids), None, *(None,) * len(ctx.config))
 
 
-def _rope_qk_impl(q, k, offsets, offset, inverse, decode, *config):
+def _rope_qk_impl(q, k, offsets, offset, positions, inverse, decode, *config):
     from .rope import component
 
     position = _position(offsets, offset)
-    q_out, k_out = component(config).rotated(q, k, position, inverse, decode)
+    q_out, k_out = component(config).rotated(q, k, position, inverse, decode, positions)
     return q_out, (q.new_empty(0) if k_out is None else k_out)
 
 
-def _rope_qk_fake(q, k, offsets, offset, inverse, decode, *config):
+def _rope_qk_fake(q, k, offsets, offset, positions, inverse, decode, *config):
     return q.new_empty(q.shape), (q.new_empty(0) if k is None else k.new_empty(k.shape))
 
 
 def _rope_qk_setup(ctx, inputs, output):
-    q, k, offsets, offset, inverse, decode, *config = inputs
-    ctx.has_k, ctx.offsets, ctx.offset, ctx.inverse, ctx.config = (
-        k is not None, offsets, offset, inverse, tuple(config)
+    q, k, offsets, offset, positions, inverse, decode, *config = inputs
+    ctx.has_k, ctx.offsets, ctx.offset, ctx.positions, ctx.inverse, ctx.config = (
+        k is not None, offsets, offset, positions, inverse, tuple(config)
     )  # fmt: skip
 
 
 def _rope_qk_backward(ctx, grad_q, grad_k):
     # the transpose rotation at the same positions; decode's T == 1 was checked forward
     grad_k = grad_k if ctx.has_k else None
-    dq, dk = rope_qk(ctx.config, grad_q, grad_k, ctx.offsets, ctx.offset, not ctx.inverse, False)
-    return (dq, dk if ctx.has_k else None, *(None,) * (4 + len(ctx.config)))
+    dq, dk = rope_qk(
+        ctx.config, grad_q, grad_k, ctx.offsets, ctx.offset, ctx.positions, not ctx.inverse, False
+    )
+    return (dq, dk if ctx.has_k else None, *(None,) * (5 + len(ctx.config)))
 
 
-def _rope_qk__impl(q, k, offsets, offset, inverse, decode, *config):
+def _rope_qk__impl(q, k, offsets, offset, positions, inverse, decode, *config):
     from .rope import component
 
-    component(config).rotate_in_place(q, k, _position(offsets, offset), inverse, decode)
+    position = _position(offsets, offset)
+    component(config).rotate_in_place(q, k, position, inverse, decode, ids=positions)
 
 
-def _rope_qk__fake(q, k, offsets, offset, inverse, decode, *config):
+def _rope_qk__fake(q, k, offsets, offset, positions, inverse, decode, *config):
     return None
 
 

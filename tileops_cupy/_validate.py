@@ -115,6 +115,32 @@ def check_host_positions(name: str, positions: np.ndarray, limit: int) -> None:
         )
 
 
+def check_position_ids(name: str, obj: Any, shape: tuple[int, ...], layout: str) -> Operand:
+    """``obj`` as an Operand of per-token positions: int32 or int64 (read natively, never
+    narrowed) of ``shape`` (``layout`` names it, e.g. "[B, T]"). Values are the caller's to
+    check: on the host with :func:`check_host_positions`, on a device by the kernel."""
+    ids = as_operand(obj, name)
+    if ids.dtype not in ("int32", "int64"):
+        raise TypeError(f"{name} must be an int32 or int64 tensor, got {ids.dtype}")
+    if ids.shape != tuple(shape):
+        raise ValueError(
+            f"{name} must have shape {layout} = {tuple(shape)}, one position per token, "
+            f"got {ids.shape}"
+        )
+    return ids
+
+
+def is_dense(operand: Operand) -> bool:
+    """True when ``operand`` is laid out C-contiguously (dims of size 1 may have any stride):
+    what a kernel reading element ``i`` at ``ptr + i`` needs."""
+    expected = 1
+    for size, stride in zip(reversed(operand.shape), reversed(operand.strides), strict=True):
+        if size > 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 # --------------------------------------------------------------------------- arrays
 
 

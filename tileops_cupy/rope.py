@@ -45,9 +45,11 @@ from ._validate import (
     check_host_positions,
     check_in_place,
     check_max_position,
+    check_position_ids,
     check_positive_int,
     check_rotary_dim,
     check_target,
+    is_dense,
 )
 from .schemes import Llama31, LongRoPE, Scheme, Standard, YaRN, scheme_args, scheme_from_args
 
@@ -77,7 +79,7 @@ ROPE_LAYOUTS = ("neox", "interleaved")
 RELAUNCH_X = ROPE_PARAMS.field_writer("q_in", "q_out")
 RELAUNCH_IDS = ROPE_PARAMS.field_writer("q_in", "q_out", "ids")
 RELAUNCH_QK = ROPE_PARAMS.field_writer(
-    "q_in", "q_out", "k_in", "k_out", "offsets", "position_offset"
+    "q_in", "q_out", "k_in", "k_out", "ids", "offsets", "position_offset"
 )
 INPUT_LAYOUTS = ("1d", "2d")
 
@@ -185,7 +187,8 @@ class _RotaryOp:
         return result, launch
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.scheme}, rope_layout={self.rope_layout!r})"
+        partial = "" if self.rotary_dim is None else f", rotary_dim={self.rotary_dim}"
+        return f"{type(self).__name__}({self.scheme}, rope_layout={self.rope_layout!r}{partial})"
 
 
 class RoPEFwdOp(_RotaryOp):
@@ -197,14 +200,18 @@ class RoPEFwdOp(_RotaryOp):
         input_layout: "1d" for ``x`` of shape ``[seq, head_dim]``, "2d" for
             ``[batch, seq, heads, head_dim]``. A row's position is its seq index.
         base: frequency base, > 0.
+        rotary_dim: partial rotary (HF ``partial_rotary_factor``): the first rotary_dim
+            columns of each head rotate, with frequencies computed over rotary_dim (even,
+            <= head_dim); the rest are copied unchanged. None rotates all of them.
         target: None or BUILTIN (run where the data lives), "cuda" or "cpu" (must match
             where the data lives: a mismatch raises ValueError, never copies).
 
     ``forward(x)``: x float16, bfloat16 or float32 (float64 on the host); strided views
     with a contiguous last dim are read in place. Returns a new array like x.
 
-    Raises ValueError for a bad layout name, base <= 0, a wrong rank, an odd head_dim, or a
-    target that does not match the data; TypeError for non-float data.
+    Raises ValueError for a bad layout name, base <= 0, a wrong rank, an odd head_dim, an
+    odd rotary_dim or one above head_dim, or a target that does not match the data;
+    TypeError for non-float data.
 
     Example::
 
@@ -212,6 +219,9 @@ class RoPEFwdOp(_RotaryOp):
         >>> x = np.ones((2, 8, 4, 64), np.float32)
         >>> RoPEFwdOp(input_layout="2d")(x).shape
         (2, 8, 4, 64)
+        >>> y = RoPEFwdOp(rotary_dim=16)(np.ones((5, 64), np.float32))  # Phi-style partial
+        >>> bool((y[:, 16:] == 1).all())
+        True
     """
 
     def __init__(
@@ -220,9 +230,10 @@ class RoPEFwdOp(_RotaryOp):
         input_layout: str = "1d",
         base: float = 10000.0,
         *,
+        rotary_dim: int | None = None,
         target: Any = None,
     ) -> None:
-        self._setup(Standard(base), rope_layout, input_layout, target)
+        self._setup(Standard(base), rope_layout, input_layout, target, rotary_dim)
 
 
 class RoPELlama31FwdOp(_RotaryOp):
@@ -235,7 +246,7 @@ class RoPELlama31FwdOp(_RotaryOp):
         low_freq_factor, high_freq_factor: wavelength thresholds; between them the
             frequency blends linearly.
         original_max_position: the context length the model was trained at.
-        target: as in RoPEFwdOp.
+        rotary_dim, target: as in RoPEFwdOp.
 
     ``forward(x)`` as in RoPEFwdOp. Example::
 
@@ -253,12 +264,13 @@ class RoPELlama31FwdOp(_RotaryOp):
         high_freq_factor: float = 4.0,
         original_max_position: int = 8192,
         *,
+        rotary_dim: int | None = None,
         target: Any = None,
     ) -> None:
         scheme = Llama31(
             base, scale_factor, low_freq_factor, high_freq_factor, original_max_position
         )
-        self._setup(scheme, "neox", input_layout, target)
+        self._setup(scheme, "neox", input_layout, target, rotary_dim)
 
 
 class YaRNFwdOp(_RotaryOp):
@@ -274,7 +286,8 @@ class YaRNFwdOp(_RotaryOp):
         original_max_position: the context length the model was trained at.
         beta_fast, beta_slow: rotation counts bounding the interpolation ramp.
         attn_factor: extra factor on the amplitude.
-        target: as in RoPEFwdOp.
+        rotary_dim, target: as in RoPEFwdOp (the correction range is computed over
+            rotary_dim, as vLLM does for a partial rotary).
 
     ``forward(x)`` as in RoPEFwdOp. Example::
 
@@ -293,10 +306,11 @@ class YaRNFwdOp(_RotaryOp):
         beta_slow: float = 1.0,
         attn_factor: float = 1.0,
         *,
+        rotary_dim: int | None = None,
         target: Any = None,
     ) -> None:
         scheme = YaRN(base, scale, original_max_position, beta_fast, beta_slow, attn_factor)
-        self._setup(scheme, "neox", input_layout, target)
+        self._setup(scheme, "neox", input_layout, target, rotary_dim)
 
 
 class LongRoPEFwdOp(_RotaryOp):
@@ -306,18 +320,22 @@ class LongRoPEFwdOp(_RotaryOp):
     Args:
         input_layout: "1d" or "2d", as in RoPEFwdOp.
         base: frequency base, > 0.
-        rescale_factors: ``[head_dim/2]`` divisors of the frequencies (list, numpy or any
-            tensor); None means ones. Zero, NaN or infinite factors raise ValueError.
+        rescale_factors: ``[rotary_dim/2]`` divisors of the frequencies (list, numpy or
+            any tensor; rotary_dim is head_dim unless given); None means ones. Zero, NaN or
+            infinite factors raise ValueError.
         max_position_embeddings: extended context length.
         original_max_position_embeddings: trained context length.
-        target: as in RoPEFwdOp.
+        rotary_dim, target: as in RoPEFwdOp. A rotary_dim that is not 2 *
+            len(rescale_factors) raises ValueError here.
 
-    ``forward(x)`` as in RoPEFwdOp; x's head_dim must be 2 * len(rescale_factors).
-    Example::
+    ``forward(x)`` as in RoPEFwdOp; the rotary_dim (x's head_dim unless given) must be
+    2 * len(rescale_factors). Example::
 
         >>> import numpy as np
         >>> op = LongRoPEFwdOp(rescale_factors=[1.0] * 32, max_position_embeddings=8192)
         >>> op(np.ones((4, 64), np.float32)).shape
+        (4, 64)
+        >>> LongRoPEFwdOp(rescale_factors=[1.0] * 8, rotary_dim=16)(np.ones((4, 64))).shape
         (4, 64)
     """
 
@@ -329,12 +347,15 @@ class LongRoPEFwdOp(_RotaryOp):
         max_position_embeddings: int = 4096,
         original_max_position_embeddings: int = 4096,
         *,
+        rotary_dim: int | None = None,
         target: Any = None,
     ) -> None:
         scheme = LongRoPE(
             base, rescale_factors, max_position_embeddings, original_max_position_embeddings
         )
-        self._setup(scheme, "neox", input_layout, target)
+        self._setup(scheme, "neox", input_layout, target, rotary_dim)
+        if self.rotary_dim is not None:
+            scheme.inv_freq(self.rotary_dim)  # the factors' count, checked now
 
 
 class RoPENeoxPositionIdsFwdOp(_RotaryOp):
@@ -473,18 +494,25 @@ class RoPE:
         scheme: ``Standard()`` (default), ``Llama31(...)``, ``YaRN(...)`` or ``LongRoPE(...)``.
         rotary_dim: leading columns of each head that rotate (even, <= head_dim); None = all.
         rope_layout: "neox" or "interleaved".
-        max_position: positions must lie below it (ValueError otherwise); needed for
-            positions given as device tensors, which cannot be checked without a sync.
+        max_position: positions must lie below it (ValueError otherwise). None bounds
+            them by 2**24, the range of the accuracy contract; a device tensor of
+            positions then grows the shared table to that range once (~9 MB at
+            rotary_dim 128).
         target: None/BUILTIN (where the data lives), "cuda" or "cpu".
 
     Positions: ``position_offset``/``position`` is a Python int or an integer tensor
-    ``[B]`` (one per sequence). Ints and host tensors are validated before the launch. A
-    device tensor is not (that would need a sync): the kernel clamps an out-of-range
-    position so no table is read out of bounds, raises a device flag, and the flag
-    surfaces as ValueError at this component's next call (once the faulty kernel has
-    finished) or at :meth:`check`, which synchronises. This keeps ``decode`` with a
-    device tensor free of host syncs and allocations, so a CUDA graph can capture it and
-    replay it with new positions written into the same tensor.
+    ``[B]`` (one per sequence). ``forward(q, k, positions=...)`` (and ``backward``,
+    :func:`apply_rope`) take one position per token instead: an int32/int64 tensor
+    ``[B, T]``, or ``[N]`` for packed tokens, q ``[N, num_heads*head_dim]`` and k
+    ``[N, num_kv_heads*head_dim]`` (any scheme: the schemes differ only in the table).
+    Ints and host tensors are validated before the launch. A device tensor is not (that
+    would need a sync): the kernel clamps an out-of-range position so no table is read
+    out of bounds, raises a device flag, and the flag surfaces as ValueError at this
+    component's next call (once the faulty kernel has finished) or at :meth:`check`, which
+    synchronises. This keeps calls with device tensors free of host syncs and of
+    allocations (a non-contiguous positions tensor is copied once, by its framework), so
+    a CUDA graph can capture them and replay them with new positions written into the
+    same tensor.
 
     Example (host; on a GPU pass torch CUDA tensors instead)::
 
@@ -495,6 +523,8 @@ class RoPE:
         >>> _ = rope.prefill(q, k, position_offset=0)   # rotates inside qkv
         >>> step = np.ones((1, 1, 8 * 64), np.float32)
         >>> _ = rope.decode(step[..., :256], step[..., 256:384], position=5)
+        >>> packed = np.ones((3, 8 * 64), np.float32)  # 3 tokens of any sequences
+        >>> _ = rope.forward(packed[:, :256], packed[:, 256:384], positions=np.array([7, 0, 2]))
     """
 
     def __init__(
@@ -530,9 +560,15 @@ class RoPE:
 
     # ---- public calls: all in place, all one launch for q and k
 
-    def forward(self, q: Any, k: Any = None) -> tuple[Any, Any]:
-        """Rotate at positions 0..T-1 (a training forward). Returns (q, k), the same objects."""
-        return self.prefill(q, k, 0)
+    def forward(self, q: Any, k: Any = None, *, positions: Any = None) -> tuple[Any, Any]:
+        """Rotate at positions 0..T-1 (a training forward), or at ``positions``: one
+        int32/int64 position per token, ``[B, T]`` for q ``[B, T, ...]`` or ``[N]`` for
+        packed q ``[N, num_heads*head_dim]`` (k ``[N, num_kv_heads*head_dim]``). Returns
+        (q, k), the same objects."""
+        if positions is None:
+            return self.prefill(q, k, 0)
+        self._in_place(q, k, 0, inverse=False, decode=False, ids=positions)
+        return q, k
 
     def prefill(self, q: Any, k: Any, position_offset: Any) -> tuple[Any, Any]:
         """Rotate a chunk at positions ``position_offset .. position_offset+T-1``."""
@@ -544,10 +580,13 @@ class RoPE:
         self._in_place(q, k, position, inverse=False, decode=True)
         return q, k
 
-    def backward(self, grad_q: Any, grad_k: Any, position_offset: Any = 0) -> tuple[Any, Any]:
+    def backward(
+        self, grad_q: Any, grad_k: Any, position_offset: Any = 0, *, positions: Any = None
+    ) -> tuple[Any, Any]:
         """Transpose rotation of the incoming gradients, in place, at the forward's positions
-        (amplitude included: ``backward(forward(x)) == a*a*x``)."""
-        self._in_place(grad_q, grad_k, position_offset, inverse=True, decode=False)
+        (``position_offset``, or per-token ``positions`` as in :meth:`forward`; amplitude
+        included: ``backward(forward(x)) == a*a*x``)."""
+        self._in_place(grad_q, grad_k, position_offset, True, False, positions)
         return grad_q, grad_k
 
     __call__ = forward
@@ -616,23 +655,27 @@ class RoPE:
     def _flagged_message(self) -> str:
         return (
             "a position given as a device tensor was outside [0, "
-            f"{self.max_position}) in an earlier call (the kernel clamped it; that "
-            "call's output is not valid)"
+            f"{self.max_position or MAX_POSITIONS}) in an earlier call (the kernel clamped "
+            "it; that call's output is not valid)"
         )
 
-    def _in_place(self, q: Any, k: Any, position: Any, inverse: bool, decode: bool) -> None:
+    def _in_place(
+        self, q: Any, k: Any, position: Any, inverse: bool, decode: bool, ids: Any = None
+    ) -> None:
         """The in-place calls' one entry: the direct path, or torch's dispatcher when autograd
-        or a tracer must see the call."""
-        layout = torch_ops.classify(q, k, position)
+        or a tracer must see the call. ``ids``: per-token positions (or None)."""
+        layout = torch_ops.classify(q, k, position, ids)
         if layout is not torch_ops.DISPATCH:
-            self.rotate_in_place(q, k, position, inverse, decode, layout)
+            self.rotate_in_place(q, k, position, inverse, decode, layout, ids)
         elif torch_ops.requires_grad(q, k):
-            self._record_in_place(q, k, position, inverse, decode)
+            self._record_in_place(q, k, position, inverse, decode, ids)
         else:
             offsets, offset = _split_position(position)
-            torch_ops.rope_qk_(self.config, q, k, offsets, offset, inverse, decode)
+            torch_ops.rope_qk_(self.config, q, k, offsets, offset, ids, inverse, decode)
 
-    def _record_in_place(self, q: Any, k: Any, position: Any, inverse: bool, decode: bool):
+    def _record_in_place(
+        self, q: Any, k: Any, position: Any, inverse: bool, decode: bool, ids: Any = None
+    ):
         """An in-place call on tensors autograd tracks, recorded as torch's own in-place ops
         are: the rotation out of place (its backward is the inverse rotation), copied back
         into q and k, so their grad_fn and version counters are right. A leaf that requires
@@ -650,7 +693,7 @@ class RoPE:
                 operands["k"] = as_operand(k, "k")
             check_in_place(operands)  # before the first copy_ writes
         offsets, offset = _split_position(position)
-        q_rot, k_rot = torch_ops.rope_qk(self.config, q, k, offsets, offset, inverse, decode)
+        q_rot, k_rot = torch_ops.rope_qk(self.config, q, k, offsets, offset, ids, inverse, decode)
         q.copy_(q_rot)
         if k is not None:
             k.copy_(k_rot)
@@ -663,14 +706,19 @@ class RoPE:
         inverse: bool = False,
         decode: bool = False,
         layout: tuple | None = None,
+        ids: Any = None,
     ) -> None:
         """The in-place rotation without the torch dispatcher (what its custom op runs);
-        ``layout``: ``_torch_ops.layouts(q, k, position)`` when the caller has it.
+        ``layout``: ``_torch_ops.layouts(q, k, position, ids)`` when the caller has it;
+        ``ids``: per-token positions (see :meth:`forward`) or None.
 
-        A call whose torch layouts (q, k, the position's kind, the direction) an earlier
-        call validated and planned re-runs that launch with the new addresses and offset:
-        at decode sizes the bookkeeping would otherwise cost more than the kernel."""
-        keys, (q_ptr, k_ptr, offsets_ptr) = layout or torch_ops.layouts(q, k, position)
+        A call whose torch layouts (q, k, the position's kind, the per-token positions, the
+        direction) an earlier call validated and planned re-runs that launch with the new
+        addresses and offset: at decode sizes the bookkeeping would otherwise cost more than
+        the kernel."""
+        keys, (q_ptr, k_ptr, offsets_ptr, ids_ptr) = layout or torch_ops.layouts(
+            q, k, position, ids
+        )
         int_position = type(position) is int
         key = (keys, inverse, decode, int_position)
         fast = self._relaunches.get(key)
@@ -688,49 +736,90 @@ class RoPE:
                 self._flag.raise_if_set(self._flagged_message)
                 launch.relaunch(
                     torch_ops.current_stream(launch.device), RELAUNCH_QK, q_ptr, q_ptr, k_ptr,
-                    k_ptr, offsets_ptr, position if int_position else 0,
+                    k_ptr, ids_ptr, offsets_ptr, position if int_position else 0,
                 )  # fmt: skip
                 torch_ops.bump_versions(q, k)
                 return
-        launch = self._apply(q, k, position, inverse, decode)
+        launch = self._apply(q, k, position, inverse, decode, ids=ids)
         # torch q (and k) only; device positions or ints: host ones are uploaded per call
         device_position = int_position or (keys[2] is not None and keys[2][3].type == "cuda")
         torch_operands = keys[0] is not None and (k is None or keys[1] is not None)
-        if launch is not None and torch_operands and device_position:
+        # per-token positions: only when the launch reads the caller's tensor itself (host
+        # ones are uploaded, non-contiguous ones copied: a new address every call)
+        own_ids = ids is None or (
+            launch is not None and ROPE_PARAMS.read(launch.params, "ids") == ids_ptr
+        )
+        if launch is not None and torch_operands and device_position and own_ids:
+            # the highest int offset the launch's table covers; with per-token positions
+            # the offset must stay 0 (the kernel bounds every position)
             last_position = ROPE_PARAMS.read(launch.params, "position_limit") - q.shape[1]
+            if ids is not None:
+                last_position = 0
             spans = (_byte_span(q), 0 if k is None else _byte_span(k))
             self._relaunches[key] = (launch, last_position, k_ptr - q_ptr, *spans)
         torch_ops.bump_versions(q, k)
 
     def rotated(
-        self, q: Any, k: Any, position: Any, inverse: bool = False, decode: bool = False
+        self,
+        q: Any,
+        k: Any,
+        position: Any,
+        inverse: bool = False,
+        decode: bool = False,
+        ids: Any = None,
     ) -> tuple[Any, Any]:
         """New rotated copies of q and k (k None gives None), without the dispatcher."""
         q_out = empty_like(as_operand(q, "q"), tuple(q.shape))
         k_out = None if k is None else empty_like(as_operand(k, "k"), tuple(k.shape))
-        self._apply(q, k, position, inverse, decode, out=(q_out, k_out))
+        self._apply(q, k, position, inverse, decode, out=(q_out, k_out), ids=ids)
         return to_caller(q_out), None if k_out is None else to_caller(k_out)
 
-    def _rows(self, operand: Operand, name: str, heads: int) -> HeadRows:
+    def _rows(self, operand: Operand, name: str, heads: int, packed: bool = False) -> HeadRows:
+        """``operand`` as [B, T, heads, head_dim] rows; ``packed`` also takes [N, heads*head_dim]
+        (N tokens, seen as B = 1, T = N), the layout of calls with per-token positions."""
         head_dim = self.head_dim
         shape, strides = operand.shape, operand.strides
         if operand.ndim == 3 and shape[2] == heads * head_dim:
             return HeadRows(operand, (*shape[:2], heads, head_dim), (*strides[:2], head_dim, 1))
         if operand.ndim == 4 and shape[2:] == (heads, head_dim):
             return HeadRows(operand, shape, (*strides[:3], 1))
+        if packed and operand.ndim == 2 and shape[1] == heads * head_dim:
+            return HeadRows(operand, (1, shape[0], heads, head_dim), (0, strides[0], head_dim, 1))
         raise ValueError(
             f"{name} must be [B, T, {heads}*{head_dim}] or [B, T, {heads}, {head_dim}] "
-            f"(heads={heads}, head_dim={head_dim}), got shape {shape}"
+            f"(heads={heads}, head_dim={head_dim}), or packed tokens [N, {heads}*{head_dim}] "
+            f"with per-token positions, got shape {shape}"
         )
 
-    def _operand(self, obj: Any, name: str, heads: int, in_place: bool) -> HeadRows:
-        return self._rows(check_float_operand(obj, name, in_place=in_place), name, heads)
+    def _operand(
+        self, obj: Any, name: str, heads: int, in_place: bool, packed: bool = False
+    ) -> HeadRows:
+        operand = check_float_operand(obj, name, in_place=in_place)
+        return self._rows(operand, name, heads, packed)
 
-    def _positions(self, value: Any, name: str, rows: HeadRows, place: str) -> Positions:
+    def _positions(
+        self, value: Any, name: str, rows: HeadRows, place: str, ids: Any = None
+    ) -> Positions:
         """Positions for a call: ints and host tensors checked here, device tensors bounded
-        by the kernel."""
+        by the kernel (by max_position, or 2**24 without one). ``ids``: per-token positions
+        of shape [B, T] (or [N] for packed rows), with ``value`` 0."""
         batch, seq = rows.shape[:2]
         limit = self.max_position or MAX_POSITIONS
+        if ids is not None:
+            packed = rows.operand.ndim == 2
+            shape = (seq,) if packed else (batch, seq)
+            ids = check_position_ids("positions", ids, shape, "[N]" if packed else "[B, T]")
+            if not ids.is_cuda:
+                check_host_positions("positions", ids.host, limit)
+                highest = int(ids.host.max(initial=0)) + 1
+                if place == "cuda":
+                    ids = upload(rows.operand, np.ascontiguousarray(ids.host))
+                return Positions(ids=ids, limit=limit, cover=highest)
+            if ids.device != rows.operand.device:
+                raise ValueError(f"positions is on cuda:{ids.device}, the data on another device")
+            if not is_dense(ids):  # the kernel reads ids[b*T + s]: copied once, as torch does
+                ids = contiguous(ids)
+            return Positions(ids=ids, limit=limit, cover=limit)
         if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
             value = int(value)
             if value < 0 or value + seq > limit:
@@ -754,14 +843,9 @@ class RoPE:
             return Positions(offsets=offsets, limit=limit, cover=highest)
         if offsets.device != rows.operand.device:
             raise ValueError(f"{name} is on cuda:{offsets.device}, the data on another device")
-        if self.max_position is None:
-            raise ValueError(
-                f"{name} is a device tensor, which cannot be validated without a sync: "
-                "construct RoPE with max_position so the kernel can bound it"
-            )
         if offsets.strides[0] != 1 and batch > 1:
             raise ValueError(f"{name} must be contiguous, got strides {offsets.strides}")
-        return Positions(offsets=offsets, limit=limit, cover=self.max_position)
+        return Positions(offsets=offsets, limit=limit, cover=limit)
 
     def _apply(
         self,
@@ -771,13 +855,23 @@ class RoPE:
         inverse: bool,
         decode: bool = False,
         out: tuple[Any, Any] | None = None,
+        ids: Any = None,
     ) -> Any:
-        """Rotate (q, k) at ``position``: in place, or into ``out`` (same shapes, contiguous).
-        Returns the CUDA launch (None on the host or for an empty call)."""
+        """Rotate (q, k) at ``position`` (or at per-token positions ``ids``, ``position``
+        then 0): in place, or into ``out`` (same shapes, contiguous). Returns the CUDA launch
+        (None on the host or for an empty call)."""
         self._flag.raise_if_set(self._flagged_message)
         in_place = out is None
-        q_rows = self._operand(q, "q", self.num_heads, in_place)
-        k_rows = None if k is None else self._operand(k, "k", self.num_kv_heads, in_place)
+        if ids is not None and not (_is_int(position) and position == 0):
+            raise ValueError(
+                "positions (one per token) and a position offset cannot be combined: "
+                f"got position_offset={position!r}; add the offset to the positions"
+            )
+        packed = ids is not None  # [N, heads*head_dim] q and k take per-token positions
+        q_rows = self._operand(q, "q", self.num_heads, in_place, packed)
+        k_rows = None
+        if k is not None:
+            k_rows = self._operand(k, "k", self.num_kv_heads, in_place, packed)
         operands = {"q": q_rows.operand}
         if k_rows is not None:
             operands["k"] = k_rows.operand
@@ -798,25 +892,30 @@ class RoPE:
             raise ValueError(
                 f"decode takes one token per sequence (T == 1), got T={q_rows.shape[1]}"
             )
-        positions = self._positions(position, name, q_rows, place)
+        positions = self._positions(position, name, q_rows, place, ids)
         self.table.ensure(positions.cover)
         if math.prod(q_rows.shape[:2]) == 0:
             return None
-        q_pair = (q_rows, q_rows if out is None else self._rows(out[0], "out", self.num_heads))
+        q_out = q_rows if out is None else self._rows(out[0], "out", self.num_heads, packed)
         k_pair = None
         if k_rows is not None:
-            k_out = k_rows if out is None else self._rows(out[1], "out", self.num_kv_heads)
+            k_out = k_rows if out is None else self._rows(out[1], "out", self.num_kv_heads, packed)
             k_pair = (k_rows, k_out)
+        q_pair = (q_rows, q_out)
         return rotate(
             self.table, self.rope_layout == "neox", inverse, q_pair, k_pair, positions, self._flag
         )
 
 
-def apply_rope(q: Any, k: Any, rope: RoPE, position_offset: Any = 0) -> tuple[Any, Any]:
+def apply_rope(
+    q: Any, k: Any, rope: RoPE, position_offset: Any = 0, *, positions: Any = None
+) -> tuple[Any, Any]:
     """Out-of-place RoPE: new rotated ``(q, k)`` (k may be None, giving None) at
-    ``position_offset`` (int or ``[B]``), q and k untouched. On torch tensors that require
-    grad the results carry a ``grad_fn``; the gradient is the inverse rotation (the Bwd
-    kernels). Any framework works; this is the form to use inside autograd.
+    ``position_offset`` (int or ``[B]``) or at per-token ``positions`` (``[B, T]``, or
+    ``[N]`` for packed q ``[N, num_heads*head_dim]``; see :meth:`RoPE.forward`), q and k
+    untouched. On torch tensors that require grad the results carry a ``grad_fn``; the
+    gradient is the inverse rotation (the Bwd kernels) at the same positions. Any
+    framework works; this is the form to use inside autograd.
 
     Example::
 
@@ -825,11 +924,12 @@ def apply_rope(q: Any, k: Any, rope: RoPE, position_offset: Any = 0) -> tuple[An
         >>> q = torch.randn(1, 3, 16, dtype=torch.float64, requires_grad=True)
         >>> q_rot, _ = apply_rope(q, None, rope)
         >>> q_rot.sum().backward()
+        >>> q_rot, _ = apply_rope(q, None, rope, positions=torch.tensor([[40, 2, 9]]))
     """
-    if torch_ops.classify(q, k, position_offset) is not torch_ops.DISPATCH:
-        return rope.rotated(q, k, position_offset)
+    if torch_ops.classify(q, k, position_offset, positions) is not torch_ops.DISPATCH:
+        return rope.rotated(q, k, position_offset, ids=positions)
     offsets, offset = _split_position(position_offset)
-    q_rot, k_rot = torch_ops.rope_qk(rope.config, q, k, offsets, offset, False, False)
+    q_rot, k_rot = torch_ops.rope_qk(rope.config, q, k, offsets, offset, positions, False, False)
     return q_rot, None if k is None else k_rot
 
 
@@ -838,6 +938,10 @@ def _byte_span(tensor: Any) -> int:
     extents = zip(tensor.shape, tensor.stride(), strict=True)
     last = sum((size - 1) * stride for size, stride in extents)
     return (last + 1) * tensor.element_size()
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 def _split_position(position: Any) -> tuple[Any, Any]:
