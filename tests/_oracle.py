@@ -10,11 +10,13 @@ Three parts:
 - frequencies: ``inv_freq`` and the amplitude ``a`` of every scheme, in float64;
 - :func:`rope_reference`: the rotation of SPEC 2 in float64 (columns past rotary_dim copied);
 - :func:`contract_tolerance` / :func:`assert_matches_oracle`: SPEC 5 as an element-wise
-  bound, and a comparison that reports the worst element when it fails.
+  bound, and a comparison that reports the worst element when it fails; the bounds on
+  ``Bwd(Fwd(x))`` derived from it (:func:`roundtrip_tolerance`, and the tighter
+  :func:`working_precision_roundtrip_tolerance` for float32/float64 data).
 
 Plus the case table (:data:`SEQUENCE_OPS`) and the array helpers (random data in a dtype,
-moving it into a framework, reading any result back as float64) that the host and GPU
-tests share.
+moving it into a framework, reading any result back as float64 or as raw bytes) that the
+RoPE and component tests share, in every place (``_cases.py`` says which).
 """
 
 from __future__ import annotations
@@ -298,6 +300,20 @@ def roundtrip_tolerance(
     return amplitude * math.sqrt(2) * t_fwd + t_bwd
 
 
+WORKING_PRECISION_ROUNDTRIP = {"float32": 2e-6, "float64": 2e-11}
+"""Relative bound on ``|Bwd(Fwd(x)) - a*a*x|`` when ``x`` is float32 or float64 and both
+rotations keep it in that dtype (the in-place component): two roundings of a rotation by at
+most ``a*sqrt(2)*max|x|``, a few dozen units of the dtype at ``a*a*max|x|``."""
+
+
+def working_precision_roundtrip_tolerance(x64: np.ndarray, dtype: str, amplitude: float) -> float:
+    """:data:`WORKING_PRECISION_ROUNDTRIP` of ``a*a*max|x|``: tighter than
+    :func:`roundtrip_tolerance`, which grants each op its whole SPEC 5 allowance (so holds for
+    fp16/bf16 too)."""
+    scale = amplitude**2 * float(np.max(np.abs(x64), initial=0.0))
+    return WORKING_PRECISION_ROUNDTRIP[dtype] * scale
+
+
 # --------------------------------------------------------------------------- the cases
 
 
@@ -445,6 +461,20 @@ def to_host(array: Any) -> np.ndarray:
 
 def to_float64(array: Any) -> np.ndarray:
     return to_host(array).astype(np.float64)
+
+
+def raw_bytes(array: Any) -> np.ndarray:
+    """A copy of the bytes of ``array`` (any framework, strided views too), as uint8 with the
+    last axis ``itemsize`` times longer: bit-exact comparisons, bf16 and NaN included."""
+    return np.ascontiguousarray(to_host(array)).view(np.uint8).copy()
+
+
+def assert_unchanged(array: Any, before: Any, what: str = "input") -> None:
+    """``array`` holds exactly the bytes of ``before`` (an earlier :func:`raw_bytes`, or the
+    numpy data it was made from)."""
+    if not (isinstance(before, np.ndarray) and before.dtype == np.uint8):
+        before = raw_bytes(before)
+    np.testing.assert_array_equal(raw_bytes(array), before, err_msg=f"{what} changed")
 
 
 def dtype_name(array: Any) -> str:

@@ -1,18 +1,31 @@
-"""mHC pre/post on the host (numpy body) against the float64 oracle, every validation error,
-and the NVRTC compile of every mHC kernel (no GPU needed). GPU tests: test_mhc_gpu.py."""
+"""mHC pre/post against the float64 oracle (SPEC 5 on every element), on the host path (the
+numpy body) and on a CUDA device (the kernels), plus every validation error and the CUDA
+launch planning (no GPU needed).
+
+A case that runs in both places is one test parametrized over the place (``_cases``): numpy
+and torch CPU inputs on the host, torch CUDA and CuPy on the device (``gpu``-marked: skipped
+without one). The device runs the shapes that pick its launch paths (one cooperative launch
+for batch <= 256, K split over tiles, the element-wise path for a c_x no vector width
+divides); the tests of streams, fused decode launches and device errors are device only.
+"""
 
 from __future__ import annotations
+
+import math
 
 import ml_dtypes
 import numpy as np
 import pytest
+from _cases import FRAMEWORKS, GPU, PLACES, per_place, require, synchronize, to_place
 from _mhc_oracle import (
     NP_DTYPES,
     assert_post_matches,
     assert_pre_matches,
     pre_reference,
     random_pre_case,
+    to_float64,
 )
+from _oracle import dtype_name, framework_name
 
 from tileops_cupy import sequence_modeling
 from tileops_cupy.sequence_modeling import MHCPostFwdOp, MHCPreFwdOp, plan_geometry, streams_of
@@ -20,91 +33,150 @@ from tileops_cupy.sequence_modeling import MHCPostFwdOp, MHCPreFwdOp, plan_geome
 DTYPES = ("bfloat16", "float16", "float32")
 
 
-def run_pre(case, **kwargs):
+def run_pre(case, place="cpu", framework=None, **kwargs):
     op = MHCPreFwdOp(*case.alphas, case.repeat, case.eps, **kwargs)
-    return op(case.phi, case.x, case.b)
+    return op(*(to_place(a, place, framework) for a in (case.phi, case.x, case.b)))
 
 
-# --------------------------------------------------------------------------- pre, host
+def assert_placed(outputs, place: str, framework: str | None, dtypes) -> None:
+    """Each output is an array of ``framework`` (default: numpy on the host, torch on the
+    device) on ``place``, of its dtype."""
+    framework = framework or {"cpu": "numpy", "cuda": "torch"}[place]
+    for output, dtype in zip(outputs, dtypes, strict=True):
+        assert framework_name(output) == framework, (type(output), framework)
+        assert dtype_name(output) == dtype, (dtype_name(output), dtype)
+        if framework == "torch":
+            assert output.device.type == place, output.device
+
+
+# --------------------------------------------------------------------------- pre
+
+# (c_x, batch). On the device, batch <= 256 runs as one cooperative launch (K split over every
+# multiprocessor; 200 is two tiles); 300 is three tiles whose K splits' last block computes the
+# coefficients; a c_x that no vector width divides (130) takes the element-wise path
+PRE_SHAPES = {
+    "cpu": ((1000, 5), (130, 5)),
+    "cuda": ((1000, 1), (130, 4), (1000, 37), (136, 200), (130, 300), (64, 5)),
+}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("c_x", (1000, 130))
 @pytest.mark.parametrize("n", (1, 2, 4, 6, 8))
-def test_pre_matches_oracle(rng, n, c_x, dtype):
-    case = random_pre_case(rng, n, c_x, batch=5, dtype=dtype)
-    outputs = run_pre(case)
-    assert all(isinstance(o, np.ndarray) for o in outputs)
-    assert outputs[0].dtype == NP_DTYPES[dtype] and outputs[1].dtype == NP_DTYPES[dtype]
-    assert outputs[2].dtype == np.float32
+@pytest.mark.parametrize(("place", "c_x", "batch"), per_place(PRE_SHAPES))
+def test_pre_matches_oracle(rng, place, c_x, batch, n, dtype):
+    case = random_pre_case(rng, n, c_x, batch, dtype=dtype)
+    outputs = run_pre(case, place)
+    assert_placed(outputs, place, None, (dtype, dtype, "float32"))
     assert_pre_matches(case, outputs)
+
+
+SINKHORN_SHAPES = {"cpu": ((64, 9),), "cuda": ((256, 3), (256, 40))}  # (c_x, batch)
 
 
 @pytest.mark.parametrize("eps", (0.0, 0.02))
 @pytest.mark.parametrize("repeat", (0, 1, 20))
-def test_pre_sinkhorn_settings(rng, repeat, eps):
-    case = random_pre_case(rng, 4, 64, batch=9, repeat=repeat, eps=eps)
-    assert_pre_matches(case, run_pre(case))
+@pytest.mark.parametrize(("place", "c_x", "batch"), per_place(SINKHORN_SHAPES))
+def test_pre_sinkhorn_settings(rng, place, c_x, batch, repeat, eps):
+    case = random_pre_case(rng, 4, c_x, batch, repeat=repeat, eps=eps)
+    assert_pre_matches(case, run_pre(case, place))
 
 
-def test_pre_sinkhorn_converges_to_doubly_stochastic(rng):
+@pytest.mark.parametrize("place", PLACES)
+def test_pre_sinkhorn_converges_to_doubly_stochastic(rng, place):
     """With eps = 0 and many iterations the mixing matrix is doubly stochastic, so x_res
     conserves the streams' column sums."""
     case = random_pre_case(rng, 4, 32, batch=6, dtype="float32", repeat=200, eps=0.0)
-    x_res, _, _ = run_pre(case)
+    x_res, _, _ = run_pre(case, place)
     x = case.x.astype(np.float64).reshape(6, 4, 32)
-    mixed = x_res.astype(np.float64).reshape(6, 4, 32)
+    mixed = to_float64(x_res).reshape(6, 4, 32)
     np.testing.assert_allclose(mixed.sum(axis=1), x.sum(axis=1), atol=1e-4)
 
 
+SATURATED_C_X = {"cpu": 130, "cuda": 136}
+
+
 @pytest.mark.parametrize("n", (1, 4, 8))
-def test_pre_saturated(rng, n):
-    case = random_pre_case(rng, n, 130, batch=64, saturated=True)
+@pytest.mark.parametrize("place", PLACES)
+def test_pre_saturated(rng, place, n):
+    case = random_pre_case(rng, n, SATURATED_C_X[place], batch=64, saturated=True)
     case.b[:n] = -1e4  # every pre gate is exactly 0: x_layer rows all zero
-    x_res, x_layer, h_post = run_pre(case)
-    assert not np.asarray(x_layer, np.float32).any()
-    assert_pre_matches(case, (x_res, x_layer, h_post))
-    gates = np.asarray(h_post)
+    alpha_pre, alpha_post, alpha_res = case.alphas
+    # alpha_post as drawn, then raised to |alpha_post| >= 2, which puts most post gates within
+    # 1e-3 of 0 or 2 (a drawn 0.5 leaves n = 1 short of half for 40% of seeds)
+    for alpha in (alpha_post, math.copysign(max(abs(alpha_post), 2.0), alpha_post)):
+        case.alphas = (alpha_pre, alpha, alpha_res)
+        x_res, x_layer, h_post = run_pre(case, place)
+        assert not to_float64(x_layer).any()
+        assert_pre_matches(case, (x_res, x_layer, h_post))
+    gates = to_float64(h_post)
     assert (np.minimum(gates, 2 - gates) < 1e-3).mean() > 0.5  # the post gates saturate too
 
 
-@pytest.mark.parametrize("n", (2, 4))
-def test_pre_saturated_without_eps_has_no_nan(rng, n):
+@pytest.mark.parametrize(
+    ("place", "n", "c_x", "batch"),
+    per_place({"cpu": ((2, 130, 64), (4, 130, 64)), "cuda": ((4, 136, 2), (4, 136, 64))}),
+)
+def test_pre_saturated_without_eps_has_no_nan(rng, place, n, c_x, batch):
     """eps = 0 with saturated logits underflows whole Sinkhorn rows or columns to 0: they
     stay 0 (no 0/0). float64 keeps 1e-200 there, so only finiteness and h_post compare."""
-    case = random_pre_case(rng, n, 130, batch=64, repeat=20, eps=0.0, saturated=True)
-    assert_pre_matches(case, run_pre(case), check_mix=False)
+    case = random_pre_case(rng, n, c_x, batch, repeat=20, eps=0.0, saturated=True)
+    assert_pre_matches(case, run_pre(case, place), check_mix=False)
 
 
-def test_pre_reads_strided_inputs(rng):
-    case = random_pre_case(rng, 4, 130, batch=7, dtype="float16")
-    width = case.x.shape[1]
-    wide = np.zeros((7, width + 5), np.float16)
-    wide[:, 3 : 3 + width] = case.x
-    phi_t = np.ascontiguousarray(case.phi.T).T  # column-major phi
-    b_strided = np.repeat(case.b, 2)[::2]
-    outputs = MHCPreFwdOp(*case.alphas, case.repeat, case.eps)(
-        phi_t, wide[:, 3 : 3 + width], b_strided
-    )
-    assert_pre_matches(case, outputs)
+FRAMEWORK_SHAPES = {"cpu": (64, 3), "cuda": (256, 9)}  # (c_x, batch), contiguous
+STRIDED_SHAPES = {"cpu": (130, 7), "cuda": (256, 6)}  # (c_x, batch), views
 
 
-def test_pre_torch_cpu_in_torch_out(rng):
-    torch = pytest.importorskip("torch")
-    case = random_pre_case(rng, 4, 64, batch=3)
-    x = torch.from_numpy(case.x.view(np.int16)).view(torch.bfloat16)
-    outputs = MHCPreFwdOp(*case.alphas, case.repeat, case.eps)(
-        torch.from_numpy(case.phi), x, torch.from_numpy(case.b)
-    )
-    assert [o.dtype for o in outputs] == [torch.bfloat16, torch.bfloat16, torch.float32]
-    assert all(o.device.type == "cpu" for o in outputs)
-    assert_pre_matches(case, outputs)
+@pytest.mark.parametrize("dtype", ("float16", "bfloat16"))
+@pytest.mark.parametrize(("place", "framework"), per_place(FRAMEWORKS))
+def test_pre_frameworks_strided_and_misaligned_views(rng, place, framework, dtype):
+    """Every framework of the place in, the same framework out; phi column-major, b strided,
+    x rows padded (16-byte aligned), misaligned (the element-wise path) or strided (copied
+    once)."""
+
+    def placed(host):
+        return to_place(host, place, framework)
+
+    contiguous = random_pre_case(rng, 4, *FRAMEWORK_SHAPES[place], dtype=dtype)
+    outputs = run_pre(contiguous, place, framework)
+    assert_placed(outputs, place, framework, (dtype, dtype, "float32"))
+    assert_pre_matches(contiguous, outputs)
+
+    case = random_pre_case(rng, 4, *STRIDED_SHAPES[place], dtype=dtype)
+    batch, width = case.x.shape
+    op = MHCPreFwdOp(*case.alphas, case.repeat, case.eps)
+    phi_cm = placed(np.ascontiguousarray(case.phi.T)).T  # column-major phi
+    views = {"strided": _embedded(case.x, (batch, 2 * width), np.s_[:, ::2], placed)}
+    for offset in (8, 3, 1):  # 16 bytes in, then 6 and 2 bytes in: misaligned rows
+        window = np.s_[:, offset : offset + width]
+        views[f"offset-{offset}"] = _embedded(case.x, (batch, width + 24), window, placed)
+    for b_stride in (2, 3):
+        b_strided = placed(np.repeat(case.b, b_stride))[::b_stride]
+        for name, view in views.items():
+            outputs = op(phi_cm, view, b_strided)
+            assert_placed(outputs, place, framework, (dtype, dtype, "float32"))
+            try:
+                assert_pre_matches(case, outputs)
+            except AssertionError as error:
+                raise AssertionError(f"x {name}, b stride {b_stride}: {error}") from error
 
 
-def test_pre_empty_batch():
+def _embedded(values: np.ndarray, shape, window, placed):
+    """``values`` written at ``window`` of a zero buffer of ``shape`` (built on the host, so
+    no device copy kernel of the dtype is needed), placed, and that window of it."""
+    buffer = np.zeros(shape, values.dtype)
+    buffer[window] = values
+    return placed(buffer)[window]
+
+
+@pytest.mark.parametrize("place", PLACES)
+def test_pre_empty_batch(place):
     phi = np.zeros((8, 8), np.float32)
-    x_res, x_layer, h_post = MHCPreFwdOp(1, 1, 1, 3)(phi, np.zeros((0, 8), np.float32), phi[0])
-    assert x_res.shape == (0, 8) and x_layer.shape == (0, 4) and h_post.shape == (0, 2)
+    x_res, x_layer, h_post = MHCPreFwdOp(1, 1, 1, 3)(
+        to_place(phi, place), to_place(np.zeros((0, 8), np.float32), place), to_place(phi[0], place)
+    )
+    assert tuple(x_res.shape) == (0, 8) and tuple(x_layer.shape) == (0, 4)
+    assert tuple(h_post.shape) == (0, 2)
 
 
 def test_pre_rounds_bf16_to_nearest_even(rng):
@@ -120,30 +192,143 @@ def test_pre_rounds_bf16_to_nearest_even(rng):
     np.testing.assert_array_equal(x_layer, layer32.astype(ml_dtypes.bfloat16))
 
 
-# --------------------------------------------------------------------------- post, host
+@GPU
+def test_pre_production_shapes(rng):
+    """The PERF.md widths: many pipeline stages per block, decode (fused) and large K."""
+    for c_x, batch in ((1280, 1), (4096, 4), (7168, 3), (4096, 128), (7168, 260)):
+        case = random_pre_case(rng, 4, c_x, batch)
+        assert_pre_matches(case, run_pre(case, "cuda"))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("c_x", (1000, 130))
-@pytest.mark.parametrize("n", (1, 2, 4, 6, 8))
-def test_post_matches_oracle(rng, n, c_x, dtype):
-    batch = 5
+@GPU
+def test_pre_large_batch_without_k_split(rng):
+    """Enough tiles that every block takes all of K (k_splits = 1), last tile partial."""
+    case = random_pre_case(rng, 4, 64, 132 * 128 + 77)
+    assert_pre_matches(case, run_pre(case, "cuda"))
+
+
+@GPU
+def test_pre_on_a_side_stream_is_ordered_and_deterministic(rng):
+    require("cuda", "torch")
+    import torch
+
+    case = random_pre_case(rng, 4, 1024, 200)
+    phi, x, b = (to_place(a, "cuda", "torch") for a in (case.phi, case.x, case.b))
+    op = MHCPreFwdOp(*case.alphas, case.repeat, case.eps)
+    expected = op(phi, x, b)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        x_side = x * 1  # produced on the side stream: the op must run after it there
+        outputs = [op(phi, x_side, b) for _ in range(3)]
+    torch.cuda.current_stream().wait_stream(side)
+    for got in outputs:
+        for g, e in zip(got, expected, strict=True):
+            assert torch.equal(g, e)  # bitwise: fixed-order reductions, no atomics on floats
+    assert_pre_matches(case, outputs[-1])
+
+
+@GPU
+def test_pre_decode_back_to_back(rng):
+    """Fused launches reset their block counter: many in a row all stay correct."""
+    case = random_pre_case(rng, 4, 1280, 2)
+    phi, b = to_place(case.phi, "cuda", "torch"), to_place(case.b, "cuda", "torch")
+    op = MHCPreFwdOp(*case.alphas, case.repeat, case.eps)
+    xs = [rng.standard_normal(case.x.shape).astype(case.x.dtype) for _ in range(20)]
+    results = [op(phi, to_place(x, "cuda", "torch"), b) for x in xs]
+    synchronize("cuda")
+    for x, outputs in zip(xs, results, strict=True):
+        case.x = x
+        assert_pre_matches(case, outputs)
+
+
+@GPU
+def test_pre_device_errors(rng):
+    require("cuda", "torch")
+    import torch
+
+    case = random_pre_case(rng, 4, 64, 2)
+    op = MHCPreFwdOp(*case.alphas, case.repeat, case.eps)
+
+    def on_device(host):
+        return to_place(host, "cuda", "torch")
+
+    with pytest.raises(ValueError, match="x is on cuda:0 but phi is on the host"):
+        op(case.phi, on_device(case.x), case.b)
+    with pytest.raises(ValueError, match="target='cpu' but phi is on cuda:0"):
+        on_cpu = MHCPreFwdOp(1, 1, 1, 3, target="cpu")
+        on_cpu(on_device(case.phi), on_device(case.x), on_device(case.b))
+    q = 9 * 9 + 18
+    with pytest.raises(ValueError, match="CUDA mHC kernels take n <= 8"):
+        op(
+            torch.zeros(9 * 8, q, device="cuda"),
+            torch.zeros(1, 72, device="cuda"),
+            torch.zeros(q, device="cuda"),
+        )
+
+
+@GPU
+def test_pre_device_matches_host(rng):
+    case = random_pre_case(rng, 4, 512, 16, dtype="float32")
+    op = MHCPreFwdOp(*case.alphas, case.repeat, case.eps)
+    device = [to_float64(o) for o in op(*(to_place(a, "cuda") for a in (case.phi, case.x, case.b)))]
+    host = [to_float64(o) for o in op(case.phi, case.x, case.b)]
+    for d, h in zip(device, host, strict=True):
+        np.testing.assert_allclose(d, h, rtol=1e-4, atol=1e-4)
+
+
+# --------------------------------------------------------------------------- post
+
+POST_SHAPES = {"cpu": ((1000, 5), (130, 5)), "cuda": ((1000, 3), (130, 33), (4096, 2))}
+
+
+def _post_inputs_random(rng, batch, n, c_x, dtype):
     layer = rng.standard_normal((batch, c_x)).astype(NP_DTYPES[dtype])
     gates = rng.uniform(0, 2, (batch, n)).astype(np.float32)
     res = rng.standard_normal((batch, n * c_x)).astype(NP_DTYPES[dtype])
-    out = MHCPostFwdOp()(layer, gates, res)
-    assert out.dtype == NP_DTYPES[dtype] and out.shape == res.shape
+    return layer, gates, res
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", (1, 2, 4, 6, 8))
+@pytest.mark.parametrize(("place", "c_x", "batch"), per_place(POST_SHAPES))
+def test_post_matches_oracle(rng, place, c_x, batch, n, dtype):
+    layer, gates, res = _post_inputs_random(rng, batch, n, c_x, dtype)
+    out = MHCPostFwdOp()(*(to_place(a, place) for a in (layer, gates, res)))
+    assert_placed((out,), place, None, (dtype,))
+    assert tuple(out.shape) == res.shape
     assert_post_matches(layer, gates, res, out, dtype)
 
 
-def test_post_strided_and_torch(rng):
-    torch = pytest.importorskip("torch")
-    layer = rng.standard_normal((6, 2 * 70)).astype(np.float32)[:, ::2]  # strided columns
-    gates = rng.uniform(0, 2, (4, 6)).astype(np.float32).T  # column-major
-    res = rng.standard_normal((6, 4 * 70)).astype(np.float32)
-    out = MHCPostFwdOp()(torch.from_numpy(layer), torch.from_numpy(gates), torch.from_numpy(res))
-    assert isinstance(out, torch.Tensor) and out.dtype == torch.float32
-    assert_post_matches(layer, gates, res, out, "float32")
+POST_STRIDED_SHAPES = {"cpu": (6, 4, 70), "cuda": (5, 4, 512)}  # (batch, n, c_x)
+
+
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
+@pytest.mark.parametrize(("place", "framework"), per_place(FRAMEWORKS))
+def test_post_frameworks_strided_and_misaligned(rng, place, framework, dtype):
+    """Every framework of the place in, the same framework out; x_layer_out with strided
+    columns (copied once), h_post column-major, x_res rows misaligned (the element-wise
+    path)."""
+    batch, n, c_x = POST_STRIDED_SHAPES[place]
+    layer, gates, res = _post_inputs_random(rng, batch, n, c_x, dtype)
+
+    def placed(host):
+        return to_place(host, place, framework)
+
+    layer_p, gates_p, res_p = placed(layer), placed(gates), placed(res)
+    gates_cm = placed(np.ascontiguousarray(gates.T)).T
+    layer_strided = _embedded(layer, (batch, 2 * c_x), np.s_[:, ::2], placed)
+    res_misaligned = _embedded(res, (batch, n * c_x + 1), np.s_[:, 1:], placed)
+    for name, arguments in (
+        ("contiguous", (layer_p, gates_p, res_p)),
+        ("strided-layer-column-major-gates", (layer_strided, gates_cm, res_p)),
+        ("strided-layer", (layer_strided, gates_p, res_p)),
+        ("misaligned-res-column-major-gates", (layer_p, gates_cm, res_misaligned)),
+    ):
+        out = MHCPostFwdOp()(*arguments)
+        assert_placed((out,), place, framework, (dtype,))
+        assert tuple(out.shape) == res.shape, name
+        assert_post_matches(layer, gates, res, out, dtype)
 
 
 def test_pre_then_post_round_trip(rng):

@@ -1,7 +1,11 @@
-"""The RoPE ops on the host path (numpy and torch CPU inputs), against the float64 oracle.
+"""The RoPE seed ops against the float64 oracle, on the host path (numpy, torch CPU) and on a
+CUDA device (torch CUDA, CuPy, JAX).
 
-Every case draws fresh data (``rng`` is seeded per test id) and compares every output
-element with ``_oracle.rope_reference`` under the SPEC 5 bound (``_oracle.contract_tolerance``).
+A case that runs in both places is one test parametrized over the place (``_cases``); the
+"cuda" cases are marked ``gpu`` and skip without a device (``conftest.py``), as do the tests
+that only make sense on a device (streams, deferred device-side id checks, JAX, two GPUs).
+Every case draws fresh data (``rng`` is seeded per test id) and compares every output element
+with ``_oracle.rope_reference`` under the SPEC 5 bound (``_oracle.contract_tolerance``).
 """
 
 from __future__ import annotations
@@ -18,19 +22,33 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _cases import (
+    DTYPES,
+    FRAMEWORKS,
+    GPU,
+    frameworks_and_dtypes,
+    per_place,
+    require,
+    to_place,
+)
 from _oracle import (
     BF16,
+    DEVICE_DTYPES,
     HOST_DTYPES,
     SEQUENCE_OP_IDS,
     SEQUENCE_OPS,
     SEQUENCE_SHAPES,
     assert_like,
     assert_matches_oracle,
+    assert_unchanged,
     assert_within,
+    contract_tolerance,
+    llama31_frequencies,
     longrope_frequencies,
     max_angle,
     random_data,
     random_position_ids,
+    raw_bytes,
     rope_reference,
     roundtrip_tolerance,
     sequence_positions,
@@ -56,16 +74,11 @@ from tileops_cupy.rope import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-HOST_FRAMEWORKS = ("numpy", "torch")
 DIRECTIONS = ("Fwd", "Bwd")
 
 
-def _snapshot(x) -> np.ndarray:
-    return to_host(x).copy()
-
-
-def _assert_unchanged(x, before: np.ndarray) -> None:
-    np.testing.assert_array_equal(to_host(x).view(np.uint8), before.view(np.uint8))
+def _ids_op(direction: str):
+    return RoPENeoxPositionIdsFwdOp if direction == "Fwd" else RoPENeoxPositionIdsBwdOp
 
 
 # --------------------------------------------------------------------------- the oracle itself
@@ -108,17 +121,15 @@ def test_oracle_interleaved_is_complex_multiplication(rng):
 @pytest.mark.parametrize("case", SEQUENCE_OPS, ids=SEQUENCE_OP_IDS)
 @pytest.mark.parametrize("direction", DIRECTIONS)
 @pytest.mark.parametrize("input_layout", ("1d", "2d"))
-@pytest.mark.parametrize("dtype", HOST_DTYPES)
-@pytest.mark.parametrize("framework", HOST_FRAMEWORKS)
-def test_sequence_op_matches_oracle(rng, framework, dtype, input_layout, direction, case):
+@pytest.mark.parametrize(("place", "framework", "dtype"), frameworks_and_dtypes())
+def test_sequence_op_matches_oracle(rng, place, framework, dtype, input_layout, direction, case):
     shape = SEQUENCE_SHAPES[input_layout]
     op, freqs, neox = case.make(direction, input_layout, shape[-1], rng)
     host = random_data(rng, shape, dtype)
-    x = to_framework(host, framework)
-    before = _snapshot(x)
+    x = to_place(host, place, framework)
     y = op(x)
     assert_like(y, x)
-    _assert_unchanged(x, before)
+    assert_unchanged(x, host)
     assert_matches_oracle(
         y,
         host.astype(np.float64),
@@ -131,8 +142,8 @@ def test_sequence_op_matches_oracle(rng, framework, dtype, input_layout, directi
 
 
 @pytest.mark.parametrize("case", SEQUENCE_OPS, ids=SEQUENCE_OP_IDS)
-@pytest.mark.parametrize("dtype", HOST_DTYPES)
-def test_backward_of_forward_is_amplitude_squared(rng, dtype, case):
+@pytest.mark.parametrize(("place", "dtype"), per_place(DTYPES))
+def test_backward_of_forward_is_amplitude_squared(rng, place, dtype, case):
     """Bwd(Fwd(x)) == a*a*x for every scheme (YaRN and LongRoPE have a != 1)."""
     shape = SEQUENCE_SHAPES["2d"]
     seed = int(rng.integers(2**32))  # the twins draw the same LongRoPE factors
@@ -140,13 +151,35 @@ def test_backward_of_forward_is_amplitude_squared(rng, dtype, case):
     bwd, _, _ = case.make("Bwd", "2d", shape[-1], np.random.default_rng(seed))
     if case.name in ("YaRN", "LongRoPE"):
         assert abs(freqs.amplitude - 1) > 0.05
-    x = random_data(rng, shape, dtype)
-    x64 = x.astype(np.float64)
-    z = to_float64(bwd(fwd(x)))
+    host = random_data(rng, shape, dtype)
+    x64 = host.astype(np.float64)
+    z = to_float64(bwd(fwd(to_place(host, place))))
     expected = freqs.amplitude**2 * x64
     angle = max_angle(sequence_positions(shape, "2d"), freqs)
     tolerance = roundtrip_tolerance(expected, x64, dtype, freqs.amplitude, angle)
-    assert_within(z, expected, tolerance, f"Bwd(Fwd(x)) vs a*a*x ({dtype})")
+    assert_within(z, expected, tolerance, f"Bwd(Fwd(x)) vs a*a*x ({dtype}, {place})")
+
+
+@GPU
+@pytest.mark.parametrize("case", SEQUENCE_OPS, ids=SEQUENCE_OP_IDS)
+@pytest.mark.parametrize("dtype", DEVICE_DTYPES)
+def test_host_and_cuda_paths_agree(rng, dtype, case):
+    """Both paths meet the contract on the same data, so they differ by at most the sum of
+    their bounds (the host result is computed from the same torch tensor, on the CPU)."""
+    require("cuda", "torch")
+    shape = SEQUENCE_SHAPES["1d"]
+    op, freqs, neox = case.make("Fwd", "1d", shape[-1], rng)
+    host = random_data(rng, shape, dtype)
+    x_cpu = to_framework(host, "torch")
+    y_cuda = op(x_cpu.cuda())
+    y_cpu = op(x_cpu)
+    assert y_cuda.is_cuda and not y_cpu.is_cuda
+    positions = sequence_positions(shape, "1d")
+    x64 = host.astype(np.float64)
+    a = assert_matches_oracle(y_cuda, x64, positions, freqs, dtype, neox=neox, what="CUDA")
+    b = assert_matches_oracle(y_cpu, x64, positions, freqs, dtype, neox=neox, what="host")
+    y64 = rope_reference(x64, positions, freqs, neox=neox)
+    assert_within(a, b, 2 * contract_tolerance(y64, x64, dtype), "CUDA vs host")
 
 
 def test_forward_and_call_agree_and_bwd_is_not_fwd(rng):
@@ -171,53 +204,64 @@ def test_bfloat16_results_are_rounded_to_nearest_even(rng):
 
 # --------------------------------------------------------------------------- position ids
 
-ROTARY_CASES = ((32, 64), (64, 128), (16, 80), (None, 64))
-ROTARY_IDS = tuple(f"rd{r}-hd{h}" for r, h in ROTARY_CASES)
+# (rotary_dim, head_dim, base): None rotates the whole head; the CUDA path compiles head_dims
+# 64 and 128 as constants and passes others (80) at run time
+ROTARY_CASES = (
+    (32, 64, 10000.0),
+    (64, 128, 500000.0),
+    (64, 128, 10000.0),
+    (16, 80, 10000.0),
+    (None, 64, 10000.0),
+    (None, 128, 10000.0),
+)
+ROTARY_IDS = tuple(f"rd{r}-hd{h}-base{b:g}" for r, h, b in ROTARY_CASES)
+# tokens, heads, max_position: the device's span many blocks and 70000 table rows
+POSITION_ID_SIZES = {"cpu": (300, 3, 5000), "cuda": (700, 5, 70000)}
 
 
 @pytest.mark.parametrize("direction", DIRECTIONS)
-@pytest.mark.parametrize(("rotary_dim", "head_dim"), ROTARY_CASES, ids=ROTARY_IDS)
+@pytest.mark.parametrize(("rotary_dim", "head_dim", "base"), ROTARY_CASES, ids=ROTARY_IDS)
 @pytest.mark.parametrize("id_dtype", ("int32", "int64"))
-@pytest.mark.parametrize("dtype", HOST_DTYPES)
-@pytest.mark.parametrize("framework", HOST_FRAMEWORKS)
+@pytest.mark.parametrize(("place", "framework", "dtype"), frameworks_and_dtypes())
 def test_position_ids_op_matches_oracle(
-    rng, framework, dtype, id_dtype, rotary_dim, head_dim, direction
+    rng, place, framework, dtype, id_dtype, rotary_dim, head_dim, base, direction
 ):
-    tokens, heads, max_position, base = 300, 3, 5000, 500000.0 if head_dim == 128 else 10000.0
-    cls = RoPENeoxPositionIdsFwdOp if direction == "Fwd" else RoPENeoxPositionIdsBwdOp
-    op = cls(max_position, base, rotary_dim)
+    tokens, heads, max_position = POSITION_ID_SIZES[place]
+    op = _ids_op(direction)(max_position, base, rotary_dim)
     host = random_data(rng, (tokens, heads, head_dim), dtype)
     ids_host = random_position_ids(rng, tokens, max_position, id_dtype)
-    x, ids = to_framework(host, framework), to_framework(ids_host, framework)
-    before, ids_before = _snapshot(x), _snapshot(ids)
+    x, ids = to_place(host, place, framework), to_place(ids_host, place, framework)
     y = op(x, ids)
     assert_like(y, x)
-    _assert_unchanged(x, before)
-    _assert_unchanged(ids, ids_before)
+    assert_unchanged(x, host)
+    assert_unchanged(ids, ids_host, "position_ids")
     freqs = standard_frequencies(rotary_dim or head_dim, base)
     assert_matches_oracle(
         y, host.astype(np.float64), ids_host[:, None], freqs, dtype, inverse=direction == "Bwd"
     )
 
 
+# ids per group near each boundary, heads
+NEAR_2_24_SIZES = {"cpu": (24, 2), "cuda": (40, 4)}
+
+
 @pytest.mark.parametrize("direction", DIRECTIONS)
-@pytest.mark.parametrize("dtype", HOST_DTYPES)
-def test_positions_near_2_20_and_2_24(rng, dtype, direction):
+@pytest.mark.parametrize(("place", "dtype"), per_place(DTYPES))
+def test_positions_near_2_20_and_2_24(rng, place, dtype, direction):
     """fp32 at positions up to 2**24-1 within 4e-6*max|x| (SPEC 5)."""
-    max_position = 2**24
-    k = rng.integers(0, 4096, 24)
+    samples, heads = NEAR_2_24_SIZES[place]
+    k = rng.integers(0, 4096, samples)
     ids = np.concatenate(
         [
             [2**24 - 1, 2**24 - 2, 2**24 - 1024, 2**24 - 1025, 2**20 - 1, 2**20, 2**20 + 1],
             2**20 + k,
             2**24 - 1 - k,
-            rng.integers(2**23, 2**24, 24),
+            rng.integers(2**23, 2**24, samples),
         ]
     ).astype(np.int64)
     rng.shuffle(ids)
-    cls = RoPENeoxPositionIdsFwdOp if direction == "Fwd" else RoPENeoxPositionIdsBwdOp
-    host = random_data(rng, (ids.size, 2, 128), dtype)
-    y = cls(max_position)(host, ids)
+    host = random_data(rng, (ids.size, heads, 128), dtype)
+    y = _ids_op(direction)(2**24)(to_place(host, place), to_place(ids, place))
     assert_matches_oracle(
         y,
         host.astype(np.float64),
@@ -229,8 +273,9 @@ def test_positions_near_2_20_and_2_24(rng, dtype, direction):
 
 
 @pytest.mark.parametrize("id_dtype", ("int32", "int64"))
-@pytest.mark.parametrize("framework", HOST_FRAMEWORKS)
+@pytest.mark.parametrize("framework", FRAMEWORKS["cpu"])
 def test_position_ids_out_of_range_raise(rng, framework, id_dtype):
+    """Host ids are checked before the call (the device's: the deferred test below)."""
     max_position = 1000
     op = RoPENeoxPositionIdsFwdOp(max_position, rotary_dim=32)
     host = random_data(rng, (6, 2, 64), "float32")
@@ -250,6 +295,57 @@ def test_position_ids_out_of_range_raise(rng, framework, id_dtype):
     assert_matches_oracle(
         y, host.astype(np.float64), ids_host[:, None], standard_frequencies(32), "float32"
     )
+
+
+@GPU
+@pytest.mark.parametrize("id_dtype", ("int32", "int64"))
+@pytest.mark.parametrize("framework", FRAMEWORKS["cuda"])
+def test_out_of_range_ids_raise_on_device_and_later_calls_work(rng, framework, id_dtype):
+    """Device ids are bounded by the kernel without a sync: a bad id is clamped (no table is
+    read out of bounds), flagged, and reported at this op's ``check()`` or next call, which
+    then rotates nothing; another op's calls are unaffected."""
+    max_position = 1000
+    op = RoPENeoxPositionIdsFwdOp(max_position, rotary_dim=32)
+    other = RoPENeoxPositionIdsBwdOp(max_position)
+    host = random_data(rng, (64, 4, 64), "float16")
+    x = to_place(host, "cuda", framework)
+    freqs = standard_frequencies(32)
+    bad_values = [-1, max_position, max_position + 12345, -(2**31), 2**31 - 1]
+    if id_dtype == "int64":
+        bad_values += [2**40, 2**40 + 7, -(2**40), 2**63 - 1]  # must not wrap to a valid row
+    for i, bad in enumerate(bad_values):
+        ids_host = random_position_ids(rng, 64, max_position, np.int64)
+        row = int(rng.integers(64))
+        ids_host[row] = bad
+        y = op(x, to_place(ids_host.astype(id_dtype), "cuda", framework))  # no sync, no raise yet
+        clamped = ids_host.copy()
+        clamped[row] = 0 if bad < 0 else max_position - 1
+        assert_matches_oracle(y, host.astype(np.float64), clamped[:, None], freqs, "float16")
+        # another op's flag is its own
+        good_host = random_position_ids(rng, 64, max_position, id_dtype)
+        good = to_place(good_host, "cuda", framework)
+        assert_matches_oracle(other(x, good), host.astype(np.float64), good_host[:, None],
+                              standard_frequencies(64), "float16", inverse=True)  # fmt: skip
+        if i % 2:  # reported by check() ...
+            with pytest.raises(ValueError, match="position_ids"):
+                op.check()
+        else:  # ... or by the next call, which then launches nothing
+            _wait_for_device(framework)
+            with pytest.raises(ValueError, match="position_ids"):
+                op(x, good)
+        # reported once: the next calls are valid
+        op.check()
+        assert_matches_oracle(op(x, good), host.astype(np.float64), good_host[:, None], freqs,
+                              "float16")  # fmt: skip
+
+
+def _wait_for_device(framework: str) -> None:
+    if framework == "cupy":
+        import cupy
+
+        cupy.cuda.Device().synchronize()
+    else:
+        torch.cuda.synchronize()
 
 
 def test_position_ids_bad_length_dtype_and_rank(rng):
@@ -276,6 +372,21 @@ def test_position_ids_bad_length_dtype_and_rank(rng):
         op(x[None], np.arange(1))
 
 
+@GPU
+@pytest.mark.parametrize("framework", FRAMEWORKS["cuda"])
+def test_position_ids_errors_on_device(rng, framework):
+    op = RoPENeoxPositionIdsFwdOp(64)
+    x = to_place(random_data(rng, (5, 2, 16), "float32"), "cuda", framework)
+    with pytest.raises(ValueError, match="position_ids"):
+        op(x, to_place(np.arange(4), "cuda", framework))
+    with pytest.raises(TypeError, match="position_ids"):
+        op(x, to_place(np.arange(5, dtype=np.float32), "cuda", framework))
+    with pytest.raises(ValueError, match="position_ids"):  # ids on the host, x on the device
+        op(x, np.arange(5))
+    with pytest.raises(ValueError, match=r"\bx\b|position_ids"):  # x on the host, ids on the device
+        op(random_data(rng, (5, 2, 16), "float32"), to_place(np.arange(5), "cuda", framework))
+
+
 def test_call_accepts_keyword_arguments(rng):
     op = RoPENeoxPositionIdsFwdOp(64)
     x, ids = random_data(rng, (5, 2, 16), "float32"), np.arange(5)
@@ -286,43 +397,55 @@ def test_call_accepts_keyword_arguments(rng):
 # --------------------------------------------------------------------------- strided views
 
 
-def _strided_views(rng, framework, dtype):
+def _strided_views(rng, place, framework, dtype):
     """(name, view, whole buffer, input_layout) for views the ops must read correctly."""
-    make = lambda shape: to_framework(random_data(rng, shape, dtype), framework)  # noqa: E731
-    qkv_2d = make((2, 17, 4 + 2 * 2, 64))  # fused QKV: 4 q heads, 2 k and 2 v heads
+
+    def make(shape):
+        return to_place(random_data(rng, shape, dtype), place, framework)
+
+    qkv_4q = make((2, 17, 4 + 2 * 2, 64))  # fused QKV: 4 q heads, 2 k and 2 v heads
+    qkv_8q = make((2, 17, 8 + 2 * 2, 64))  # 8 q heads, 2 k and 2 v heads
     qkv_1d = make((19, 3 * 64))
     bhsd = make((2, 3, 21, 64))
     wide = make((23, 2 * 64))
     odd = make((13, 1 + 64 + 3))
+    shifted = make((13, 2 + 64 + 6))
     row = make((1, 64))
     cases = [
-        ("q-of-fused-qkv", qkv_2d[:, :, :4, :], qkv_2d, "2d"),
-        ("k-of-fused-qkv", qkv_2d[:, :, 4:6, :], qkv_2d, "2d"),
+        ("q-of-fused-qkv-4q", qkv_4q[:, :, :4, :], qkv_4q, "2d"),
+        ("k-of-fused-qkv-4q", qkv_4q[:, :, 4:6, :], qkv_4q, "2d"),
+        ("q-of-fused-qkv-8q", qkv_8q[:, :, :8], qkv_8q, "2d"),
+        ("k-of-fused-qkv-8q", qkv_8q[:, :, 8:10], qkv_8q, "2d"),
         ("k-of-fused-qkv-1d", qkv_1d[:, 64:128], qkv_1d, "1d"),
+        ("v-of-fused-qkv-1d", qkv_1d[:, 128:], qkv_1d, "1d"),
         ("transposed-seq-head", bhsd.swapaxes(1, 2), bhsd, "2d"),
         ("strided-last-dim", wide[:, ::2], wide, "1d"),
-        ("odd-element-offset", odd[:, 1:65], odd, "1d"),
+        ("odd-element-offset", odd[:, 1:65], odd, "1d"),  # last dim contiguous, odd offsets
+        ("two-element-offset", shifted[:, 2:66], shifted, "1d"),
     ]
-    if framework == "numpy":
+    if framework == "torch":  # torch has no negative strides
+        cases += [("broadcast-row", row.expand(40, 64), row, "1d")]
+    else:
+        xp = np if framework == "numpy" else pytest.importorskip("cupy")
         cases += [
             ("reversed-seq", wide[::-1, 64:], wide, "1d"),
-            ("broadcast-row", np.broadcast_to(row, (40, 64)), row, "1d"),
+            ("broadcast-row", xp.broadcast_to(row, (40, 64)), row, "1d"),
         ]
-    else:
-        cases += [("broadcast-row", row.expand(40, 64), row, "1d")]
     return cases
 
 
 @pytest.mark.parametrize("layout", ("neox", "interleaved"))
-@pytest.mark.parametrize("dtype", ("float16", "bfloat16", "float32"))
-@pytest.mark.parametrize("framework", HOST_FRAMEWORKS)
-def test_strided_views(rng, framework, dtype, layout):
+@pytest.mark.parametrize(
+    ("place", "framework", "dtype"),
+    frameworks_and_dtypes(dtypes=dict.fromkeys(DTYPES, DEVICE_DTYPES)),
+)
+def test_strided_views(rng, place, framework, dtype, layout):
     freqs = standard_frequencies(64)
-    for name, view, buffer, input_layout in _strided_views(rng, framework, dtype):
-        before = _snapshot(buffer)
+    for name, view, buffer, input_layout in _strided_views(rng, place, framework, dtype):
+        before = raw_bytes(buffer)
         y = RoPEFwdOp(layout, input_layout)(view)
         assert_like(y, view)
-        _assert_unchanged(buffer, before)
+        assert_unchanged(buffer, before, name)
         x64 = to_float64(view)
         assert_matches_oracle(
             y,
@@ -335,22 +458,24 @@ def test_strided_views(rng, framework, dtype, layout):
         )
 
 
-@pytest.mark.parametrize("framework", HOST_FRAMEWORKS)
-def test_position_ids_on_fused_qkv_views(rng, framework):
-    qkv = to_framework(random_data(rng, (50, 8 + 2 + 2, 128), "float16"), framework)
-    ids_host = random_position_ids(rng, 50, 4096, np.int64)
-    ids_buffer = to_framework(np.repeat(ids_host, 2), framework)
-    before = _snapshot(qkv)
+@pytest.mark.parametrize("id_dtype", ("int32", "int64"))
+@pytest.mark.parametrize("dtype", ("float16", "bfloat16"))
+@pytest.mark.parametrize(("place", "framework"), per_place(FRAMEWORKS))
+def test_position_ids_on_fused_qkv_views(rng, place, framework, dtype, id_dtype):
+    qkv = to_place(random_data(rng, (50, 8 + 2 + 2, 128), dtype), place, framework)
+    ids_host = random_position_ids(rng, 50, 4096, id_dtype)
+    ids_buffer = to_place(np.repeat(ids_host, 2), place, framework)
+    before = raw_bytes(qkv)
     op = RoPENeoxPositionIdsFwdOp(4096, rotary_dim=64)
     for view in (qkv[:, :8], qkv[:, 8:10]):
         y = op(view, ids_buffer[::2])  # strided ids too
-        _assert_unchanged(qkv, before)
+        assert_unchanged(qkv, before, "qkv")
         assert_matches_oracle(
-            y, to_float64(view), ids_host[:, None], standard_frequencies(64), "float16"
+            y, to_float64(view), ids_host[:, None], standard_frequencies(64), dtype
         )
 
 
-# --------------------------------------------------------------------------- hypothesis
+# --------------------------------------------------------------------------- hypothesis (host)
 
 
 @st.composite
@@ -381,8 +506,6 @@ def _sequence_cases(draw):
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(_sequence_cases())
 def test_hypothesis_sequence_ops(case):
-    from _oracle import llama31_frequencies
-
     rng = np.random.default_rng(case["seed"])
     shape, layout, base = case["shape"], case["input_layout"], case["base"]
     head_dim, direction, kind = shape[-1], case["direction"], case["kind"]
@@ -457,8 +580,7 @@ def _position_id_cases(draw):
 def test_hypothesis_position_ids(case):
     rng = np.random.default_rng(case["seed"])
     tokens, max_position = case["tokens"], case["max_position"]
-    cls = RoPENeoxPositionIdsFwdOp if case["direction"] == "Fwd" else RoPENeoxPositionIdsBwdOp
-    op = cls(max_position, 10000.0, case["rotary_dim"])
+    op = _ids_op(case["direction"])(max_position, 10000.0, case["rotary_dim"])
     host = random_data(rng, (tokens, case["heads"], case["head_dim"]), case["dtype"])
     ids = random_position_ids(rng, tokens, max_position, case["id_dtype"])
     y = op(host, ids)
@@ -473,7 +595,177 @@ def test_hypothesis_position_ids(case):
     )
 
 
-# --------------------------------------------------------------------------- errors (item 7)
+# --------------------------------------------------------------------------- streams (device)
+
+
+@GPU
+def test_runs_on_the_current_torch_stream(rng):
+    """The input is written on a side stream after a long sleep; only a kernel ordered on
+    that stream (the caller's current one) sees it, one on any other stream reads zeros."""
+    require("cuda", "torch")
+    host = random_data(rng, (2, 300, 8, 128), "bfloat16")
+    ids_host = random_position_ids(rng, 600, 4096, np.int64)
+    source = to_place(host, "cuda", "torch")
+    ids_source = torch.from_numpy(ids_host).cuda()
+    x, ids = torch.zeros_like(source), torch.zeros_like(ids_source)
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(100_000_000)
+        x.copy_(source)
+        ids.copy_(ids_source)
+        y = RoPEFwdOp(input_layout="2d")(x)
+        y_ids = RoPENeoxPositionIdsBwdOp(4096, rotary_dim=64)(x.view(600, 8, 128), ids)
+    stream.synchronize()
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    x64 = host.astype(np.float64)
+    assert_matches_oracle(y, x64, sequence_positions(host.shape, "2d"),
+                          standard_frequencies(128), "bfloat16")  # fmt: skip
+    assert_matches_oracle(y_ids, x64.reshape(600, 8, 128), ids_host[:, None],
+                          standard_frequencies(64), "bfloat16", inverse=True)  # fmt: skip
+
+
+@GPU
+def test_runs_on_the_current_cupy_stream(rng):
+    cp = pytest.importorskip("cupy")
+    spin = cp.RawKernel(
+        r"""extern "C" __global__ void spin(long long cycles) {
+            long long start = clock64();
+            while (clock64() - start < cycles) {}
+        }""",
+        "spin",
+    )
+    host = random_data(rng, (1100, 64), "float32")
+    source = cp.asarray(host)
+    x = cp.zeros_like(source)
+    cp.cuda.runtime.deviceSynchronize()
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        spin((1,), (1,), (np.int64(100_000_000),))
+        x[...] = source
+        y = RoPEBwdOp("interleaved")(x)
+    stream.synchronize()
+    assert_matches_oracle(y, host.astype(np.float64), np.arange(1100), standard_frequencies(64),
+                          "float32", neox=False, inverse=True)  # fmt: skip
+
+
+# --------------------------------------------------------------------------- places and targets
+
+ALL_CLASSES = [
+    getattr(rope, f"{prefix}{direction}Op")
+    for prefix in ("RoPE", "RoPELlama31", "YaRN", "LongRoPE", "RoPENeoxPositionIds")
+    for direction in DIRECTIONS
+]
+TARGET_OPS = [f"{case}-{direction}" for case in SEQUENCE_OP_IDS for direction in DIRECTIONS]
+TARGET_OPS += [f"PositionIds-{direction}" for direction in DIRECTIONS]
+
+
+def _target_op(name: str, seed: int, target):
+    """(op, frequencies, neox) of one seed op built with ``target``; the same ``seed`` builds
+    the same op (LongRoPE draws its factors)."""
+    case_name, direction = name.rsplit("-", 1)
+    if case_name == "PositionIds":
+        return _ids_op(direction)(64, target=target), standard_frequencies(64), True
+    [case] = [case for case in SEQUENCE_OPS if case.name == case_name]
+    return case.make(direction, "1d", 64, np.random.default_rng(seed), target=target)
+
+
+@pytest.mark.parametrize("cls", ALL_CLASSES, ids=lambda c: c.__name__)
+def test_bad_target_names(cls):
+    make = (lambda **kw: cls(64, **kw)) if cls.__name__.startswith("RoPENeoxPositionIds") else cls
+    for bad in ("gpu", "CUDA", "cuda:0", 0, "builtin-ish"):
+        with pytest.raises(ValueError, match=rf"(?s)target.*{bad!r}"):
+            make(target=bad)
+
+
+@pytest.mark.parametrize("name", TARGET_OPS)
+@pytest.mark.parametrize(
+    ("place", "framework", "dtype"),
+    frameworks_and_dtypes(dtypes={"cpu": ("float32",), "cuda": ("float16",)}),
+)
+def test_target_must_match_the_data(rng, place, framework, dtype, name):
+    """``target=`` the other place is a ValueError (never a silent copy; for host data it is
+    raised before any CUDA is touched, the same on machines with or without a GPU);
+    ``target=`` the data's place, ``BUILTIN`` and ``None`` run there and agree bit for bit."""
+    other = "cuda" if place == "cpu" else "cpu"
+    seed = int(rng.integers(2**32))
+    host = random_data(rng, (40, 64), dtype)
+    ids_host = random_position_ids(rng, 40, 64, np.int64)
+    x = to_place(host, place, framework)
+    takes_ids = name.startswith("PositionIds")
+    args = (x[:, None], to_place(ids_host, place, framework)) if takes_ids else (x,)
+    with pytest.raises(ValueError, match=rf"target='{other}'"):
+        _target_op(name, seed, other)[0](*args)
+    op, freqs, neox = _target_op(name, seed, None)
+    expected = op(*args)
+    assert_like(expected, args[0])
+    x64 = to_float64(args[0])
+    positions = ids_host[:, None] if takes_ids else np.arange(40)
+    inverse = name.endswith("Bwd")
+    assert_matches_oracle(expected, x64, positions, freqs, dtype, neox=neox, inverse=inverse)
+    for target in (place, BUILTIN):
+        y = _target_op(name, seed, target)[0](*args)
+        assert_like(y, args[0])
+        np.testing.assert_array_equal(raw_bytes(y), raw_bytes(expected))
+
+
+@GPU
+@pytest.mark.parametrize("framework", FRAMEWORKS["cuda"])
+def test_data_errors_on_device(rng, framework):
+    def on_device(host):
+        return to_place(host, "cuda", framework)
+
+    with pytest.raises(TypeError, match=r"\bx\b"):
+        RoPEFwdOp()(on_device(random_data(rng, (4, 64), "float64")))  # float64: host path only
+    with pytest.raises(TypeError, match=r"\bx\b"):
+        RoPEFwdOp()(on_device(np.ones((4, 64), np.int32)))
+    with pytest.raises(ValueError, match="head_dim"):
+        RoPEFwdOp()(on_device(random_data(rng, (4, 62 + 1), "float32")))
+    with pytest.raises(ValueError, match=r"(?s)\bx\b.*input_layout"):
+        RoPEFwdOp(input_layout="2d")(on_device(random_data(rng, (4, 64), "float32")))
+
+
+@GPU
+def test_inputs_on_two_devices(rng):
+    require("cuda", "torch")
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    host = random_data(rng, (30, 2, 64), "float32")
+    ids_host = random_position_ids(rng, 30, 128, np.int32)
+    x1 = torch.from_numpy(host).to("cuda:1")
+    with pytest.raises(ValueError, match="position_ids"):
+        RoPENeoxPositionIdsFwdOp(128)(x1, torch.from_numpy(ids_host).to("cuda:0"))
+    y = RoPENeoxPositionIdsFwdOp(128)(x1, torch.from_numpy(ids_host).to("cuda:1"))
+    assert y.device == x1.device  # runs on the input's device, not the current one
+    assert_matches_oracle(y, host.astype(np.float64), ids_host[:, None],
+                          standard_frequencies(64), "float32")  # fmt: skip
+
+
+@GPU
+def test_jax_arrays(rng):
+    jax = pytest.importorskip("jax")
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        gpus = []
+    if not gpus:
+        pytest.skip("jax has no GPU backend here")
+    for dtype in DEVICE_DTYPES:
+        host = random_data(rng, (2, 64, 4, 128), dtype)
+        x = jax.device_put(host, gpus[0])
+        y = RoPEFwdOp("interleaved", "2d")(x)
+        assert type(y).__module__.split(".")[0] in ("jax", "jaxlib")
+        assert_matches_oracle(y, host.astype(np.float64), sequence_positions(host.shape, "2d"),
+                              standard_frequencies(128), dtype, neox=False)  # fmt: skip
+        ids_host = random_position_ids(rng, 128, 300, np.int32)
+        y = RoPENeoxPositionIdsFwdOp(300, rotary_dim=64)(
+            x.reshape(128, 4, 128), jax.device_put(ids_host, gpus[0])
+        )
+        assert_matches_oracle(y, host.astype(np.float64).reshape(128, 4, 128), ids_host[:, None],
+                              standard_frequencies(64), dtype)  # fmt: skip
+
+
+# --------------------------------------------------------------------------- errors (host)
 
 SEQUENCE_CLASSES = [
     (getattr(rope, f"{prefix}{direction}Op"), prefix)
@@ -540,7 +832,7 @@ def test_bad_max_position(cls):
 
 
 @pytest.mark.parametrize(("cls", "prefix"), SEQUENCE_CLASSES, ids=SEQUENCE_CLASS_IDS)
-@pytest.mark.parametrize("framework", HOST_FRAMEWORKS)
+@pytest.mark.parametrize("framework", FRAMEWORKS["cpu"])
 def test_non_float_data_is_a_type_error(cls, prefix, framework):
     op = _construct(cls, prefix)
     for dtype in (np.int32, np.int64, np.int16, np.uint8, np.bool_, np.complex64):
@@ -568,12 +860,6 @@ def test_bad_layout_names(cls, prefix):
         for bad in ("gptj", "NEOX", "", None, "1d"):
             with pytest.raises(ValueError, match=rf"(?s)rope_layout.*{bad!r}"):
                 cls(rope_layout=bad)
-
-
-ALL_CLASSES = [cls for cls, _ in SEQUENCE_CLASSES] + [
-    RoPENeoxPositionIdsFwdOp,
-    RoPENeoxPositionIdsBwdOp,
-]
 
 
 @pytest.mark.parametrize("cls", ALL_CLASSES, ids=lambda c: c.__name__)
@@ -628,24 +914,6 @@ def test_bad_rescale_factors(rng, cls):
 def test_bad_scheme_parameters(cls, kwargs, name):
     with pytest.raises(ValueError, match=name):
         cls(**kwargs)
-
-
-@pytest.mark.parametrize("cls", ALL_CLASSES, ids=lambda c: c.__name__)
-def test_target_checks(rng, cls):
-    ids_op = cls.__name__.startswith("RoPENeoxPositionIds")
-    make = (lambda **kw: cls(64, **kw)) if ids_op else cls
-    x = random_data(rng, (5, 2, 32) if ids_op else (5, 32), "float32")
-    args = (x, np.arange(5)) if ids_op else (x,)
-    for bad in ("gpu", "CUDA", "cuda:0", 0, "builtin-ish"):
-        with pytest.raises(ValueError, match=rf"(?s)target.*{bad!r}"):
-            make(target=bad)
-    # the data lives on the host: target="cuda" is a mismatch (ValueError, never a copy),
-    # raised before any CUDA is touched, so the same on machines with or without a GPU
-    with pytest.raises(ValueError, match=r"target='cuda'"):
-        make(target="cuda")(*args)
-    expected = make()(*args)
-    for target in ("cpu", BUILTIN, None):
-        np.testing.assert_array_equal(make(target=target)(*args), expected)
 
 
 def test_too_many_positions_for_the_tables():

@@ -1,0 +1,96 @@
+"""Where a test runs: the places, the frameworks each place takes, and moving test data there.
+
+Every family's tests are one file parametrized over the place: "cpu" (the numpy host path,
+fed numpy arrays or torch CPU tensors) and "cuda" (the CUDA path, fed torch CUDA tensors or
+CuPy arrays), the latter marked ``gpu`` so that it skips on a machine without a device
+(``conftest.py``). :func:`per_place` builds the parameters of a test whose cases differ by
+place (frameworks, dtypes, the larger sizes a device run needs); :func:`to_place` moves numpy
+test data there.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import pytest
+from _oracle import DEVICE_DTYPES, HOST_DTYPES, to_framework
+
+GPU = pytest.mark.gpu
+PLACES = ("cpu", pytest.param("cuda", marks=GPU))
+FRAMEWORKS = {"cpu": ("numpy", "torch"), "cuda": ("torch", "cupy")}
+"""The arrays each place takes: host arrays (numpy, torch CPU) or device arrays (torch CUDA,
+CuPy; JAX has its own GPU test)."""
+DEFAULT_FRAMEWORK = {"cpu": "numpy", "cuda": "torch"}
+DTYPES = {"cpu": HOST_DTYPES, "cuda": DEVICE_DTYPES}
+"""float64 runs on the host path only (a device float64 input is a TypeError)."""
+
+
+def per_place(cases: Mapping[str, Iterable[Any]]) -> list:
+    """``pytest.param(place, *case)`` for every case of every place, the "cuda" ones marked
+    ``gpu``. A case is a tuple of further arguments, or one value; the id joins the place and
+    the values ("cpu-numpy-float16")."""
+    params = []
+    for place, place_cases in cases.items():
+        marks = (GPU,) if place == "cuda" else ()
+        for case in place_cases:
+            values = case if isinstance(case, tuple) else (case,)
+            ident = "-".join([place, *(str(value) for value in values)])
+            params.append(pytest.param(place, *values, marks=marks, id=ident))
+    return params
+
+
+def product(*axes: Iterable[Any]) -> list[tuple]:
+    return list(itertools.product(*axes))
+
+
+def frameworks_and_dtypes(
+    frameworks: Mapping[str, Iterable[str]] = FRAMEWORKS,
+    dtypes: Mapping[str, Iterable[str]] = DTYPES,
+) -> list:
+    """:func:`per_place` parameters ``(place, framework, dtype)``: every framework of a place
+    with every dtype of that place."""
+    return per_place({place: product(frameworks[place], dtypes[place]) for place in frameworks})
+
+
+def require(place: str, framework: str) -> None:
+    """Skip when this machine cannot put data of ``framework`` on ``place`` (a torch without
+    CUDA, no CuPy): the ``gpu`` marker alone only knows whether CuPy sees a device."""
+    if place != "cuda":
+        return
+    if framework == "torch":
+        torch = pytest.importorskip("torch")
+        if not torch.cuda.is_available():
+            pytest.skip("this torch build has no CUDA")
+    elif framework == "cupy":
+        pytest.importorskip("cupy")
+    else:
+        raise ValueError(f"{framework!r} has no CUDA arrays")
+
+
+def framework_key(place: str, framework: str) -> str:
+    """The :func:`_oracle.to_framework` name of ``framework`` on ``place``."""
+    return "torch-cuda" if (place, framework) == ("cuda", "torch") else framework
+
+
+def to_place(host: np.ndarray, place: str, framework: str | None = None) -> Any:
+    """A copy of the numpy array ``host`` on ``place`` as ``framework`` (default: numpy on the
+    host, torch on the device); skips where the machine cannot (:func:`require`)."""
+    framework = framework or DEFAULT_FRAMEWORK[place]
+    require(place, framework)
+    return to_framework(host, framework_key(place, framework))
+
+
+def clone(array: Any) -> Any:
+    """A copy of ``array`` in its own framework and place."""
+    return array.clone() if type(array).__module__.startswith("torch") else array.copy()
+
+
+def synchronize(place: str) -> None:
+    """Wait for every stream of the current device (nothing to wait for on the host)."""
+    if place == "cuda":
+        import cupy
+
+        cupy.cuda.runtime.deviceSynchronize()
