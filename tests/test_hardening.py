@@ -436,7 +436,7 @@ def _fake_bench(monkeypatch):
     }  # fmt: skip
 
     def rope_rows(ceiling, with_compile):
-        print(bench._format_row(row), flush=True)
+        print(bench.format_row(row), flush=True)
         return [row]
 
     def cold_start():

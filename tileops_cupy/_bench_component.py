@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from .bench import _rope_tables, _torch, _torch_rope, measure_row
+from ._bench_harness import measure_row, rope_tables, torch_module, torch_rope
 
 
 def component_rows(ceiling: float, with_compile: bool = True) -> list[dict]:
     from .rope import RoPE
 
-    torch = _torch()
+    torch = torch_module()
     rows = []
     q_heads, kv_heads, head_dim = 32, 8, 128
 
@@ -20,8 +20,8 @@ def component_rows(ceiling: float, with_compile: bool = True) -> list[dict]:
         -1, (kv_heads, head_dim)
     )
     rope = RoPE(head_dim, q_heads, kv_heads, max_position=1 << 16)
-    cos, sin = _rope_tables(rope.scheme, seq, head_dim)
-    reference = _torch_rope(cos[:, None, :], sin[:, None, :], neox=True)
+    cos, sin = rope_tables(rope.scheme, seq, head_dim)
+    reference = torch_rope(cos[:, None, :], sin[:, None, :], neox=True)
 
     def torch_prefill():
         q.copy_(reference(q))

@@ -12,14 +12,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from .bench import _torch
+from ._bench_harness import torch_module
 
 _CALLS = 3000
 
 
 def host_us(fn: Callable[[], object], calls: int = _CALLS) -> float:
     """Median over 5 runs of the host time of one call, in µs (device synchronised after)."""
-    torch = _torch()
+    torch = torch_module()
     for _ in range(200):
         fn()
     torch.cuda.synchronize()
@@ -37,7 +37,7 @@ def dispatch_rows() -> list[dict]:
     from .rope import RoPE, RoPEFwdOp, RoPENeoxPositionIdsFwdOp, YaRNFwdOp
     from .sequence_modeling import MHCPostFwdOp, MHCPreFwdOp
 
-    torch = _torch()
+    torch = torch_module()
 
     def randn(*shape, dtype=torch.bfloat16):
         return torch.randn(*shape, device="cuda").to(dtype)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from .bench import _format_row, _torch, measure_row, median_us
+from ._bench_harness import format_row, measure_row, median_us, torch_module
 
 _ALPHAS = (0.8, 1.2, 1.0)
 _REPEAT, _EPS = 20, 0.02
@@ -22,7 +22,7 @@ _REPEAT, _EPS = 20, 0.02
 
 def torch_pre(phi, x, b, n: int, alphas=_ALPHAS, repeat: int = _REPEAT, eps: float = _EPS):
     """SPEC section 4 in torch, float32 throughout (no TF32: ``x @ phi`` must be float32)."""
-    torch = _torch()
+    torch = torch_module()
     batch, width = x.shape
     xf = x.float()
     h = xf @ phi
@@ -50,7 +50,7 @@ def torch_post(x_layer_out, h_post, x_res):
 def _pre_row(ceiling: float, batch: int, n: int, c_x: int, with_compile: bool) -> dict:
     from .sequence_modeling import MHCPreFwdOp
 
-    torch = _torch()
+    torch = torch_module()
     width, q = n * c_x, n * n + 2 * n
     phi = torch.randn(width, q, device="cuda") / math.sqrt(width)
     b = 0.5 * torch.randn(q, device="cuda")
@@ -76,7 +76,7 @@ def _pre_row(ceiling: float, batch: int, n: int, c_x: int, with_compile: bool) -
 def _post_row(ceiling: float, batch: int, n: int, c_x: int, with_compile: bool) -> dict:
     from .sequence_modeling import MHCPostFwdOp
 
-    torch = _torch()
+    torch = torch_module()
     layer = torch.randn(batch, c_x, device="cuda").bfloat16()
     gates = 2 * torch.rand(batch, n, device="cuda")
     res = torch.randn(batch, n * c_x, device="cuda").bfloat16()
@@ -97,7 +97,7 @@ def _post_row(ceiling: float, batch: int, n: int, c_x: int, with_compile: bool) 
 def _backward_us(forward, leaves, upstream) -> float:
     """Device time of torch autograd's backward of ``forward(*leaves)`` for the gradients
     ``upstream``: forward+backward minus forward (both median, L2 flushed)."""
-    torch = _torch()
+    torch = torch_module()
     forward(*leaves)  # compiles, when forward is compiled
 
     def forward_backward():
@@ -111,7 +111,7 @@ def _backward_row(
 ) -> dict:
     """A row for a backward op: ours against torch autograd of ``forward`` (eager and
     torch.compile), printed like measure_row's."""
-    torch = _torch()
+    torch = torch_module()
     ours_us = median_us(ours)
     eager_us = _backward_us(forward, leaves, upstream)
     compile_us = None
@@ -134,7 +134,7 @@ def _backward_row(
 def _pre_backward_row(ceiling: float, batch: int, n: int, c_x: int, with_compile: bool) -> dict:
     from .sequence_modeling import MHCPreBwdOp
 
-    torch = _torch()
+    torch = torch_module()
     width, q = n * c_x, n * n + 2 * n
     phi = torch.randn(width, q, device="cuda") / math.sqrt(width)
     b = 0.5 * torch.randn(q, device="cuda")
@@ -165,14 +165,14 @@ def _pre_backward_row(ceiling: float, batch: int, n: int, c_x: int, with_compile
         with_compile,
     )
     row["note"] = f"{row['ours_us'] / row['floor_us']:.2f}x one-pass floor"
-    print(_format_row(row), flush=True)
+    print(format_row(row), flush=True)
     return row
 
 
 def _post_backward_row(ceiling: float, batch: int, n: int, c_x: int, with_compile: bool) -> dict:
     from .sequence_modeling import MHCPostBwdOp
 
-    torch = _torch()
+    torch = torch_module()
     layer = torch.randn(batch, c_x, device="cuda").bfloat16()
     gates = 2 * torch.rand(batch, n, device="cuda")
     res = torch.randn(batch, n * c_x, device="cuda").bfloat16()
@@ -192,14 +192,14 @@ def _post_backward_row(ceiling: float, batch: int, n: int, c_x: int, with_compil
         with_compile,
     )
     row["floor_us"] = None
-    print(_format_row(row), flush=True)
+    print(format_row(row), flush=True)
     return row
 
 
 def mhc_rows(copy_ceiling_gbs: float, with_compile: bool = True) -> list[dict]:
     """PERF.md's mHC rows plus a B4 decode row and the backward rows, each a dict with name,
     ours_us, eager_us, compile_us, gbs, pct_ceiling, floor_us (pre and pre-bwd) and note."""
-    torch = _torch()
+    torch = torch_module()
     rows = []
     for batch, c_x in ((1, 1280), (4, 7168), (128, 4096), (4096, 4096), (16384, 7168)):
         rows.append(_pre_row(copy_ceiling_gbs, batch, 4, c_x, with_compile))

@@ -1,0 +1,142 @@
+"""The bench harness (a leaf: every rows module imports it, it imports none of them).
+
+Method (../shared/PERF.md): the copy ceiling is measured first, in the same process
+(``y.copy_(x)`` on 512 MiB, bytes read plus written over the median time); every row then
+reports our median time, GB/s and % of that ceiling, beside torch eager and
+``torch.compile`` of the same math in the same run. Bandwidth rows use random data larger
+than L2 and ``triton.testing.do_bench`` (which flushes L2 between runs); decode-sized rows
+report the end-to-end time of one Python call, host dispatch included. Bytes: each input
+read once, each output written once; RoPE tables are op state and not counted.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+
+def torch_module():
+    import torch
+
+    return torch
+
+
+def median_us(fn: Callable[[], object]) -> float:
+    """Device time of one call (CUDA events, L2 flushed between runs), median, in µs."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
+
+
+def call_us(fn: Callable[[], object], calls: int = 2000) -> float:
+    """End-to-end wall time of one Python call (host dispatch included), in µs."""
+    torch = torch_module()
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def copy_ceiling_gbs() -> float:
+    torch = torch_module()
+    x = torch.empty(512 << 20, dtype=torch.uint8, device="cuda").random_()
+    y = torch.empty_like(x)
+    return 2 * x.numel() / (median_us(lambda: y.copy_(x)) * 1e-6) / 1e9
+
+
+def compiled(fn):
+    """``fn`` under ``torch.compile`` (static shapes)."""
+    return torch_module().compile(fn, dynamic=False)
+
+
+def measure_row(
+    name: str,
+    ours: Callable[[], object],
+    reference: Callable[[], object] | None,
+    bytes_moved: int,
+    ceiling: float,
+    small: bool = False,
+    with_compile: bool = True,
+    note: str = "",
+) -> dict:
+    """Time ``ours`` and the torch ``reference`` (eager and compiled), print and return a row.
+
+    ``small`` rows are latency rows: end-to-end time of one Python call."""
+    timer = call_us if small else median_us
+    ours_us = timer(ours)
+    eager_us = timer(reference) if reference is not None else None
+    compile_us = None
+    if with_compile and reference is not None:
+        reference_compiled = compiled(reference)
+        reference_compiled()
+        compile_us = timer(reference_compiled)
+    gbs = bytes_moved / (ours_us * 1e-6) / 1e9
+    row = {
+        "name": name,
+        "ours_us": ours_us,
+        "eager_us": eager_us,
+        "compile_us": compile_us,
+        "gbs": gbs,
+        "pct_ceiling": 100 * gbs / ceiling,
+        "floor_us": bytes_moved / (ceiling * 1e3),
+        "note": note,
+    }
+    print(format_row(row), flush=True)
+    return row
+
+
+# --------------------------------------------------------------------------- RoPE rows
+
+
+def torch_rope(cos, sin, neox: bool, inverse: bool = False):
+    """The same math as our kernels, in torch: float32 rotation, one rounding."""
+    torch = torch_module()
+    sign = -1.0 if inverse else 1.0
+
+    def rope(x):
+        xf = x.float()
+        if neox:
+            x1, x2 = xf.chunk(2, dim=-1)
+            return torch.cat([x1 * cos - x2 * sin * sign, x2 * cos + x1 * sin * sign], -1).to(
+                x.dtype
+            )
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+        y = torch.stack([x1 * cos - x2 * sin * sign, x2 * cos + x1 * sin * sign], -1)
+        return y.flatten(-2).to(x.dtype)
+
+    return rope
+
+
+def rope_tables(scheme, seq: int, head_dim: int, positions=None):
+    torch = torch_module()
+    inv = scheme.inv_freq(head_dim)
+    pos = np.arange(seq) if positions is None else positions
+    angles = pos[:, None].astype(np.float64) * inv
+    a = scheme.amplitude(head_dim)
+    cos = torch.tensor(a * np.cos(angles), dtype=torch.float32, device="cuda")
+    sin = torch.tensor(a * np.sin(angles), dtype=torch.float32, device="cuda")
+    return cos, sin
+
+
+def format_row(r: dict) -> str:
+    def num(v, fmt="{:9.1f}"):
+        return fmt.format(v) if v is not None and not math.isnan(v) else " " * 8 + "-"
+
+    return (
+        f"| {r['name']:<44} | {num(r['ours_us'])} | {num(r['gbs'], '{:7.0f}')} | "
+        f"{num(r['pct_ceiling'], '{:5.1f}')}% | {num(r['eager_us'])} | {num(r['compile_us'])} |"
+        + (f" {r['note']}" if r.get("note") else "")
+    )
+
+
+HEADER = (
+    "| workload                                     |   ours µs |    GB/s | % ceil |  eager µs "
+    "| compile µs |\n|---|---|---|---|---|---|"
+)
