@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from ._bench_harness import torch_module
+from ._bench_harness import make_row, torch_module
 
 _CALLS = 3000
 
@@ -75,20 +75,12 @@ def dispatch_rows() -> list[dict]:
     for name, (op, args, target) in cases.items():
         ours = host_us(lambda op=op, args=args: op(*args))
         ratio = ours / torch_us
-        row = {
-            "name": f"dispatch {name}",
-            "ours_us": ours,
-            "eager_us": torch_us,
-            "compile_us": None,
-            "gbs": float("nan"),
-            "pct_ceiling": float("nan"),
-            "floor_us": None,
-            "ratio_to_torch_launch": ratio,
-            "note": (
-                f"{ratio:.2f}x a torch launch ({torch_us:.1f} µs host); target <= {target}x: "
-                f"{'met' if ratio <= target else 'MISSED'}"
-            ),
-        }
+        note = (
+            f"{ratio:.2f}x a torch launch ({torch_us:.1f} µs host); target <= {target}x: "
+            f"{'met' if ratio <= target else 'MISSED'}"
+        )
+        row = make_row(f"dispatch {name}", ours, torch_us, None, 0, 1.0, note)
+        row.update(gbs=float("nan"), pct_ceiling=float("nan"), ratio_to_torch_launch=ratio)
         rows.append(row)
     rope.check()
     return rows

@@ -77,8 +77,23 @@ def measure_row(
         reference_compiled = compiled(reference)
         reference_compiled()
         compile_us = timer(reference_compiled)
+    row = make_row(name, ours_us, eager_us, compile_us, bytes_moved, ceiling, note)
+    print(format_row(row), flush=True)
+    return row
+
+
+def make_row(
+    name: str,
+    ours_us: float,
+    eager_us: float | None,
+    compile_us: float | None,
+    bytes_moved: int,
+    ceiling: float,
+    note: str = "",
+) -> dict:
+    """One row: times, and the bandwidth and floor that ``bytes_moved`` gives them."""
     gbs = bytes_moved / (ours_us * 1e-6) / 1e9
-    row = {
+    return {
         "name": name,
         "ours_us": ours_us,
         "eager_us": eager_us,
@@ -88,8 +103,6 @@ def measure_row(
         "floor_us": bytes_moved / (ceiling * 1e3),
         "note": note,
     }
-    print(format_row(row), flush=True)
-    return row
 
 
 # --------------------------------------------------------------------------- RoPE rows

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from ._bench_harness import format_row, measure_row, median_us, torch_module
+from ._bench_harness import format_row, make_row, measure_row, median_us, torch_module
 
 _ALPHAS = (0.8, 1.2, 1.0)
 _REPEAT, _EPS = 20, 0.02
@@ -117,18 +117,7 @@ def _backward_row(
     compile_us = None
     if with_compile:
         compile_us = _backward_us(torch.compile(forward, dynamic=False), leaves, upstream)
-    gbs = moved / (ours_us * 1e-6) / 1e9
-    row = {
-        "name": name,
-        "ours_us": ours_us,
-        "eager_us": eager_us,
-        "compile_us": compile_us,
-        "gbs": gbs,
-        "pct_ceiling": 100 * gbs / ceiling,
-        "floor_us": moved / (ceiling * 1e3),
-        "note": "",
-    }
-    return row
+    return make_row(name, ours_us, eager_us, compile_us, moved, ceiling)
 
 
 def _pre_backward_row(ceiling: float, batch: int, n: int, c_x: int, with_compile: bool) -> dict:
