@@ -27,8 +27,9 @@ from _mhc_oracle import (
 )
 from _oracle import dtype_name, framework_name
 
-from tileops_cupy import sequence_modeling
-from tileops_cupy.sequence_modeling import MHCPostFwdOp, MHCPreFwdOp, plan_geometry, streams_of
+from tileops_cupy import _mhc
+from tileops_cupy._mhc import plan_geometry
+from tileops_cupy.sequence_modeling import MHCPostFwdOp, MHCPreFwdOp, streams_of
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -459,7 +460,7 @@ def test_launch_values_pack_into_the_kernel_structs(dtype):
     n, c_x, batch = 4, 130, 3
     gates = MHCPreFwdOp(1.0, 1.0, 1.0, 20)._gates
     k_range, k_splits, fuse = plan_geometry(batch, n * c_x, 132)
-    plan = sequence_modeling._PrePlan((), n, c_x, k_range, k_splits, fuse, (1, 1, 1, 1))
+    plan = _mhc._PrePlan((), n, c_x, k_range, k_splits, fuse, (1, 1, 1, 1))
     x = _device_operand((batch, n * c_x), dtype)
     phi = _device_operand((n * c_x, 24), "float32")
     b = _device_operand((24,), "float32")
@@ -467,26 +468,26 @@ def test_launch_values_pack_into_the_kernel_structs(dtype):
         _device_operand(s, d)
         for s, d in (((3, 520), dtype), ((3, 130), dtype), ((3, 4), "float32"))
     ]
-    params = sequence_modeling.pre_launch_params(gates, plan, x, phi, b, *outputs, (1, 2, 3, 4))
+    params = _mhc.pre_launch_params(gates, plan, x, phi, b, *outputs, (1, 2, 3, 4))
     assert len(params) == 176
-    fields = sequence_modeling.PRE_PARAMS
+    fields = _mhc.PRE_PARAMS
     assert fields.read(params, "x") == x.ptr and fields.read(params, "pieces") == 4
     assert fields.read(params, "batch") == batch and fields.read(params, "c_x") == c_x
-    params = sequence_modeling.post_launch_params(outputs[1], outputs[2], outputs[0], outputs[0])
+    params = _mhc.post_launch_params(outputs[1], outputs[2], outputs[0], outputs[0])
     assert len(params) == 104
-    assert sequence_modeling.POST_PARAMS.read(params, "n") == n
+    assert _mhc.POST_PARAMS.read(params, "n") == n
 
 
 # --------------------------------------------------------------------------- NVRTC
 
-MHC_SPECS = [spec for spec in sequence_modeling._catalog()]
+MHC_SPECS = _mhc.module_specs()
 
 
 def test_catalogue_holds_every_launchable_module():
     for dtype in DTYPES:
-        for n in sequence_modeling.CUDA_STREAMS:
-            assert sequence_modeling.pre_module(dtype, n) in MHC_SPECS
-    assert sequence_modeling.post_module() in MHC_SPECS
+        for n in _mhc.CUDA_STREAMS:
+            assert _mhc.pre_module(dtype, n) in MHC_SPECS
+    assert _mhc.post_module() in MHC_SPECS
     assert len(set(MHC_SPECS)) == len(MHC_SPECS)
 
 

@@ -25,7 +25,7 @@ from _mhc_oracle import (
     torch_pre_reference,
 )
 
-from tileops_cupy import _mhc_host, sequence_modeling
+from tileops_cupy import _mhc, _mhc_host, sequence_modeling
 from tileops_cupy.sequence_modeling import (
     MHCPostBwdOp,
     MHCPostFwdOp,
@@ -381,8 +381,8 @@ def nothing_written():
 
     with (
         mock.patch.object(sequence_modeling, "empty_like", refuse),
-        mock.patch.object(sequence_modeling, "mhc_pre_backward", refuse),
-        mock.patch.object(sequence_modeling, "mhc_post_backward", refuse),
+        mock.patch.object(_mhc, "mhc_pre_backward", refuse),
+        mock.patch.object(_mhc, "mhc_post_backward", refuse),
     ):
         yield
 

@@ -4,7 +4,6 @@ with no GPU or driver present (this runs in CI), and every launch picks one of t
 
 from __future__ import annotations
 
-import importlib.util
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
@@ -14,6 +13,7 @@ import pytest
 
 from tileops_cupy import _cuda, _rotate
 from tileops_cupy._arrays import ITEMSIZE, Operand
+from tileops_cupy._catalogue import shipped_modules
 
 pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC comes with CuPy")
 
@@ -21,37 +21,16 @@ ARCHS = ("sm_80", "sm_90")
 ROTATE_DTYPES = ("float16", "bfloat16", "float32")
 
 
-def _catalogue() -> list[_cuda.ModuleSpec]:
-    """``shipped_modules()``; while an op module it imports fails to import, the specs of
-    the catalogues registered so far (``test_shipped_modules_imports`` reports the failure)."""
-    try:
-        return _cuda.shipped_modules()
-    except Exception:  # reported by test_shipped_modules_imports
-        from tileops_cupy import rope  # noqa: F401  (registers the RoPE catalogue)
-
-        specs: list[_cuda.ModuleSpec] = []
-        for catalog in _cuda._catalogs:
-            specs += [spec for spec in catalog() if spec not in specs]
-        return specs
-
-
-CATALOGUE = _catalogue()
+CATALOGUE = shipped_modules()
 
 
 def _spec_id(spec: _cuda.ModuleSpec) -> str:
     return f"{spec.source}:{spec.name_expressions[0]}"
 
 
-@pytest.mark.xfail(
-    importlib.util.find_spec("tileops_cupy.sequence_modeling") is None,
-    reason="tileops_cupy.sequence_modeling (mHC) is not written yet; shipped_modules() imports it",
-    raises=ModuleNotFoundError,
-    strict=True,
-)
-def test_shipped_modules_imports():
-    specs = _cuda.shipped_modules()
-    assert specs and len(specs) == len(set(specs))
-    assert {spec.source for spec in specs} >= {"rope"}
+def test_shipped_modules_are_distinct():
+    assert CATALOGUE and len(CATALOGUE) == len(set(CATALOGUE))
+    assert {spec.source for spec in CATALOGUE} == {"rope", "mhc", "mhc_backward"}
 
 
 def test_catalogue_holds_every_rotate_module():
@@ -164,7 +143,7 @@ def _declared_fields(c_name: str) -> list[tuple[str, str]]:
 def test_param_structs_match_the_cuda_declarations():
     """Each kernel's argument struct is declared once in Python by field name and type; the
     C declaration must list the same fields in the same order with the same types."""
-    _cuda.shipped_modules()  # imports every op module, which declares its structs
+    shipped_modules()  # imports every primitive, each declaring its structs
     assert {s.c_name for s in _cuda.PARAM_STRUCTS} >= {"RopeParams", "PreParams", "PostParams"}
     for declared in _cuda.PARAM_STRUCTS:
         assert list(declared.fields) == _declared_fields(declared.c_name), declared.c_name

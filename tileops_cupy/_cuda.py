@@ -5,8 +5,9 @@ together (``cupy.RawModule(..., name_expressions=...)``); CuPy keeps the cubin i
 on-disk cache, so a second process start compiles nothing. Loaded functions are cached
 per (spec, device) behind a lock, so threads and devices never share a half-built module.
 
-Every op module registers the specs it can launch with :func:`register_catalog`; the
-NVRTC test compiles that whole catalogue for sm_80 and sm_90 on machines with no GPU.
+Each primitive lists the specs it can launch (``module_specs()``); ``_catalogue`` joins
+them, and the NVRTC test compiles that whole catalogue for sm_80 and sm_90 on machines with
+no GPU. This module imports no primitive.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from __future__ import annotations
 import ctypes
 import struct
 import threading
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -248,27 +248,6 @@ def _launch_buffer(done: Launch, stream: int, state: _ThreadLaunchState) -> None
     finally:
         if previous != device:
             runtime.setDevice(previous)
-
-
-_catalogs: list[Callable[[], Iterable[ModuleSpec]]] = []
-
-
-def register_catalog(catalog: Callable[[], Iterable[ModuleSpec]]) -> Callable:
-    """Declare every ModuleSpec an op module may launch (used by the NVRTC test)."""
-    _catalogs.append(catalog)
-    return catalog
-
-
-def shipped_modules() -> list[ModuleSpec]:
-    """Every ModuleSpec the package ships, from all registered catalogues."""
-    from . import rope, sequence_modeling  # noqa: F401  (importing registers the catalogues)
-
-    specs: list[ModuleSpec] = []
-    for catalog in _catalogs:
-        for spec in catalog():
-            if spec not in specs:
-                specs.append(spec)
-    return specs
 
 
 def compile_without_device(spec: ModuleSpec, arch: str) -> dict[str, str]:

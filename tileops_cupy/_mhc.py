@@ -1,16 +1,18 @@
-"""CUDA bodies of the mHC primitives (launchers of ``kernels_cu/mhc*.cu``).
+"""The mHC primitives every mHC op calls: one contract, two bodies (as ``_rotate`` is for
+RoPE).
 
-Callers validate; these functions only launch. Every array argument is an
-:class:`~tileops_cupy._arrays.Operand` on one CUDA device; outputs are fresh contiguous
-arrays the caller allocated with ``empty_like``; ``stream`` is the raw handle of the
-caller's current stream. Nothing here synchronises the host or allocates outside the
-caller's allocator, so every launch can be captured in a CUDA graph.
+``mhc_pre``, ``mhc_post``, ``mhc_pre_backward`` and ``mhc_post_backward`` take validated
+:class:`~tileops_cupy._arrays.Operand` arguments and fresh contiguous outputs the caller
+allocated with ``empty_like``, and run either the numpy body (``_mhc_host``) or the CUDA
+body (``kernels_cu/mhc.cu``, ``kernels_cu/mhc_backward.cu``) on the caller's current
+stream. Validation belongs to the callers. Nothing here synchronises the host or
+allocates outside the caller's allocator, so every launch can be captured in a CUDA graph.
 
-The backward kernels live in ``kernels_cu/mhc_backward.cu`` (its header describes them):
-pre backward is five kernels per call (phi's fragments; a first pass over x and the
+Pre is three kernels per call (two when fused, for small batches; ``mhc.cu``'s header
+describes them); pre backward is five (phi's fragments; a first pass over x and the
 upstream gradients; the per-token chain rule; a second pass writing grad_x and grad_phi's
-partials; the fixed-order reductions), post backward one. Their scratch (partial sums,
-per-token coefficients, Sinkhorn checkpoints) is one fresh buffer of the caller's
+partials; the fixed-order reductions); post and post backward one each. Scratch (partial
+sums, per-token coefficients, Sinkhorn checkpoints) is one fresh buffer of the caller's
 allocator per call.
 """
 
@@ -18,16 +20,57 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 import kernels_cu
 
 from . import _cuda
-from ._arrays import ITEMSIZE, Operand, contiguous, cupy, empty_like
-from ._mhc_host import SinkhornGates
+from . import _torch_ops as torch_ops
+from ._arrays import ITEMSIZE, Operand, as_cupy, contiguous, cupy, empty_like, stream_handle
+from ._mhc_host import (
+    SinkhornGates,
+    mhc_post_backward_host,
+    mhc_post_host,
+    mhc_pre_backward_host,
+    mhc_pre_host,
+)
 
-__all__ = ["pre_backward_cuda", "post_backward_cuda"]
+__all__ = [
+    "mhc_pre", "mhc_post", "mhc_pre_backward", "mhc_post_backward", "relaunch_pre",
+    "relaunch_post", "zero_fill",
+]  # fmt: skip
+
+CUDA_TYPES = {"bfloat16": "mhc_bf16", "float16": "mhc_fp16", "float32": "float"}
+CUDA_STREAMS = tuple(range(1, 9))  # n the CUDA kernels are compiled for (registers bound n)
+
+PRE_PARAMS = _cuda.ParamStruct(
+    "PreParams",
+    (
+        ("x", "P"), ("phi", "P"), ("bias", "P"), ("partial", "P"), ("counter", "P"),
+        ("coef", "P"), ("pieces", "P"), ("x_res", "P"), ("x_layer", "P"), ("h_post", "P"),
+        ("x_stride", "q"), ("phi_stride_k", "q"), ("phi_stride_q", "q"), ("bias_stride", "q"),
+        ("batch", "q"), ("c_x", "q"), ("k_range", "q"), ("k_splits", "q"),
+        ("vector_io", "i"), ("fuse", "i"), ("repeat", "i"), ("unused", "i"),
+        ("alpha_pre", "f"), ("alpha_post", "f"), ("alpha_res", "f"), ("eps", "f"),
+    ),
+)  # fmt: skip
+POST_PARAMS = _cuda.ParamStruct(
+    "PostParams",
+    (
+        ("x_layer_out", "P"), ("h_post", "P"), ("x_res", "P"), ("out", "P"),
+        ("layer_stride", "q"), ("h_stride_row", "q"), ("h_stride_col", "q"), ("res_stride", "q"),
+        ("batch", "q"), ("n", "q"), ("c_x", "q"), ("units", "q"),
+        ("vector_io", "i"), ("unused", "i"),
+    ),
+)  # fmt: skip
+# Launch geometry fixed by the kernels (TILE_ROWS, BLOCK_K, STAGE_PITCH, thread counts).
+_TILE_ROWS, _BLOCK_K, _STAGE_PITCH, _STAGES = 128, 64, 72, 3
+_PROJECT_THREADS, _APPLY_THREADS, _POST_THREADS = 256, 256, 256
+_MAX_FUSED_ROWS = 256  # batches this small: cooperative mhc_project, no mhc_apply launch
+_COUNTER_TILES = 4  # first per-tile counter word (COUNTER_TILES in mhc.cu)
+
 
 # Mirror PreBwdParams / PostBwdParams in kernels_cu/mhc_backward.cu, field by field.
 PRE_BWD_PARAMS = _cuda.ParamStruct(
@@ -70,6 +113,386 @@ _SINKHORN_KEPT_FLOATS = 1024  # per token: every Sinkhorn step's input kept up t
 _MAX_SMEM_OPTIN, _MULTIPROCESSORS = 97, 16  # cudaDeviceAttr values
 
 
+# --------------------------------------------------------------------------- primitives
+
+
+def mhc_pre(
+    place: str,
+    gates: SinkhornGates,
+    phi: Operand,
+    x: Operand,
+    b: Operand,
+    x_res: Operand,
+    x_layer: Operand,
+    h_post: Operand,
+) -> tuple[_cuda.Launch, _PrePlan] | None:
+    """Fill the outputs (fresh contiguous arrays) from validated inputs, on ``place``.
+    Returns the CUDA launch and its plan (None on the host)."""
+    if place == "cpu":
+        mhc_pre_host(phi.host, x.host, b.host, gates, x_res.host, x_layer.host, h_post.host)
+        return None
+    return _pre_cuda(gates, phi, x, b, x_res, x_layer, h_post, stream_handle(phi))
+
+
+def mhc_post(
+    place: str, layer: Operand, gates: Operand, res: Operand, x_out: Operand
+) -> _cuda.Launch | None:
+    """Fill ``x_out`` (a fresh contiguous array) from validated inputs, on ``place``.
+    Returns the CUDA launch (None on the host)."""
+    if place == "cpu":
+        mhc_post_host(layer.host, gates.host, res.host, x_out.host)
+        return None
+    return _post_cuda(layer, gates, res, x_out, stream_handle(layer))
+
+
+def mhc_pre_backward(
+    place: str,
+    gates: SinkhornGates,
+    phi: Operand,
+    x: Operand,
+    b: Operand,
+    grad_x_res: Operand,
+    grad_x_layer: Operand,
+    grad_h_post: Operand,
+    grad_phi: Operand,
+    grad_x: Operand,
+    grad_b: Operand,
+    grad_alpha: Operand,
+) -> None:
+    """Fill the gradients (fresh contiguous arrays) from validated inputs with batch >= 1,
+    on ``place``."""
+    if place == "cpu":
+        mhc_pre_backward_host(
+            phi.host, x.host, b.host, gates, grad_x_res.host, grad_x_layer.host,
+            grad_h_post.host, grad_phi.host, grad_x.host, grad_b.host, grad_alpha.host,
+        )  # fmt: skip
+    else:
+        pre_backward_cuda(
+            gates, phi, x, b, grad_x_res, grad_x_layer, grad_h_post, grad_phi, grad_x, grad_b,
+            grad_alpha, stream_handle(phi),
+        )  # fmt: skip
+
+
+def mhc_post_backward(
+    place: str,
+    layer: Operand,
+    gates: Operand,
+    res: Operand,
+    grad_x_out: Operand,
+    grad_layer: Operand,
+    grad_gates: Operand,
+    grad_res: Operand,
+) -> None:
+    """Fill the gradients (fresh contiguous arrays) from validated inputs with batch and c_x
+    >= 1, on ``place``."""
+    if place == "cpu":
+        mhc_post_backward_host(
+            layer.host, gates.host, grad_x_out.host, grad_layer.host, grad_gates.host,
+            grad_res.host,
+        )  # fmt: skip
+    else:
+        post_backward_cuda(
+            layer, gates, res, grad_x_out, grad_layer, grad_gates, grad_res, stream_handle(layer)
+        )
+
+
+def zero_fill(output: Operand) -> None:
+    """Zeros into a fresh output (the gradient sums of an empty batch), on the caller's
+    stream."""
+    if not output.is_cuda:
+        output.host[...] = 0
+    elif output.framework == "torch":
+        output.obj.zero_()
+    else:  # CuPy's current stream is the caller's stream for everything but torch
+        with cupy().cuda.Device(output.device):
+            as_cupy(output).fill(0)
+
+
+# --------------------------------------------------------------------------- CUDA body
+
+
+def pre_module(dtype: str, n: int) -> _cuda.ModuleSpec:
+    """The phi-fragment, projection (with the coefficients) and apply kernels of one x
+    dtype and n."""
+    cuda_type = CUDA_TYPES[dtype]
+    names = (
+        f"mhc_phi_pieces<{n}>",
+        f"mhc_project<{cuda_type}, {n}>",
+        f"mhc_apply<{cuda_type}, {n}>",
+    )
+    return _cuda.ModuleSpec("mhc", names)
+
+
+def post_module() -> _cuda.ModuleSpec:
+    """The post kernel for every dtype (small: one module)."""
+    return _cuda.ModuleSpec("mhc", tuple(f"mhc_post<{t}>" for t in CUDA_TYPES.values()))
+
+
+def forward_module_specs() -> list[_cuda.ModuleSpec]:
+    """The forward's modules: pre for each x dtype and n, and post."""
+    return [pre_module(dtype, n) for dtype in CUDA_TYPES for n in CUDA_STREAMS] + [post_module()]
+
+
+@dataclass(frozen=True, slots=True)
+class _PrePlan:
+    """Launch geometry of one (device, dtype, n, c_x, batch), computed once: phi's
+    fragments, the projection (cooperative when fused: its blocks wait for each other, so
+    all must be resident at once), then the mix unless fused."""
+
+    steps: tuple[_cuda.Step, ...]
+    n: int
+    c_x: int
+    k_range: int
+    k_splits: int
+    fuse: bool
+    scratch: tuple[int, int, int, int]  # words of partials, coefficients, counters, pieces
+
+    @property
+    def scratch_layout(self) -> tuple[int, tuple[int, ...]]:
+        """(words, word offset of each scratch section) in one buffer: 256-byte sections
+        (the fragment copies are 16-byte cp.async)."""
+        offsets, words = [], 0
+        for size in self.scratch:
+            offsets.append(words)
+            words += -(-size // _SCRATCH_ALIGN_WORDS) * _SCRATCH_ALIGN_WORDS
+        return words, tuple(offsets)
+
+
+_plans: dict[tuple, _PrePlan] = {}
+_multiprocessors: dict[int, int] = {}
+_smem_raised: set[tuple[int, int]] = set()
+_lock = threading.Lock()
+
+
+def _multiprocessor_count(device: int) -> int:
+    count = _multiprocessors.get(device)
+    if count is None:
+        count = cupy().cuda.runtime.deviceGetAttribute(16, device)  # cudaDevAttrMultiProcessorCount
+        _multiprocessors[device] = count
+    return count
+
+
+def _raise_smem_limit(kernel: Any, device: int, nbytes: int) -> int:
+    """Kernels get more than 48 KB of dynamic shared memory only after asking for it.
+    Returns how many blocks of 256 threads then fit on one multiprocessor."""
+    cp = cupy()
+    driver = cp.cuda.driver
+    with cp.cuda.Device(device):
+        key = (kernel.ptr, device)
+        if key not in _smem_raised:
+            driver.funcSetAttribute(
+                kernel.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes
+            )
+            _smem_raised.add(key)
+        return driver.occupancyMaxActiveBlocksPerMultiprocessor(
+            kernel.ptr, _PROJECT_THREADS, nbytes
+        )
+
+
+def plan_geometry(batch: int, width: int, resident_blocks: int) -> tuple[int, int, bool]:
+    """(k_range, k_splits, fuse): how mhc_project splits K over its blocks.
+
+    At most ``resident_blocks`` (tile, K range) blocks, as many as fit at once: a large
+    batch has about one tile per block and splits K little; a small batch splits K over
+    every block, since reading phi is then much of the work. K ranges are whole 64-wide K
+    blocks. Small batches (``fuse``) run as one cooperative launch, which needs every block
+    resident at once.
+    """
+    tiles = -(-batch // _TILE_ROWS)
+    wanted = max(1, resident_blocks // tiles)
+    k_range = max(_BLOCK_K, -(-width // (wanted * _BLOCK_K)) * _BLOCK_K)
+    return k_range, -(-width // k_range), batch <= _MAX_FUSED_ROWS
+
+
+def _pre_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan:
+    key = (device, dtype, n, c_x, batch)
+    plan = _plans.get(key)
+    if plan is not None:
+        return plan
+    if n not in CUDA_STREAMS:
+        raise ValueError(
+            f"the CUDA mHC kernels take n <= {CUDA_STREAMS[-1]} streams, got n = {n} "
+            "(phi width n*n+2n); run on the host (target='cpu' with host arrays) instead"
+        )
+    spec = pre_module(dtype, n)
+    pieces_name, project_name, apply_name = spec.name_expressions
+    project = _cuda.function(spec, project_name, device)
+    width, q = n * c_x, n * n + 2 * n
+    piece_bytes = 4 * ((q + 7) // 8) * 3 * 32 * 8  # bf16 B fragments of one K block
+    smem = _STAGES * (_TILE_ROWS * _STAGE_PITCH * ITEMSIZE[dtype] + piece_bytes)
+    with _lock:
+        per_multiprocessor = _raise_smem_limit(project, device, smem)
+    resident = per_multiprocessor * _multiprocessor_count(device)
+    k_range, k_splits, fuse = plan_geometry(batch, width, resident)
+    items = batch * -(-c_x // 8)  # mhc_apply: one thread per 8 columns of a row
+    if items >= 1 << 32:
+        raise ValueError(f"mHC pre takes batch * ceil(c_x / 8) < 2**32, got {items}")
+    tiles = -(-batch // _TILE_ROWS)
+    k_blocks = -(-width // _BLOCK_K)
+    threads = (_PROJECT_THREADS, 1, 1)
+    steps = (
+        _cuda.Step(_cuda.function(spec, pieces_name, device), (k_blocks, 1, 1), threads),
+        _cuda.Step(project, (tiles * k_splits, 1, 1), threads, smem, cooperative=fuse),
+    )
+    if not fuse:
+        apply = _cuda.function(spec, apply_name, device)
+        steps += (_cuda.Step(apply, (-(-items // _APPLY_THREADS), 1, 1), (_APPLY_THREADS, 1, 1)),)
+    plan = _PrePlan(
+        steps=steps,
+        n=n,
+        c_x=c_x,
+        k_range=k_range,
+        k_splits=k_splits,
+        fuse=fuse,
+        scratch=(
+            k_splits * batch * (q + 1),
+            batch * (n + n * n),
+            _COUNTER_TILES + tiles,
+            k_blocks * piece_bytes // 4,
+        ),
+    )
+    if len(_plans) > 4096:  # shapes churn (e.g. growing prefill chunks): start over
+        _plans.clear()
+    _plans[key] = plan
+    return plan
+
+
+def _scratch(template: Operand, plan: _PrePlan) -> tuple[int, ...]:
+    """Device pointers of (partials, coefficients, counters, pieces) for one call, carved
+    from one fresh buffer of the caller's allocator: stream-ordered, graph-capturable
+    (torch's allocator serves a capture from the graph's pool) and never shared between
+    concurrent calls. mhc_phi_pieces zeroes the counters, so nothing needs initialising."""
+    words, offsets = plan.scratch_layout
+    buffer = empty_like(template, (words,), "float32")
+    return tuple(buffer.ptr + 4 * offset for offset in offsets)
+
+
+_PRE_RELAUNCH = PRE_PARAMS.field_writer(
+    "x", "phi", "bias", "partial", "counter", "coef", "pieces", "x_res", "x_layer", "h_post"
+)
+_POST_RELAUNCH = POST_PARAMS.field_writer("x_layer_out", "h_post", "x_res", "out")
+
+
+def relaunch_post(launch: _cuda.Launch, pointers: list[int], x_res: Any) -> Any:
+    """mHC post on torch tensors whose layout an earlier call validated and planned
+    (x_layer_out, h_post and x_res at ``pointers``): a new output patched into that launch."""
+    x_out = torch_ops.new_contiguous(x_res)
+    stream = torch_ops.current_stream(launch.device)
+    launch.relaunch(stream, _POST_RELAUNCH, *pointers, x_out.data_ptr())
+    return x_out
+
+
+def relaunch_pre(
+    planned: tuple[_cuda.Launch, _PrePlan], phi: Any, x: Any, pointers: list[int]
+) -> tuple:
+    """mHC pre on torch tensors whose layout an earlier call validated and planned (phi,
+    x and b at ``pointers``): new outputs and scratch (as :func:`_scratch`), their
+    addresses patched into that launch."""
+    launch, plan = planned
+    phi_ptr, x_ptr, b_ptr = pointers
+    batch, width = x.shape
+    x_res, x_layer = x.new_empty((batch, width)), x.new_empty((batch, plan.c_x))
+    h_post = phi.new_empty((batch, plan.n))
+    words, (partial, coef, counter, pieces) = plan.scratch_layout
+    scratch = phi.new_empty((words,)).data_ptr()
+    launch.relaunch(
+        torch_ops.current_stream(launch.device), _PRE_RELAUNCH, x_ptr, phi_ptr, b_ptr,
+        scratch + 4 * partial, scratch + 4 * counter, scratch + 4 * coef,
+        scratch + 4 * pieces, x_res.data_ptr(), x_layer.data_ptr(), h_post.data_ptr(),
+    )  # fmt: skip
+    return x_res, x_layer, h_post
+
+
+def pre_launch_params(
+    gates: SinkhornGates,
+    plan: _PrePlan,
+    x: Operand,
+    phi: Operand,
+    b: Operand,
+    x_res: Operand,
+    x_layer: Operand,
+    h_post: Operand,
+    scratch: tuple[int, ...],
+) -> bytes:
+    """PreParams (kernels_cu/mhc.cu) packed; ``scratch`` holds the (partials, coefficients,
+    counters, pieces) pointers."""
+    batch, width = x.shape
+    n = h_post.shape[1]
+    c_x = width // n
+    row_bytes = x.strides[0] * ITEMSIZE[x.dtype] if batch > 1 else 0
+    partial, coef, counter, pieces = scratch
+    return PRE_PARAMS.pack(
+        x=x.ptr, phi=phi.ptr, bias=b.ptr, partial=partial, counter=counter, coef=coef,
+        pieces=pieces, x_res=x_res.ptr, x_layer=x_layer.ptr, h_post=h_post.ptr,
+        x_stride=x.strides[0], phi_stride_k=phi.strides[0], phi_stride_q=phi.strides[1],
+        bias_stride=b.strides[0], batch=batch, c_x=c_x, k_range=plan.k_range,
+        k_splits=plan.k_splits, vector_io=c_x % 8 == 0 and (x.ptr | row_bytes) % 16 == 0,
+        fuse=plan.fuse, repeat=gates.sinkhorn_repeat, unused=0,
+        alpha_pre=gates.alpha_pre, alpha_post=gates.alpha_post, alpha_res=gates.alpha_res,
+        eps=gates.sinkhorn_eps,
+    )  # fmt: skip
+
+
+def _pre_cuda(
+    gates: SinkhornGates,
+    phi: Operand,
+    x: Operand,
+    b: Operand,
+    x_res: Operand,
+    x_layer: Operand,
+    h_post: Operand,
+    stream: int,
+) -> tuple[_cuda.Launch, _PrePlan]:
+    if not x.last_dim_contiguous:
+        x = contiguous(x)
+    batch, width = x.shape
+    n = h_post.shape[1]
+    c_x = width // n
+    device = x.device
+    plan = _pre_plan(device, x.dtype, n, c_x, batch)
+    scratch = _scratch(x, plan)
+    params = pre_launch_params(gates, plan, x, phi, b, x_res, x_layer, h_post, scratch)
+    return _cuda.launch(device, params, plan.steps, stream), plan
+
+
+def post_launch_params(layer: Operand, gates: Operand, res: Operand, x_out: Operand) -> bytes:
+    """PostParams (kernels_cu/mhc.cu) packed."""
+    batch, c_x = layer.shape
+    itemsize = ITEMSIZE[layer.dtype]
+    alignment = layer.ptr | res.ptr
+    if batch > 1:
+        alignment |= (layer.strides[0] | res.strides[0]) * itemsize
+    return POST_PARAMS.pack(
+        x_layer_out=layer.ptr, h_post=gates.ptr, x_res=res.ptr, out=x_out.ptr,
+        layer_stride=layer.strides[0], h_stride_row=gates.strides[0],
+        h_stride_col=gates.strides[1], res_stride=res.strides[0], batch=batch,
+        n=gates.shape[1], c_x=c_x, units=-(-c_x // 8),
+        vector_io=c_x % 8 == 0 and alignment % 16 == 0, unused=0,
+    )  # fmt: skip
+
+
+def _post_cuda(
+    layer: Operand, gates: Operand, res: Operand, x_out: Operand, stream: int
+) -> _cuda.Launch:
+    if not layer.last_dim_contiguous:
+        layer = contiguous(layer)
+    if not res.last_dim_contiguous:
+        res = contiguous(res)
+    batch, c_x = layer.shape
+    items = batch * -(-c_x // 8)
+    if items >= 1 << 32:
+        raise ValueError(f"mHC post takes batch * ceil(c_x / 8) < 2**32, got {items}")
+    spec = post_module()
+    kernel = _cuda.function(spec, f"mhc_post<{CUDA_TYPES[layer.dtype]}>", layer.device)
+    params = post_launch_params(layer, gates, res, x_out)
+    grid = (-(-items // _POST_THREADS), 1, 1)
+    step = _cuda.Step(kernel, grid, (_POST_THREADS, 1, 1))
+    return _cuda.launch(layer.device, params, (step,), stream)
+
+
+# --------------------------------------------------------------------------- backward CUDA bodies
+
+
 def pre_backward_cuda(
     gates: SinkhornGates,
     phi: Operand,
@@ -98,7 +521,7 @@ def pre_backward_cuda(
     n = math.isqrt(q + 1) - 1
     c_x = width // n
     device = x.device
-    streams = _forward_kinds()[1]
+    streams = CUDA_STREAMS
     if n not in streams:
         raise ValueError(
             f"the CUDA mHC kernels take n <= {streams[-1]} streams, got n = {n} "
@@ -164,7 +587,7 @@ def post_backward_cuda(
         alignment |= (layer.strides[0] | grad.strides[0]) * size
     spec = post_backward_module(layer.dtype)
     # n streams unrolled up to 8; a kernel for any n beyond
-    name = f"mhc_post_bwd<{_forward_kinds()[0][layer.dtype]}, {n if n <= 8 else 0}>"
+    name = f"mhc_post_bwd<{CUDA_TYPES[layer.dtype]}, {n if n <= 8 else 0}>"
     params = POST_BWD_PARAMS.pack(
         x_layer_out=layer.ptr, h_post=h_post.ptr, grad_x_out=grad.ptr,
         grad_x_layer_out=grad_x_layer_out.ptr, grad_h_post=grad_h_post.ptr,
@@ -179,14 +602,6 @@ def post_backward_cuda(
 
 
 # --------------------------------------------------------------------------- modules
-
-
-def _forward_kinds() -> tuple[dict[str, str], tuple[int, ...]]:
-    """The forward's CUDA type of each x dtype and the n its kernels are compiled for
-    (sequence_modeling imports this module, so it is read at call time)."""
-    from . import sequence_modeling
-
-    return sequence_modeling._CUDA_TYPES, sequence_modeling.CUDA_STREAMS
 
 
 class _AfterForwardSpec(_cuda.ModuleSpec):
@@ -268,25 +683,23 @@ _PRE_BACKWARD_KERNELS = (
 
 def pre_backward_module(dtype: str, n: int) -> _cuda.ModuleSpec:
     """The five pre-backward kernels of one x dtype and n, in launch order."""
-    cuda_type = _forward_kinds()[0][dtype]
+    cuda_type = CUDA_TYPES[dtype]
     names = tuple(f"{kernel}<{cuda_type}, {n}>" for kernel in _PRE_BACKWARD_KERNELS)
     return _AfterForwardSpec("mhc_backward", names, _geometry(dtype, n).defines)
 
 
 def post_backward_module(dtype: str) -> _cuda.ModuleSpec:
     """The post-backward kernel of one dtype, for n = 1 .. 8 unrolled and for any n (0)."""
-    cuda_type = _forward_kinds()[0][dtype]
+    cuda_type = CUDA_TYPES[dtype]
     names = tuple(f"mhc_post_bwd<{cuda_type}, {n}>" for n in range(9))
     return _AfterForwardSpec("mhc_backward", names, (f"BWD_POST_THREADS={_POST_THREADS}",))
 
 
-@_cuda.register_catalog
-def _catalog():
-    cuda_types, streams = _forward_kinds()
-    for dtype in cuda_types:
-        for n in streams:
-            yield pre_backward_module(dtype, n)
-        yield post_backward_module(dtype)
+def module_specs() -> list[_cuda.ModuleSpec]:
+    """Every module this primitive may launch: the forward's, then pre backward for each x
+    dtype and n and post backward for each dtype."""
+    backward = [pre_backward_module(dtype, n) for dtype in CUDA_TYPES for n in CUDA_STREAMS]
+    return forward_module_specs() + backward + [post_backward_module(d) for d in CUDA_TYPES]
 
 
 # --------------------------------------------------------------------------- plans

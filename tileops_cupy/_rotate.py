@@ -239,11 +239,14 @@ def _kernel(dtype: str, neox: bool, vec: int, rotary_dim: int) -> tuple[_cuda.Mo
     return module_spec(dtype, compiled_rotary_dim), name + f"{compiled_rotary_dim}>"
 
 
-@_cuda.register_catalog
-def _catalog():
-    for dtype in _CUDA_TYPES:
-        for rotary_dim in (*SHIPPED_ROTARY_DIMS, 0):
-            yield module_spec(dtype, rotary_dim)
+def module_specs() -> list[_cuda.ModuleSpec]:
+    """Every module this primitive may launch: each dtype at the shipped rotary dims and at
+    the run-time one (0)."""
+    return [
+        module_spec(dtype, rotary_dim)
+        for dtype in _CUDA_TYPES
+        for rotary_dim in (*SHIPPED_ROTARY_DIMS, 0)
+    ]
 
 
 def _vector_width(

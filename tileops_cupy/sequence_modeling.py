@@ -35,33 +35,22 @@ from __future__ import annotations
 
 import functools
 import math
-import threading
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from . import _cuda, _mhc
+from . import _mhc
 from . import _torch_ops as torch_ops
 from ._arrays import (
     BUILTIN,
-    ITEMSIZE,
     Operand,
-    as_cupy,
     as_operand,
-    contiguous,
-    cupy,
     empty_like,
     select_place,
-    stream_handle,
     to_caller,
 )
 from ._mhc_host import (
     SinkhornGates,
-    mhc_post_backward_host,
-    mhc_post_host,
-    mhc_pre_backward_host,
-    mhc_pre_host,
 )
 from ._validate import check_dtype, check_ndim, check_real, check_target
 
@@ -69,36 +58,7 @@ __all__ = ["BUILTIN", "MHCPreFwdOp", "MHCPostFwdOp", "MHCPreBwdOp", "MHCPostBwdO
 
 Array = Any  # torch, CuPy, NumPy, JAX or any DLPack tensor
 
-X_DTYPES = ("bfloat16", "float16", "float32")
-_CUDA_TYPES = {"bfloat16": "mhc_bf16", "float16": "mhc_fp16", "float32": "float"}
-CUDA_STREAMS = tuple(range(1, 9))  # n the CUDA kernels are compiled for (registers bound n)
-
-PRE_PARAMS = _cuda.ParamStruct(
-    "PreParams",
-    (
-        ("x", "P"), ("phi", "P"), ("bias", "P"), ("partial", "P"), ("counter", "P"),
-        ("coef", "P"), ("pieces", "P"), ("x_res", "P"), ("x_layer", "P"), ("h_post", "P"),
-        ("x_stride", "q"), ("phi_stride_k", "q"), ("phi_stride_q", "q"), ("bias_stride", "q"),
-        ("batch", "q"), ("c_x", "q"), ("k_range", "q"), ("k_splits", "q"),
-        ("vector_io", "i"), ("fuse", "i"), ("repeat", "i"), ("unused", "i"),
-        ("alpha_pre", "f"), ("alpha_post", "f"), ("alpha_res", "f"), ("eps", "f"),
-    ),
-)  # fmt: skip
-POST_PARAMS = _cuda.ParamStruct(
-    "PostParams",
-    (
-        ("x_layer_out", "P"), ("h_post", "P"), ("x_res", "P"), ("out", "P"),
-        ("layer_stride", "q"), ("h_stride_row", "q"), ("h_stride_col", "q"), ("res_stride", "q"),
-        ("batch", "q"), ("n", "q"), ("c_x", "q"), ("units", "q"),
-        ("vector_io", "i"), ("unused", "i"),
-    ),
-)  # fmt: skip
-# Launch geometry fixed by the kernels (TILE_ROWS, BLOCK_K, STAGE_PITCH, thread counts).
-_TILE_ROWS, _BLOCK_K, _STAGE_PITCH, _STAGES = 128, 64, 72, 3
-_PROJECT_THREADS, _APPLY_THREADS, _POST_THREADS = 256, 256, 256
-_MAX_FUSED_ROWS = 256  # batches this small: cooperative mhc_project, no mhc_apply launch
-_COUNTER_TILES = 4  # first per-tile counter word (COUNTER_TILES in mhc.cu)
-_SCRATCH_ALIGN_WORDS = 64  # 256-byte sections: the fragment copies are 16-byte cp.async
+X_DTYPES = tuple(_mhc.CUDA_TYPES)  # bfloat16, float16, float32
 
 
 # --------------------------------------------------------------------------- ops
@@ -177,7 +137,7 @@ class MHCPreFwdOp:
         keys, pointers = layout or torch_ops.layouts(phi, x, b)
         fast = self._relaunches.get(keys)
         if fast is not None:  # this layout was validated and planned by an earlier call
-            return _relaunch_pre(fast, phi, x, pointers)
+            return _mhc.relaunch_pre(fast, phi, x, pointers)
         phi_op, x_op, b_op = as_operand(phi, "phi"), as_operand(x, "x"), as_operand(b, "b")
         n, c_x = _check_pre(phi_op, x_op, b_op)
         place = select_place(self.target, {"phi": phi_op, "x": x_op, "b": b_op})
@@ -189,7 +149,7 @@ class MHCPreFwdOp:
         )
         x_res, x_layer, h_post = (empty_like(phi_op, shape, dtype) for shape, dtype in layouts)
         if batch:
-            planned = mhc_pre(place, self._gates, phi_op, x_op, b_op, x_res, x_layer, h_post)
+            planned = _mhc.mhc_pre(place, self._gates, phi_op, x_op, b_op, x_res, x_layer, h_post)
             if planned is not None and None not in keys and x_op.last_dim_contiguous:
                 self._relaunches[keys] = planned
         return to_caller(x_res), to_caller(x_layer), to_caller(h_post)
@@ -252,10 +212,7 @@ class MHCPostFwdOp:
         keys, pointers = layout or torch_ops.layouts(x_layer_out, h_post, x_res)
         fast = self._relaunches.get(keys)
         if fast is not None:  # this layout was validated and planned by an earlier call
-            x_out = torch_ops.new_contiguous(x_res)
-            stream = torch_ops.current_stream(fast.device)
-            fast.relaunch(stream, _POST_RELAUNCH, *pointers, x_out.data_ptr())
-            return x_out
+            return _mhc.relaunch_post(fast, pointers, x_res)
         layer_op = as_operand(x_layer_out, "x_layer_out")
         gates_op = as_operand(h_post, "h_post")
         res_op = as_operand(x_res, "x_res")
@@ -265,7 +222,7 @@ class MHCPostFwdOp:
         )
         x_out = empty_like(layer_op, res_op.shape, res_op.dtype)
         if res_op.shape[0] and res_op.shape[1]:
-            launch = mhc_post(place, layer_op, gates_op, res_op, x_out)
+            launch = _mhc.mhc_post(place, layer_op, gates_op, res_op, x_out)
             read_in_place = layer_op.last_dim_contiguous and res_op.last_dim_contiguous
             if launch is not None and None not in keys and read_in_place:
                 self._relaunches[keys] = launch
@@ -372,12 +329,12 @@ class MHCPreBwdOp:
         )
         grads = [empty_like(phi_op, shape, dtype) for shape, dtype in layouts]
         if batch:
-            mhc_pre_backward(
+            _mhc.mhc_pre_backward(
                 place, self._gates, phi_op, x_op, b_op, up_res, up_layer, up_post, *grads
             )
         else:
             for grad in grads:
-                _zero(grad)
+                _mhc.zero_fill(grad)
         grad_phi, grad_x, grad_b, grad_alpha = grads
         return to_caller(grad_phi), to_caller(grad_x), to_caller(grad_b), to_caller(grad_alpha)
 
@@ -454,10 +411,10 @@ class MHCPostBwdOp:
             empty_like(layer_op, res_op.shape, res_op.dtype),
         )
         if res_op.shape[0] and res_op.shape[1]:
-            mhc_post_backward(place, layer_op, gates_op, res_op, up_op, *grads)
+            _mhc.mhc_post_backward(place, layer_op, gates_op, res_op, up_op, *grads)
         else:  # nothing to sum: grad_h_post is 0 (and empty with the batch)
             for grad in grads:
-                _zero(grad)
+                _mhc.zero_fill(grad)
         return tuple(to_caller(grad) for grad in grads)
 
     __call__ = forward
@@ -583,374 +540,3 @@ def _check_upstream(
         raise ValueError(f"{name} must be {dtype} like {output}, got {grad.dtype}")
     if tuple(grad.shape) != tuple(shape):
         raise ValueError(f"{name} must have {output}'s shape {layout}, got {list(grad.shape)}")
-
-
-# --------------------------------------------------------------------------- primitives
-
-
-def mhc_pre(
-    place: str,
-    gates: SinkhornGates,
-    phi: Operand,
-    x: Operand,
-    b: Operand,
-    x_res: Operand,
-    x_layer: Operand,
-    h_post: Operand,
-) -> tuple[_cuda.Launch, _PrePlan] | None:
-    """Fill the outputs (fresh contiguous arrays) from validated inputs, on ``place``.
-    Returns the CUDA launch and its plan (None on the host)."""
-    if place == "cpu":
-        mhc_pre_host(phi.host, x.host, b.host, gates, x_res.host, x_layer.host, h_post.host)
-        return None
-    return _pre_cuda(gates, phi, x, b, x_res, x_layer, h_post, stream_handle(phi))
-
-
-def mhc_post(
-    place: str, layer: Operand, gates: Operand, res: Operand, x_out: Operand
-) -> _cuda.Launch | None:
-    """Fill ``x_out`` (a fresh contiguous array) from validated inputs, on ``place``.
-    Returns the CUDA launch (None on the host)."""
-    if place == "cpu":
-        mhc_post_host(layer.host, gates.host, res.host, x_out.host)
-        return None
-    return _post_cuda(layer, gates, res, x_out, stream_handle(layer))
-
-
-def mhc_pre_backward(
-    place: str,
-    gates: SinkhornGates,
-    phi: Operand,
-    x: Operand,
-    b: Operand,
-    grad_x_res: Operand,
-    grad_x_layer: Operand,
-    grad_h_post: Operand,
-    grad_phi: Operand,
-    grad_x: Operand,
-    grad_b: Operand,
-    grad_alpha: Operand,
-) -> None:
-    """Fill the gradients (fresh contiguous arrays) from validated inputs with batch >= 1,
-    on ``place``."""
-    if place == "cpu":
-        mhc_pre_backward_host(
-            phi.host, x.host, b.host, gates, grad_x_res.host, grad_x_layer.host,
-            grad_h_post.host, grad_phi.host, grad_x.host, grad_b.host, grad_alpha.host,
-        )  # fmt: skip
-    else:
-        _mhc.pre_backward_cuda(
-            gates, phi, x, b, grad_x_res, grad_x_layer, grad_h_post, grad_phi, grad_x, grad_b,
-            grad_alpha, stream_handle(phi),
-        )  # fmt: skip
-
-
-def mhc_post_backward(
-    place: str,
-    layer: Operand,
-    gates: Operand,
-    res: Operand,
-    grad_x_out: Operand,
-    grad_layer: Operand,
-    grad_gates: Operand,
-    grad_res: Operand,
-) -> None:
-    """Fill the gradients (fresh contiguous arrays) from validated inputs with batch and c_x
-    >= 1, on ``place``."""
-    if place == "cpu":
-        mhc_post_backward_host(
-            layer.host, gates.host, grad_x_out.host, grad_layer.host, grad_gates.host,
-            grad_res.host,
-        )  # fmt: skip
-    else:
-        _mhc.post_backward_cuda(
-            layer, gates, res, grad_x_out, grad_layer, grad_gates, grad_res, stream_handle(layer)
-        )
-
-
-def _zero(output: Operand) -> None:
-    """Zeros into a fresh output (the gradient sums of an empty batch), on the caller's
-    stream."""
-    if not output.is_cuda:
-        output.host[...] = 0
-    elif output.framework == "torch":
-        output.obj.zero_()
-    else:  # CuPy's current stream is the caller's stream for everything but torch
-        with cupy().cuda.Device(output.device):
-            as_cupy(output).fill(0)
-
-
-# --------------------------------------------------------------------------- CUDA body
-
-
-def pre_module(dtype: str, n: int) -> _cuda.ModuleSpec:
-    """The phi-fragment, projection (with the coefficients) and apply kernels of one x
-    dtype and n."""
-    cuda_type = _CUDA_TYPES[dtype]
-    names = (
-        f"mhc_phi_pieces<{n}>",
-        f"mhc_project<{cuda_type}, {n}>",
-        f"mhc_apply<{cuda_type}, {n}>",
-    )
-    return _cuda.ModuleSpec("mhc", names)
-
-
-def post_module() -> _cuda.ModuleSpec:
-    """The post kernel for every dtype (small: one module)."""
-    return _cuda.ModuleSpec("mhc", tuple(f"mhc_post<{t}>" for t in _CUDA_TYPES.values()))
-
-
-@_cuda.register_catalog
-def _catalog():
-    for dtype in X_DTYPES:
-        for n in CUDA_STREAMS:
-            yield pre_module(dtype, n)
-    yield post_module()
-
-
-@dataclass(frozen=True, slots=True)
-class _PrePlan:
-    """Launch geometry of one (device, dtype, n, c_x, batch), computed once: phi's
-    fragments, the projection (cooperative when fused: its blocks wait for each other, so
-    all must be resident at once), then the mix unless fused."""
-
-    steps: tuple[_cuda.Step, ...]
-    n: int
-    c_x: int
-    k_range: int
-    k_splits: int
-    fuse: bool
-    scratch: tuple[int, int, int, int]  # words of partials, coefficients, counters, pieces
-
-    @property
-    def scratch_layout(self) -> tuple[int, tuple[int, ...]]:
-        """(words, word offset of each scratch section) in one buffer: 256-byte sections
-        (the fragment copies are 16-byte cp.async)."""
-        offsets, words = [], 0
-        for size in self.scratch:
-            offsets.append(words)
-            words += -(-size // _SCRATCH_ALIGN_WORDS) * _SCRATCH_ALIGN_WORDS
-        return words, tuple(offsets)
-
-
-_plans: dict[tuple, _PrePlan] = {}
-_multiprocessors: dict[int, int] = {}
-_smem_raised: set[tuple[int, int]] = set()
-_lock = threading.Lock()
-
-
-def _multiprocessor_count(device: int) -> int:
-    count = _multiprocessors.get(device)
-    if count is None:
-        count = cupy().cuda.runtime.deviceGetAttribute(16, device)  # cudaDevAttrMultiProcessorCount
-        _multiprocessors[device] = count
-    return count
-
-
-def _raise_smem_limit(kernel: Any, device: int, nbytes: int) -> int:
-    """Kernels get more than 48 KB of dynamic shared memory only after asking for it.
-    Returns how many blocks of 256 threads then fit on one multiprocessor."""
-    cp = cupy()
-    driver = cp.cuda.driver
-    with cp.cuda.Device(device):
-        key = (kernel.ptr, device)
-        if key not in _smem_raised:
-            driver.funcSetAttribute(
-                kernel.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes
-            )
-            _smem_raised.add(key)
-        return driver.occupancyMaxActiveBlocksPerMultiprocessor(
-            kernel.ptr, _PROJECT_THREADS, nbytes
-        )
-
-
-def plan_geometry(batch: int, width: int, resident_blocks: int) -> tuple[int, int, bool]:
-    """(k_range, k_splits, fuse): how mhc_project splits K over its blocks.
-
-    At most ``resident_blocks`` (tile, K range) blocks, as many as fit at once: a large
-    batch has about one tile per block and splits K little; a small batch splits K over
-    every block, since reading phi is then much of the work. K ranges are whole 64-wide K
-    blocks. Small batches (``fuse``) run as one cooperative launch, which needs every block
-    resident at once.
-    """
-    tiles = -(-batch // _TILE_ROWS)
-    wanted = max(1, resident_blocks // tiles)
-    k_range = max(_BLOCK_K, -(-width // (wanted * _BLOCK_K)) * _BLOCK_K)
-    return k_range, -(-width // k_range), batch <= _MAX_FUSED_ROWS
-
-
-def _pre_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan:
-    key = (device, dtype, n, c_x, batch)
-    plan = _plans.get(key)
-    if plan is not None:
-        return plan
-    if n not in CUDA_STREAMS:
-        raise ValueError(
-            f"the CUDA mHC kernels take n <= {CUDA_STREAMS[-1]} streams, got n = {n} "
-            "(phi width n*n+2n); run on the host (target='cpu' with host arrays) instead"
-        )
-    spec = pre_module(dtype, n)
-    pieces_name, project_name, apply_name = spec.name_expressions
-    project = _cuda.function(spec, project_name, device)
-    width, q = n * c_x, n * n + 2 * n
-    piece_bytes = 4 * ((q + 7) // 8) * 3 * 32 * 8  # bf16 B fragments of one K block
-    smem = _STAGES * (_TILE_ROWS * _STAGE_PITCH * ITEMSIZE[dtype] + piece_bytes)
-    with _lock:
-        per_multiprocessor = _raise_smem_limit(project, device, smem)
-    resident = per_multiprocessor * _multiprocessor_count(device)
-    k_range, k_splits, fuse = plan_geometry(batch, width, resident)
-    items = batch * -(-c_x // 8)  # mhc_apply: one thread per 8 columns of a row
-    if items >= 1 << 32:
-        raise ValueError(f"mHC pre takes batch * ceil(c_x / 8) < 2**32, got {items}")
-    tiles = -(-batch // _TILE_ROWS)
-    k_blocks = -(-width // _BLOCK_K)
-    threads = (_PROJECT_THREADS, 1, 1)
-    steps = (
-        _cuda.Step(_cuda.function(spec, pieces_name, device), (k_blocks, 1, 1), threads),
-        _cuda.Step(project, (tiles * k_splits, 1, 1), threads, smem, cooperative=fuse),
-    )
-    if not fuse:
-        apply = _cuda.function(spec, apply_name, device)
-        steps += (_cuda.Step(apply, (-(-items // _APPLY_THREADS), 1, 1), (_APPLY_THREADS, 1, 1)),)
-    plan = _PrePlan(
-        steps=steps,
-        n=n,
-        c_x=c_x,
-        k_range=k_range,
-        k_splits=k_splits,
-        fuse=fuse,
-        scratch=(
-            k_splits * batch * (q + 1),
-            batch * (n + n * n),
-            _COUNTER_TILES + tiles,
-            k_blocks * piece_bytes // 4,
-        ),
-    )
-    if len(_plans) > 4096:  # shapes churn (e.g. growing prefill chunks): start over
-        _plans.clear()
-    _plans[key] = plan
-    return plan
-
-
-def _scratch(template: Operand, plan: _PrePlan) -> tuple[int, ...]:
-    """Device pointers of (partials, coefficients, counters, pieces) for one call, carved
-    from one fresh buffer of the caller's allocator: stream-ordered, graph-capturable
-    (torch's allocator serves a capture from the graph's pool) and never shared between
-    concurrent calls. mhc_phi_pieces zeroes the counters, so nothing needs initialising."""
-    words, offsets = plan.scratch_layout
-    buffer = empty_like(template, (words,), "float32")
-    return tuple(buffer.ptr + 4 * offset for offset in offsets)
-
-
-_PRE_RELAUNCH = PRE_PARAMS.field_writer(
-    "x", "phi", "bias", "partial", "counter", "coef", "pieces", "x_res", "x_layer", "h_post"
-)
-_POST_RELAUNCH = POST_PARAMS.field_writer("x_layer_out", "h_post", "x_res", "out")
-
-
-def _relaunch_pre(
-    planned: tuple[_cuda.Launch, _PrePlan], phi: Any, x: Any, pointers: list[int]
-) -> tuple:
-    """mHC pre on torch tensors whose layout an earlier call validated and planned (phi,
-    x and b at ``pointers``): new outputs and scratch (as :func:`_scratch`), their
-    addresses patched into that launch."""
-    launch, plan = planned
-    phi_ptr, x_ptr, b_ptr = pointers
-    batch, width = x.shape
-    x_res, x_layer = x.new_empty((batch, width)), x.new_empty((batch, plan.c_x))
-    h_post = phi.new_empty((batch, plan.n))
-    words, (partial, coef, counter, pieces) = plan.scratch_layout
-    scratch = phi.new_empty((words,)).data_ptr()
-    launch.relaunch(
-        torch_ops.current_stream(launch.device), _PRE_RELAUNCH, x_ptr, phi_ptr, b_ptr,
-        scratch + 4 * partial, scratch + 4 * counter, scratch + 4 * coef,
-        scratch + 4 * pieces, x_res.data_ptr(), x_layer.data_ptr(), h_post.data_ptr(),
-    )  # fmt: skip
-    return x_res, x_layer, h_post
-
-
-def pre_launch_params(
-    gates: SinkhornGates,
-    plan: _PrePlan,
-    x: Operand,
-    phi: Operand,
-    b: Operand,
-    x_res: Operand,
-    x_layer: Operand,
-    h_post: Operand,
-    scratch: tuple[int, ...],
-) -> bytes:
-    """PreParams (kernels_cu/mhc.cu) packed; ``scratch`` holds the (partials, coefficients,
-    counters, pieces) pointers."""
-    batch, width = x.shape
-    n = h_post.shape[1]
-    c_x = width // n
-    row_bytes = x.strides[0] * ITEMSIZE[x.dtype] if batch > 1 else 0
-    partial, coef, counter, pieces = scratch
-    return PRE_PARAMS.pack(
-        x=x.ptr, phi=phi.ptr, bias=b.ptr, partial=partial, counter=counter, coef=coef,
-        pieces=pieces, x_res=x_res.ptr, x_layer=x_layer.ptr, h_post=h_post.ptr,
-        x_stride=x.strides[0], phi_stride_k=phi.strides[0], phi_stride_q=phi.strides[1],
-        bias_stride=b.strides[0], batch=batch, c_x=c_x, k_range=plan.k_range,
-        k_splits=plan.k_splits, vector_io=c_x % 8 == 0 and (x.ptr | row_bytes) % 16 == 0,
-        fuse=plan.fuse, repeat=gates.sinkhorn_repeat, unused=0,
-        alpha_pre=gates.alpha_pre, alpha_post=gates.alpha_post, alpha_res=gates.alpha_res,
-        eps=gates.sinkhorn_eps,
-    )  # fmt: skip
-
-
-def _pre_cuda(
-    gates: SinkhornGates,
-    phi: Operand,
-    x: Operand,
-    b: Operand,
-    x_res: Operand,
-    x_layer: Operand,
-    h_post: Operand,
-    stream: int,
-) -> tuple[_cuda.Launch, _PrePlan]:
-    if not x.last_dim_contiguous:
-        x = contiguous(x)
-    batch, width = x.shape
-    n = h_post.shape[1]
-    c_x = width // n
-    device = x.device
-    plan = _pre_plan(device, x.dtype, n, c_x, batch)
-    scratch = _scratch(x, plan)
-    params = pre_launch_params(gates, plan, x, phi, b, x_res, x_layer, h_post, scratch)
-    return _cuda.launch(device, params, plan.steps, stream), plan
-
-
-def post_launch_params(layer: Operand, gates: Operand, res: Operand, x_out: Operand) -> bytes:
-    """PostParams (kernels_cu/mhc.cu) packed."""
-    batch, c_x = layer.shape
-    itemsize = ITEMSIZE[layer.dtype]
-    alignment = layer.ptr | res.ptr
-    if batch > 1:
-        alignment |= (layer.strides[0] | res.strides[0]) * itemsize
-    return POST_PARAMS.pack(
-        x_layer_out=layer.ptr, h_post=gates.ptr, x_res=res.ptr, out=x_out.ptr,
-        layer_stride=layer.strides[0], h_stride_row=gates.strides[0],
-        h_stride_col=gates.strides[1], res_stride=res.strides[0], batch=batch,
-        n=gates.shape[1], c_x=c_x, units=-(-c_x // 8),
-        vector_io=c_x % 8 == 0 and alignment % 16 == 0, unused=0,
-    )  # fmt: skip
-
-
-def _post_cuda(
-    layer: Operand, gates: Operand, res: Operand, x_out: Operand, stream: int
-) -> _cuda.Launch:
-    if not layer.last_dim_contiguous:
-        layer = contiguous(layer)
-    if not res.last_dim_contiguous:
-        res = contiguous(res)
-    batch, c_x = layer.shape
-    items = batch * -(-c_x // 8)
-    if items >= 1 << 32:
-        raise ValueError(f"mHC post takes batch * ceil(c_x / 8) < 2**32, got {items}")
-    spec = post_module()
-    kernel = _cuda.function(spec, f"mhc_post<{_CUDA_TYPES[layer.dtype]}>", layer.device)
-    params = post_launch_params(layer, gates, res, x_out)
-    grid = (-(-items // _POST_THREADS), 1, 1)
-    step = _cuda.Step(kernel, grid, (_POST_THREADS, 1, 1))
-    return _cuda.launch(layer.device, params, (step,), stream)
