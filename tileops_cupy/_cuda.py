@@ -79,13 +79,10 @@ class ParamStruct:
     reused buffer costs about a microsecond, where CuPy boxes every scalar separately.
     """
 
-    def __init__(self, c_name: str, fields: tuple[tuple[str, str], ...] | None = None) -> None:
-        if fields is None:  # TRANSITIONAL (removed once _mhc.py declares named fields)
-            c_name, fields = "legacy", tuple((f"f{i}", c) for i, c in enumerate(c_name))
+    def __init__(self, c_name: str, fields: tuple[tuple[str, str], ...]) -> None:
         self.c_name = c_name
         self.fields = fields
-        if c_name != "legacy":
-            PARAM_STRUCTS.append(self)
+        PARAM_STRUCTS.append(self)
         self._struct = struct.Struct("@" + "".join(code for _, code in fields))
         if self._struct.size > _PARAM_BYTES:
             raise ValueError(
@@ -217,14 +214,6 @@ def launch(device: int, params: bytes, steps: tuple[Step, ...], stream: int) -> 
     ctypes.memmove(state.address, params, len(params))
     _launch_buffer(done, stream, state)
     return done
-
-
-def launch_packed(
-    kernel, device, grid, block, fields, values, stream, shared_mem=0, cooperative=False
-):
-    """TRANSITIONAL: the positional form, until _mhc.py moves to :func:`launch`."""
-    params = fields._struct.pack(*values)
-    return launch(device, params, (Step(kernel, grid, block, shared_mem, cooperative),), stream)
 
 
 def _launch_buffer(done: Launch, stream: int, state: _ThreadLaunchState) -> None:
