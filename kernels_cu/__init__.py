@@ -14,3 +14,9 @@ _HERE = Path(__file__).resolve().parent
 def source(name: str) -> str:
     """Text of ``kernels_cu/<name>.cu``."""
     return (_HERE / f"{name}.cu").read_text()
+
+
+@cache
+def common() -> str:
+    """Text of ``kernels_cu/common.cuh``, which the loader puts before every source."""
+    return (_HERE / "common.cuh").read_text()

@@ -23,17 +23,6 @@
 // Post (mhc_post) is one pass: each thread reads 8 columns of x_layer_out once and reuses
 // them for the n streams of x_res.
 
-typedef unsigned short u16;
-typedef unsigned int u32;
-typedef long long i64;
-
-struct mhc_bf16 {
-  u16 bits;
-};
-struct mhc_fp16 {
-  u16 bits;
-};
-
 struct alignas(16) U4 {
   u32 x, y, z, w;
 };
@@ -43,31 +32,13 @@ struct alignas(8) U2 {
 
 // ------------------------------------------------------------------ conversions and PTX
 
-__device__ __forceinline__ float bf16_bits_to_float(u32 bits) { return __uint_as_float(bits << 16); }
-
-__device__ __forceinline__ u16 float_to_bf16_bits(float f) {
-  u16 r;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
-  return r;
-}
-
-__device__ __forceinline__ float fp16_bits_to_float(u16 h) {
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-  return f;
-}
-
-__device__ __forceinline__ u16 float_to_fp16_bits(float f) {
-  u16 r;
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
-  return r;
-}
+// (the 16-bit float types and their conversions: common.cuh, prepended by the loader)
 
 template <typename T>
 struct Io;
 
 template <>
-struct Io<mhc_bf16> {
+struct Io<bfloat16_t> {
   typedef u16 elem;
   static constexpr int x_pieces = 1;  // bf16 x is exact in the bf16 tensor cores
   static __device__ __forceinline__ float to_float(u16 v) { return bf16_bits_to_float(v); }
@@ -75,7 +46,7 @@ struct Io<mhc_bf16> {
 };
 
 template <>
-struct Io<mhc_fp16> {
+struct Io<half_t> {
   typedef u16 elem;
   static constexpr int x_pieces = 2;  // 11 significant bits: bf16 hi + bf16 lo is exact
   static __device__ __forceinline__ float to_float(u16 v) { return fp16_bits_to_float(v); }
@@ -163,29 +134,6 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const u32 (&a)[4],
       "{%8,%9}, {%0,%1,%2,%3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b.x), "r"(b.y));
-}
-
-// 8 consecutive elements as floats. Vector form: p is 16-byte aligned.
-template <typename T>
-__device__ __forceinline__ void load8(const typename Io<T>::elem* p, float (&v)[8]) {
-  if constexpr (sizeof(typename Io<T>::elem) == 2) {
-    const U4 w = load_stream16(p);
-    const u32 words[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      v[2 * i] = Io<T>::to_float((u16)(words[i] & 0xffffu));
-      v[2 * i + 1] = Io<T>::to_float((u16)(words[i] >> 16));
-    }
-  } else {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const U4 w = load_stream16(p + 4 * h);
-      v[4 * h] = __uint_as_float(w.x);
-      v[4 * h + 1] = __uint_as_float(w.y);
-      v[4 * h + 2] = __uint_as_float(w.z);
-      v[4 * h + 3] = __uint_as_float(w.w);
-    }
-  }
 }
 
 template <typename T>
@@ -466,6 +414,14 @@ __device__ __forceinline__ void unpack8(const Raw8<T>& r, float (&v)[8]) {
       v[4 * h + 3] = __uint_as_float(r.w[h].w);
     }
   }
+}
+
+// 8 consecutive elements as floats. p is 16-byte aligned.
+template <typename T>
+__device__ __forceinline__ void load8(const typename Io<T>::elem* p, float (&v)[8]) {
+  Raw8<T> r;
+  load_raw8<T>(p, true, 8, r);
+  unpack8<T>(r, v);
 }
 
 // x_layer and x_res for 8 columns (c0 .. c0+7) of one token, with its coefficients at coef

@@ -5,44 +5,7 @@
 // (VEC pairs of a neox row, or VEC interleaved elements), threadIdx.y strides over the heads
 // of q then k. cos/sin of a chunk are formed once per token and reused for every head.
 //
-// Header-free on purpose (no cuda_fp16.h / cuda_bf16.h): NVRTC then needs no toolkit
-// headers, and the conversions below are the exact PTX instructions those headers emit.
-
-struct half_t {
-  unsigned short bits;
-};
-struct bfloat16_t {
-  unsigned short bits;
-};
-
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(half_t v) {
-  float r;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(v.bits));
-  return r;
-}
-__device__ __forceinline__ float to_float(bfloat16_t v) {
-  return __uint_as_float(static_cast<unsigned int>(v.bits) << 16);
-}
-
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) {
-  return v;
-}
-template <>
-__device__ __forceinline__ half_t from_float<half_t>(float v) {
-  half_t r;
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(v));  // round to nearest even
-  return r;
-}
-template <>
-__device__ __forceinline__ bfloat16_t from_float<bfloat16_t>(float v) {
-  bfloat16_t r;
-  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r.bits) : "f"(v));  // round to nearest even, sm_80+
-  return r;
-}
+// The 16-bit float types and their conversions: common.cuh, prepended by the loader.
 
 // VEC elements moved as one access (16 bytes when VEC * sizeof(T) == 16).
 template <typename T, int VEC>

@@ -23,23 +23,30 @@ import kernels_cu
 from ._arrays import cupy
 from ._cache import build_once
 
+# The CUDA type of each float dtype the kernels take (kernels_cu/common.cuh declares them).
+CUDA_TYPES = {"bfloat16": "bfloat16_t", "float16": "half_t", "float32": "float"}
 # No --use_fast_math: the angles and the mHC exponentials must keep full float32 accuracy.
 COMPILE_OPTIONS = ("--std=c++17",)
 
 
 @dataclass(frozen=True)
 class ModuleSpec:
-    """One NVRTC compilation: a source in ``kernels_cu/`` and its template instantiations."""
+    """One NVRTC compilation: a source in ``kernels_cu/`` and its template instantiations.
+
+    The program is the ``defines`` ("NAME=VALUE"), ``kernels_cu/common.cuh``, the
+    ``prelude`` sources (whose helpers ``source`` uses: NVRTC here has no include path),
+    then ``source``."""
 
     source: str
     name_expressions: tuple[str, ...]
     defines: tuple[str, ...] = ()
+    prelude: tuple[str, ...] = ()
 
     @property
     def code(self) -> str:
-        # "NAME=VALUE", as on a compiler's command line
         header = "".join(f"#define {define.replace('=', ' ', 1)}\n" for define in self.defines)
-        return header + kernels_cu.source(self.source)
+        sources = [kernels_cu.source(name) for name in (*self.prelude, self.source)]
+        return "\n".join([header + kernels_cu.common(), *sources])
 
     @property
     def options(self) -> tuple[str, ...]:

@@ -24,8 +24,6 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-import kernels_cu
-
 from . import _cuda
 from . import _torch_ops as torch_ops
 from ._arrays import ITEMSIZE, Operand, as_cupy, contiguous, cupy, empty_like, stream_handle
@@ -42,7 +40,7 @@ __all__ = [
     "relaunch_post", "zero_fill",
 ]  # fmt: skip
 
-CUDA_TYPES = {"bfloat16": "mhc_bf16", "float16": "mhc_fp16", "float32": "float"}
+CUDA_TYPES = _cuda.CUDA_TYPES
 CUDA_STREAMS = tuple(range(1, 9))  # n the CUDA kernels are compiled for (registers bound n)
 
 PRE_PARAMS = _cuda.ParamStruct(
@@ -604,16 +602,6 @@ def post_backward_cuda(
 # --------------------------------------------------------------------------- modules
 
 
-class _AfterForwardSpec(_cuda.ModuleSpec):
-    """A module whose source is compiled after ``kernels_cu/mhc.cu``'s text (NVRTC gets no
-    include path here), so the backward kernels use the forward's conversions, PTX wrappers
-    and 8-element helpers as they are. The defines follow mhc.cu, never touching its names."""
-
-    @property
-    def code(self) -> str:
-        return kernels_cu.source("mhc") + "\n" + super().code
-
-
 @dataclass(frozen=True)
 class _Geometry:
     """The layout of one (x dtype, n) pre-backward module: ``BwdGeo`` in mhc_backward.cu."""
@@ -685,14 +673,16 @@ def pre_backward_module(dtype: str, n: int) -> _cuda.ModuleSpec:
     """The five pre-backward kernels of one x dtype and n, in launch order."""
     cuda_type = CUDA_TYPES[dtype]
     names = tuple(f"{kernel}<{cuda_type}, {n}>" for kernel in _PRE_BACKWARD_KERNELS)
-    return _AfterForwardSpec("mhc_backward", names, _geometry(dtype, n).defines)
+    # compiled after mhc.cu's text: the forward's PTX wrappers and 8-element helpers as they are
+    return _cuda.ModuleSpec("mhc_backward", names, _geometry(dtype, n).defines, prelude=("mhc",))
 
 
 def post_backward_module(dtype: str) -> _cuda.ModuleSpec:
     """The post-backward kernel of one dtype, for n = 1 .. 8 unrolled and for any n (0)."""
     cuda_type = CUDA_TYPES[dtype]
     names = tuple(f"mhc_post_bwd<{cuda_type}, {n}>" for n in range(9))
-    return _AfterForwardSpec("mhc_backward", names, (f"BWD_POST_THREADS={_POST_THREADS}",))
+    defines = (f"BWD_POST_THREADS={_POST_THREADS}",)
+    return _cuda.ModuleSpec("mhc_backward", names, defines, prelude=("mhc",))
 
 
 def module_specs() -> list[_cuda.ModuleSpec]:

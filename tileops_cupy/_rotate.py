@@ -25,7 +25,6 @@ from ._tables import RotaryTable
 
 __all__ = ["HeadRows", "Positions", "rotate", "ErrorFlag", "error_flag"]
 
-_CUDA_TYPES = {"float16": "half_t", "bfloat16": "bfloat16_t", "float32": "float"}
 SHIPPED_ROTARY_DIMS = (64, 128)  # compiled with rotary_dim as a constant; others use 0 (runtime)
 # Measured on an H200 (bf16/fp32, B8 S4096 H32 D128): 128 threads and 4 heads per thread
 # reach 95% of the copy ceiling; 256+ threads with 2 heads per thread lose up to 30%.
@@ -221,7 +220,7 @@ def module_spec(dtype: str, rotary_dim: int) -> _cuda.ModuleSpec:
     """The module holding every (layout, vector width) instantiation of one dtype and
     rotary_dim (0 = rotary_dim passed at run time)."""
     wide = 16 // ITEMSIZE[dtype]
-    cuda_type = _CUDA_TYPES[dtype]
+    cuda_type = _cuda.CUDA_TYPES[dtype]
     names = tuple(
         f"rope_rotate<{cuda_type}, {'true' if neox else 'false'}, {vec}, {rotary_dim}>"
         for neox in (True, False)
@@ -235,7 +234,7 @@ def _kernel(dtype: str, neox: bool, vec: int, rotary_dim: int) -> tuple[_cuda.Mo
     """(module, name expression) of one instantiation; rotary dims outside the shipped set
     use the run-time rotary_dim instantiation."""
     compiled_rotary_dim = rotary_dim if rotary_dim in SHIPPED_ROTARY_DIMS else 0
-    name = f"rope_rotate<{_CUDA_TYPES[dtype]}, {'true' if neox else 'false'}, {vec}, "
+    name = f"rope_rotate<{_cuda.CUDA_TYPES[dtype]}, {'true' if neox else 'false'}, {vec}, "
     return module_spec(dtype, compiled_rotary_dim), name + f"{compiled_rotary_dim}>"
 
 
@@ -244,7 +243,7 @@ def module_specs() -> list[_cuda.ModuleSpec]:
     the run-time one (0)."""
     return [
         module_spec(dtype, rotary_dim)
-        for dtype in _CUDA_TYPES
+        for dtype in _cuda.CUDA_TYPES
         for rotary_dim in (*SHIPPED_ROTARY_DIMS, 0)
     ]
 

@@ -1,0 +1,57 @@
+// What every kernel source shares, prepended to each by the loader (tileops_cupy._cuda):
+// integer shorthands, the 16-bit float types and their exact conversions.
+//
+// Header-free on purpose (no cuda_fp16.h / cuda_bf16.h): NVRTC then needs no toolkit
+// headers, and the conversions below are the exact PTX instructions those headers emit.
+// The Python side names these types in one map (tileops_cupy._cuda.CUDA_TYPES).
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef long long i64;
+
+// 16-bit float storage: the bits, nothing else (arithmetic is float32 everywhere).
+struct half_t {
+  u16 bits;
+};
+struct bfloat16_t {
+  u16 bits;
+};
+
+__device__ __forceinline__ float bf16_bits_to_float(u32 bits) { return __uint_as_float(bits << 16); }
+
+__device__ __forceinline__ u16 float_to_bf16_bits(float f) {
+  u16 r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));  // round to nearest even, sm_80+
+  return r;
+}
+
+__device__ __forceinline__ float fp16_bits_to_float(u16 h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+
+__device__ __forceinline__ u16 float_to_fp16_bits(float f) {
+  u16 r;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));  // round to nearest even
+  return r;
+}
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(half_t v) { return fp16_bits_to_float(v.bits); }
+__device__ __forceinline__ float to_float(bfloat16_t v) { return bf16_bits_to_float(v.bits); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ half_t from_float<half_t>(float v) {
+  return half_t{float_to_fp16_bits(v)};
+}
+template <>
+__device__ __forceinline__ bfloat16_t from_float<bfloat16_t>(float v) {
+  return bfloat16_t{float_to_bf16_bits(v)};
+}
