@@ -965,19 +965,6 @@ def test_gpu_out_of_range_device_positions_surface_at_the_next_call(rng, positio
     rope.check()
 
 
-@GPU
-def test_gpu_device_positions_need_max_position(rng):
-    require("cuda", "torch")
-    rope = RoPE(DEVICE_HEAD_DIM, NUM_HEADS, NUM_KV_HEADS)
-    q, k, q64, _ = _qk(rng, "cuda", 2, 1, "float32")
-    with pytest.raises(ValueError, match="max_position"):
-        rope.decode(q, k, _positions_tensor([1, 2], "int32"))
-    with pytest.raises(ValueError, match="max_position"):
-        rope.prefill(q, k, _positions_tensor([1, 2], "int64"))
-    torch.cuda.synchronize()
-    assert np.array_equal(to_float64(q).reshape(q64.shape), q64)
-
-
 def _call_error_cases():
     head_dim = DEVICE_HEAD_DIM
 
