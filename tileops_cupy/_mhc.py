@@ -256,7 +256,7 @@ class _PrePlan:
         return words, tuple(offsets)
 
 
-_plans: dict[tuple, _PrePlan] = {}
+_pre_plans: dict[tuple, _PrePlan] = {}
 _multiprocessors: dict[int, int] = {}
 _smem_raised: set[tuple[int, int]] = set()
 _lock = threading.Lock()
@@ -304,7 +304,7 @@ def plan_geometry(batch: int, width: int, resident_blocks: int) -> tuple[int, in
 
 def _pre_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan:
     key = (device, dtype, n, c_x, batch)
-    plan = _plans.get(key)
+    plan = _pre_plans.get(key)
     if plan is not None:
         return plan
     if n not in CUDA_STREAMS:
@@ -349,9 +349,9 @@ def _pre_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan
             k_blocks * piece_bytes // 4,
         ),
     )
-    if len(_plans) > 4096:  # shapes churn (e.g. growing prefill chunks): start over
-        _plans.clear()
-    _plans[key] = plan
+    if len(_pre_plans) > 4096:  # shapes churn (e.g. growing prefill chunks): start over
+        _pre_plans.clear()
+    _pre_plans[key] = plan
     return plan
 
 
@@ -720,7 +720,7 @@ class _PreBackwardPlan:
     scratch: tuple[int, ...]  # words: pieces, stats, coef, dh_pieces, per_token, phi_partial
 
 
-_plans: dict[tuple, _PreBackwardPlan] = {}
+_pre_backward_plans: dict[tuple, _PreBackwardPlan] = {}
 _attributes: dict[tuple[int, int], int] = {}
 
 
@@ -755,7 +755,7 @@ def _grad_owner(item: int, items: int, blocks: int) -> int:
 
 def _pre_backward_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PreBackwardPlan:
     key = (device, dtype, n, c_x, batch)
-    plan = _plans.get(key)
+    plan = _pre_backward_plans.get(key)
     if plan is not None:
         return plan
     geometry = _geometry(dtype, n)
@@ -821,7 +821,7 @@ def _pre_backward_plan(device: int, dtype: str, n: int, c_x: int, batch: int) ->
             chunks * slot_cap * n * geometry.c_grad * q,
         ),
     )
-    if len(_plans) > 4096:  # shapes churn (e.g. growing prefill chunks): start over
-        _plans.clear()
-    _plans[key] = plan
+    if len(_pre_backward_plans) > 4096:  # shapes churn (e.g. growing prefill chunks): start over
+        _pre_backward_plans.clear()
+    _pre_backward_plans[key] = plan
     return plan
