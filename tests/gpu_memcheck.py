@@ -1,0 +1,51 @@
+"""Every CUDA path once at small, awkward shapes, for ``compute-sanitizer --tool memcheck``
+(not collected by pytest): ``compute-sanitizer --tool memcheck python tests/gpu_memcheck.py``.
+Odd sizes, strided views, partial rotary, out-of-range device positions (clamped)."""
+
+import contextlib
+
+import torch
+
+from tileops_cupy.rope import (
+    RoPE,
+    RoPEBwdOp,
+    RoPEFwdOp,
+    RoPENeoxPositionIdsFwdOp,
+    YaRNFwdOp,
+    apply_rope,
+)
+from tileops_cupy.sequence_modeling import MHCPostBwdOp, MHCPostFwdOp, MHCPreBwdOp, MHCPreFwdOp
+
+torch.manual_seed(0)
+cuda = "cuda"
+for dtype in (torch.bfloat16, torch.float32):
+    x = torch.randn(2, 37, 3, 72, device=cuda, dtype=dtype)
+    RoPEFwdOp("interleaved", "2d")(x[:, :, :, :64])
+    RoPEBwdOp("neox", "1d")(torch.randn(1030, 48, device=cuda, dtype=dtype)[:, 2:])
+    YaRNFwdOp("2d", rotary_dim=32)(x)
+    ids = torch.tensor([0, 5, 4095, 9999, -3], device=cuda)  # two out of range: clamped
+    ids_op = RoPENeoxPositionIdsFwdOp(4096, rotary_dim=16)
+    ids_op(torch.randn(5, 3, 40, device=cuda, dtype=dtype), ids)
+    rope = RoPE(64, 4, 2, max_position=2048, rotary_dim=48)
+    qkv = torch.randn(3, 5, 8 * 64 + 1, device=cuda, dtype=dtype)[..., 1:]
+    q, k = qkv[..., : 4 * 64], qkv[..., 4 * 64 : 6 * 64]
+    rope.prefill(q, k, torch.tensor([0, 2000, 7], device=cuda))
+    rope.decode(q[:, :1], k[:, :1], torch.tensor([1, 2047, 3000], device=cuda, dtype=torch.int32))
+    rope.forward(q, k, positions=torch.randint(0, 4000, (3, 5), device=cuda))
+    apply_rope(q, k, rope, 11)
+    torch.cuda.synchronize()
+    for check in (ids_op.check, rope.check):
+        with contextlib.suppress(ValueError):
+            check()
+    for n, c_x, batch in ((4, 130, 3), (3, 64, 300), (1, 24, 1)):
+        phi = torch.randn(n * c_x, n * n + 2 * n, device=cuda) / 8
+        b = torch.randn(n * n + 2 * n, device=cuda)
+        xm = torch.randn(batch, n * c_x + 8, device=cuda, dtype=dtype)[:, 8:]
+        pre = MHCPreFwdOp(1.0, 0.9, 1.1, 20)
+        x_res, x_layer, h_post = pre(phi, xm, b)
+        MHCPostFwdOp()(x_layer, h_post, x_res)
+        upstream = (torch.randn_like(x_res), torch.randn_like(x_layer), torch.randn_like(h_post))
+        MHCPreBwdOp(1.0, 0.9, 1.1, 20)(phi, xm, b, *upstream)
+        MHCPostBwdOp()(x_layer, h_post, x_res, torch.randn_like(x_res))
+torch.cuda.synchronize()
+print("memcheck script done")
