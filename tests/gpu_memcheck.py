@@ -31,6 +31,8 @@ for dtype in (torch.bfloat16, torch.float32):
     q, k = qkv[..., : 4 * 64], qkv[..., 4 * 64 : 6 * 64]
     rope.prefill(q, k, torch.tensor([0, 2000, 7], device=cuda))
     rope.decode(q[:, :1], k[:, :1], torch.tensor([1, 2047, 3000], device=cuda, dtype=torch.int32))
+    with contextlib.suppress(ValueError):  # 3000 was clamped and flagged
+        rope.check()
     rope.forward(q, k, positions=torch.randint(0, 4000, (3, 5), device=cuda))
     apply_rope(q, k, rope, 11)
     torch.cuda.synchronize()
