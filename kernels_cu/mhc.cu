@@ -210,16 +210,19 @@ struct Dims {
   static constexpr int NC = N + N * N;     // per-token coefficients: h_pre, then M row-major
 };
 
-constexpr int TILE_ROWS = 128;  // tokens per mhc_project block: 4 warp rows of 32 tokens
-constexpr int BLOCK_K = 64;     // K elements per pipeline stage (4 mma k-steps)
-constexpr int STAGE_PITCH = BLOCK_K + 8;  // elements per smem row: 16 (or 32) bytes of padding
-                                          // puts the 8 rows of a fragment load in distinct banks
-constexpr int PROJECT_THREADS = 256;
-constexpr int APPLY_THREADS = 256;
-// counter words: [0], [1] fused: blocks past the two grid barriers,
-// [COUNTER_TILES + t] blocks of tile t finished (k_splits > 1)
-constexpr int COUNTER_TILES = 4;
-constexpr int STAGES = 3;  // cp.async pipeline depth of mhc_project
+// Launch geometry: defines from tileops_cupy._mhc (_GEOMETRY), which sizes the launches by
+// the same numbers.
+//   TILE_ROWS        tokens per mhc_project block: 4 warp rows of 32 tokens
+//   BLOCK_K          K elements per pipeline stage (4 mma k-steps)
+//   STAGE_PITCH      elements per smem row: BLOCK_K plus 16 (or 32) bytes of padding, which
+//                    puts the 8 rows of a fragment load in distinct banks
+//   STAGES           cp.async pipeline depth of mhc_project
+//   PROJECT_THREADS, APPLY_THREADS, POST_THREADS  threads per block of each kernel
+//   COUNTER_TILES    counter words: [0], [1] fused: blocks past the two grid barriers,
+//                    [COUNTER_TILES + t] blocks of tile t finished (k_splits > 1)
+static_assert(TILE_ROWS == 128 && PROJECT_THREADS == 256, "mhc_project's warp layout");
+static_assert(STAGE_PITCH == BLOCK_K + 8 && BLOCK_K % 16 == 0, "fragment loads");
+static_assert(COUNTER_TILES >= 2 && STAGES >= 2, "counters and pipeline");
 
 
 // ------------------------------------------------------------------ coefficients and mix
@@ -788,7 +791,7 @@ __global__ void __launch_bounds__(APPLY_THREADS) mhc_apply(const PreParams p) {
 
 // x_out[row, i*c_x + c] = h_post[row, i] * x_layer_out[row, c] + x_res[row, i*c_x + c]
 template <typename T>
-__global__ void __launch_bounds__(256) mhc_post(const PostParams p) {
+__global__ void __launch_bounds__(POST_THREADS) mhc_post(const PostParams p) {
   typedef typename Io<T>::elem E;
   const unsigned long long item = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
   if (item >= (unsigned long long)(p.batch * p.units)) return;

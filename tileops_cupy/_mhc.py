@@ -64,10 +64,19 @@ POST_PARAMS = _cuda.ParamStruct(
     ),
 )  # fmt: skip
 # Launch geometry fixed by the kernels (TILE_ROWS, BLOCK_K, STAGE_PITCH, thread counts).
-_TILE_ROWS, _BLOCK_K, _STAGE_PITCH, _STAGES = 128, 64, 72, 3
-_PROJECT_THREADS, _APPLY_THREADS, _POST_THREADS = 256, 256, 256
+_GEOMETRY = {
+    "TILE_ROWS": 128, "BLOCK_K": 64, "STAGE_PITCH": 72, "STAGES": 3, "PROJECT_THREADS": 256,
+    "APPLY_THREADS": 256, "POST_THREADS": 256, "COUNTER_TILES": 4,
+}  # fmt: skip
+_FORWARD_DEFINES = tuple(f"{name}={value}" for name, value in _GEOMETRY.items())
+_TILE_ROWS, _BLOCK_K, _STAGE_PITCH, _STAGES = (
+    _GEOMETRY[name] for name in ("TILE_ROWS", "BLOCK_K", "STAGE_PITCH", "STAGES")
+)
+_PROJECT_THREADS, _APPLY_THREADS, _POST_THREADS = (
+    _GEOMETRY[name] for name in ("PROJECT_THREADS", "APPLY_THREADS", "POST_THREADS")
+)
+_COUNTER_TILES = _GEOMETRY["COUNTER_TILES"]  # first per-tile counter word
 _MAX_FUSED_ROWS = 256  # batches this small: cooperative mhc_project, no mhc_apply launch
-_COUNTER_TILES = 4  # first per-tile counter word (COUNTER_TILES in mhc.cu)
 
 
 # Mirror PreBwdParams / PostBwdParams in kernels_cu/mhc_backward.cu, field by field.
@@ -218,12 +227,13 @@ def pre_module(dtype: str, n: int) -> _cuda.ModuleSpec:
         f"mhc_project<{cuda_type}, {n}>",
         f"mhc_apply<{cuda_type}, {n}>",
     )
-    return _cuda.ModuleSpec("mhc", names)
+    return _cuda.ModuleSpec("mhc", names, _FORWARD_DEFINES)
 
 
 def post_module() -> _cuda.ModuleSpec:
     """The post kernel for every dtype (small: one module)."""
-    return _cuda.ModuleSpec("mhc", tuple(f"mhc_post<{t}>" for t in CUDA_TYPES.values()))
+    names = tuple(f"mhc_post<{t}>" for t in CUDA_TYPES.values())
+    return _cuda.ModuleSpec("mhc", names, _FORWARD_DEFINES)
 
 
 def forward_module_specs() -> list[_cuda.ModuleSpec]:
@@ -674,14 +684,15 @@ def pre_backward_module(dtype: str, n: int) -> _cuda.ModuleSpec:
     cuda_type = CUDA_TYPES[dtype]
     names = tuple(f"{kernel}<{cuda_type}, {n}>" for kernel in _PRE_BACKWARD_KERNELS)
     # compiled after mhc.cu's text: the forward's PTX wrappers and 8-element helpers as they are
-    return _cuda.ModuleSpec("mhc_backward", names, _geometry(dtype, n).defines, prelude=("mhc",))
+    defines = (*_FORWARD_DEFINES, *_geometry(dtype, n).defines)
+    return _cuda.ModuleSpec("mhc_backward", names, defines, prelude=("mhc",))
 
 
 def post_backward_module(dtype: str) -> _cuda.ModuleSpec:
     """The post-backward kernel of one dtype, for n = 1 .. 8 unrolled and for any n (0)."""
     cuda_type = CUDA_TYPES[dtype]
     names = tuple(f"mhc_post_bwd<{cuda_type}, {n}>" for n in range(9))
-    defines = (f"BWD_POST_THREADS={_POST_THREADS}",)
+    defines = (*_FORWARD_DEFINES, f"BWD_POST_THREADS={_POST_THREADS}")
     return _cuda.ModuleSpec("mhc_backward", names, defines, prelude=("mhc",))
 
 
