@@ -64,7 +64,57 @@ X_DTYPES = tuple(_mhc.CUDA_TYPES)  # bfloat16, float16, float32
 # --------------------------------------------------------------------------- ops
 
 
-class MHCPreFwdOp:
+class _PreSettings:
+    """The constructor MHCPreFwdOp and MHCPreBwdOp share: the arguments validated, the
+    public attributes, the float32 gates the bodies use, and ``config`` (the op by value,
+    as its torch custom op carries it)."""
+
+    def __init__(
+        self,
+        alpha_pre: float,
+        alpha_post: float,
+        alpha_res: float,
+        sinkhorn_repeat: int,
+        sinkhorn_eps: float = 0.02,
+        *,
+        target: str | None = None,
+    ) -> None:
+        self.target = check_target(target)
+        alphas = {"alpha_pre": alpha_pre, "alpha_post": alpha_post, "alpha_res": alpha_res}
+        for name, value in alphas.items():
+            check_real(name, value)
+        if isinstance(sinkhorn_repeat, bool) or not isinstance(sinkhorn_repeat, (int, np.integer)):
+            raise TypeError(f"sinkhorn_repeat must be an int, got {type(sinkhorn_repeat).__name__}")
+        if sinkhorn_repeat < 0:
+            raise ValueError(f"sinkhorn_repeat must be >= 0, got {sinkhorn_repeat}")
+        check_real("sinkhorn_eps", sinkhorn_eps)
+        if sinkhorn_eps < 0:
+            raise ValueError(f"sinkhorn_eps must be >= 0, got {sinkhorn_eps}")
+        self.alpha_pre, self.alpha_post, self.alpha_res = alpha_pre, alpha_post, alpha_res
+        self.sinkhorn_repeat, self.sinkhorn_eps = int(sinkhorn_repeat), sinkhorn_eps
+        self._gates = SinkhornGates(
+            np.float32(alpha_pre),
+            np.float32(alpha_post),
+            np.float32(alpha_res),
+            int(sinkhorn_repeat),
+            np.float32(sinkhorn_eps),
+        )
+        self.config = (
+            float(alpha_pre), float(alpha_post), float(alpha_res), int(sinkhorn_repeat),
+            float(sinkhorn_eps), self.target or "",
+        )  # fmt: skip
+        self._relaunches: dict[tuple, Any] = {}  # torch layouts -> (launch, plan)
+        torch_ops.register_if_torch_imported()
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(alpha_pre={self.alpha_pre}, alpha_post={self.alpha_post}, "
+            f"alpha_res={self.alpha_res}, sinkhorn_repeat={self.sinkhorn_repeat}, "
+            f"sinkhorn_eps={self.sinkhorn_eps}, target={self.target!r})"
+        )
+
+
+class MHCPreFwdOp(_PreSettings):
     """The pre-layer half of mHC: reduce the ``n``-stream residual to the layer input.
 
     Args:
@@ -106,22 +156,6 @@ class MHCPreFwdOp:
         x_res, x_layer, h_post = op(phi, x, b)  # bf16 [16, 28672], bf16 [16, 7168], fp32 [16, 4]
     """
 
-    def __init__(
-        self,
-        alpha_pre: float,
-        alpha_post: float,
-        alpha_res: float,
-        sinkhorn_repeat: int,
-        sinkhorn_eps: float = 0.02,
-        *,
-        target: str | None = None,
-    ) -> None:
-        _init_pre_settings(
-            self, alpha_pre, alpha_post, alpha_res, sinkhorn_repeat, sinkhorn_eps, target
-        )
-        self._relaunches: dict[tuple, Any] = {}  # torch layouts -> (launch, plan)
-        torch_ops.register_if_torch_imported()
-
     def forward(self, phi: Array, x: Array, b: Array) -> tuple[Array, Array, Array]:
         """``(x_res, x_layer, h_post)`` for ``phi``, ``x`` and ``b``; see the class docstring."""
         layout = torch_ops.classify(phi, x, b)
@@ -155,13 +189,6 @@ class MHCPreFwdOp:
         return to_caller(x_res), to_caller(x_layer), to_caller(h_post)
 
     __call__ = forward
-
-    def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(alpha_pre={self.alpha_pre}, alpha_post={self.alpha_post}, "
-            f"alpha_res={self.alpha_res}, sinkhorn_repeat={self.sinkhorn_repeat}, "
-            f"sinkhorn_eps={self.sinkhorn_eps}, target={self.target!r})"
-        )
 
 
 class MHCPostFwdOp:
@@ -234,7 +261,7 @@ class MHCPostFwdOp:
         return f"{type(self).__name__}(target={self.target!r})"
 
 
-class MHCPreBwdOp:
+class MHCPreBwdOp(_PreSettings):
     """The gradient of :class:`MHCPreFwdOp` (SPEC section 8): from the upstream gradients of
     ``(x_res, x_layer, h_post)`` to those of ``phi``, ``x``, ``b`` and the three alphas.
 
@@ -278,21 +305,6 @@ class MHCPreBwdOp:
         >>> grad_phi.shape, grad_x.shape, grad_b.shape, grad_alpha.shape
         ((256, 24), (3, 256), (24,), (3,))
     """
-
-    def __init__(
-        self,
-        alpha_pre: float,
-        alpha_post: float,
-        alpha_res: float,
-        sinkhorn_repeat: int,
-        sinkhorn_eps: float = 0.02,
-        *,
-        target: str | None = None,
-    ) -> None:
-        _init_pre_settings(
-            self, alpha_pre, alpha_post, alpha_res, sinkhorn_repeat, sinkhorn_eps, target
-        )
-        torch_ops.register_if_torch_imported()
 
     def forward(
         self, phi: Array, x: Array, b: Array, grad_x_res: Array, grad_x_layer: Array,
@@ -339,7 +351,6 @@ class MHCPreBwdOp:
         return to_caller(grad_phi), to_caller(grad_x), to_caller(grad_b), to_caller(grad_alpha)
 
     __call__ = forward
-    __repr__ = MHCPreFwdOp.__repr__
 
 
 class MHCPostBwdOp:
@@ -434,44 +445,6 @@ def rebuilt_op(name: str, config: tuple) -> Any:
 
 
 # --------------------------------------------------------------------------- validation
-
-
-def _init_pre_settings(
-    op: MHCPreFwdOp | MHCPreBwdOp,
-    alpha_pre: float,
-    alpha_post: float,
-    alpha_res: float,
-    sinkhorn_repeat: int,
-    sinkhorn_eps: float,
-    target: str | None,
-) -> None:
-    """Validate the constructor arguments MHCPreFwdOp and MHCPreBwdOp share and set them on
-    ``op``: the public attributes, the float32 gates the bodies use and ``config``."""
-    op.target = check_target(target)
-    alphas = {"alpha_pre": alpha_pre, "alpha_post": alpha_post, "alpha_res": alpha_res}
-    for name, value in alphas.items():
-        check_real(name, value)
-    if isinstance(sinkhorn_repeat, bool) or not isinstance(sinkhorn_repeat, (int, np.integer)):
-        raise TypeError(f"sinkhorn_repeat must be an int, got {type(sinkhorn_repeat).__name__}")
-    if sinkhorn_repeat < 0:
-        raise ValueError(f"sinkhorn_repeat must be >= 0, got {sinkhorn_repeat}")
-    check_real("sinkhorn_eps", sinkhorn_eps)
-    if sinkhorn_eps < 0:
-        raise ValueError(f"sinkhorn_eps must be >= 0, got {sinkhorn_eps}")
-    op.alpha_pre, op.alpha_post, op.alpha_res = alpha_pre, alpha_post, alpha_res
-    op.sinkhorn_repeat, op.sinkhorn_eps = int(sinkhorn_repeat), sinkhorn_eps
-    op._gates = SinkhornGates(
-        np.float32(alpha_pre),
-        np.float32(alpha_post),
-        np.float32(alpha_res),
-        int(sinkhorn_repeat),
-        np.float32(sinkhorn_eps),
-    )
-    # the op by value, as its torch custom op carries it
-    op.config = (
-        float(alpha_pre), float(alpha_post), float(alpha_res), int(sinkhorn_repeat),
-        float(sinkhorn_eps), op.target or "",
-    )  # fmt: skip
 
 
 def streams_of(q: int) -> int:
