@@ -26,6 +26,17 @@ from ._validate import check_real
 __all__ = ["Standard", "Llama31", "YaRN", "LongRoPE", "Scheme", "scheme_args", "scheme_from_args"]
 
 
+def _check_numbers(scheme: Scheme) -> None:
+    """Every number field of ``scheme`` checked by its declared type (an int field takes
+    ints, a float field any real; both > 0 and finite) and stored in that type."""
+    for f in fields(scheme):
+        if f.type in ("int", "float"):
+            value = check_real(
+                f.name, getattr(scheme, f.name), integer=f.type == "int", positive=True
+            )
+            object.__setattr__(scheme, f.name, value)
+
+
 def _base_inv_freq(base: float, rotary_dim: int) -> np.ndarray:
     exponents = np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim
     return base**-exponents
@@ -38,7 +49,7 @@ class Standard:
     base: float = 10000.0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "base", check_real("base", self.base, positive=True))
+        _check_numbers(self)
 
     def inv_freq(self, rotary_dim: int) -> np.ndarray:
         return _base_inv_freq(self.base, rotary_dim)
@@ -59,12 +70,7 @@ class Llama31:
     original_max_position: int = 8192
 
     def __post_init__(self) -> None:
-        for name in ("base", "scale_factor", "low_freq_factor", "high_freq_factor"):
-            object.__setattr__(self, name, check_real(name, getattr(self, name), positive=True))
-        original = check_real(
-            "original_max_position", self.original_max_position, integer=True, positive=True
-        )
-        object.__setattr__(self, "original_max_position", original)
+        _check_numbers(self)
         if self.high_freq_factor <= self.low_freq_factor:
             raise ValueError(
                 "high_freq_factor must be greater than low_freq_factor, got "
@@ -105,12 +111,7 @@ class YaRN:
     attn_factor: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("base", "scale", "beta_fast", "beta_slow", "attn_factor"):
-            object.__setattr__(self, name, check_real(name, getattr(self, name), positive=True))
-        original = check_real(
-            "original_max_position", self.original_max_position, integer=True, positive=True
-        )
-        object.__setattr__(self, "original_max_position", original)
+        _check_numbers(self)
 
     def _correction_dim(self, rotations: float, rotary_dim: int) -> float:
         return (rotary_dim * math.log(self.original_max_position / (rotations * 2 * math.pi))) / (
@@ -147,11 +148,7 @@ class LongRoPE:
     original_max_position_embeddings: int = 4096
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "base", check_real("base", self.base, positive=True))
-        for name in ("max_position_embeddings", "original_max_position_embeddings"):
-            object.__setattr__(
-                self, name, check_real(name, getattr(self, name), integer=True, positive=True)
-            )
+        _check_numbers(self)
         if (
             self.max_position_embeddings > self.original_max_position_embeddings
             and self.original_max_position_embeddings <= 1
