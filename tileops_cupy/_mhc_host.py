@@ -14,11 +14,20 @@ in a fixed order, so the same inputs always give the same bits.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
 _BLOCK_FLOATS = 1 << 22  # float32 elements of x per row block (16 MB)
+
+
+def _row_blocks(batch: int, row_floats: int) -> Iterator[slice]:
+    """Slices of at most ``_BLOCK_FLOATS / row_floats`` rows covering ``[0, batch)``: the
+    float32 temporaries of a block stay a few MB whatever the batch."""
+    step = max(1, _BLOCK_FLOATS // max(row_floats, 1))
+    for start in range(0, batch, step):
+        yield slice(start, min(batch, start + step))
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,16 +130,14 @@ def mhc_pre_host(
     c_x = width // n
     phi32 = phi.astype(np.float32, copy=False)
     bias32 = bias.astype(np.float32, copy=False)
-    step = max(1, _BLOCK_FLOATS // max(width, 1))
-    for start in range(0, batch, step):
-        stop = min(batch, start + step)
-        xb = x[start:stop].astype(np.float32)
+    for block in _row_blocks(batch, width):
+        xb = x[block].astype(np.float32)
         h_pre, post, matrix = coefficients(xb @ phi32, row_norms(xb), bias32, gates, n, width)
-        streams = xb.reshape(stop - start, n, c_x)
-        x_layer[start:stop] = np.matmul(h_pre[:, None, :], streams)[:, 0, :].astype(x_layer.dtype)
-        mixed = np.matmul(matrix, streams).reshape(stop - start, width)
-        x_res[start:stop] = mixed.astype(x_res.dtype)
-        h_post[start:stop] = post
+        streams = xb.reshape(-1, n, c_x)
+        x_layer[block] = np.matmul(h_pre[:, None, :], streams)[:, 0, :].astype(x_layer.dtype)
+        mixed = np.matmul(matrix, streams).reshape(-1, width)
+        x_res[block] = mixed.astype(x_res.dtype)
+        h_post[block] = post
 
 
 def mhc_post_host(
@@ -139,14 +146,12 @@ def mhc_post_host(
     """``x_out[b, i*c_x + c] = h_post[b, i] * x_layer_out[b, c] + x_res[b, i*c_x + c]``."""
     batch, c_x = x_layer_out.shape
     n = h_post.shape[1]
-    step = max(1, _BLOCK_FLOATS // max(n * c_x, 1))
-    for start in range(0, batch, step):
-        stop = min(batch, start + step)
-        layer = x_layer_out[start:stop].astype(np.float32)
-        gates = h_post[start:stop].astype(np.float32)
-        residual = x_res[start:stop].astype(np.float32).reshape(stop - start, n, c_x)
+    for block in _row_blocks(batch, n * c_x):
+        layer = x_layer_out[block].astype(np.float32)
+        gates = h_post[block].astype(np.float32)
+        residual = x_res[block].astype(np.float32).reshape(-1, n, c_x)
         mixed = gates[:, :, None] * layer[:, None, :] + residual
-        x_out[start:stop] = mixed.reshape(stop - start, n * c_x).astype(x_out.dtype)
+        x_out[block] = mixed.reshape(-1, n * c_x).astype(x_out.dtype)
 
 
 def mhc_pre_backward_host(
@@ -180,12 +185,10 @@ def mhc_pre_backward_host(
     # float32 temporaries per row: x, the upstream and partial x gradients, h-sized vectors
     # and every Sinkhorn step's result
     row_floats = 5 * width + 6 * q + 2 * gates.sinkhorn_repeat * n * n
-    step = max(1, _BLOCK_FLOATS // row_floats)
-    for start in range(0, batch, step):
-        stop = min(batch, start + step)
-        rows = stop - start
+    for block in _row_blocks(batch, row_floats):
+        rows = block.stop - block.start
         # the forward again, keeping what the chain rule needs
-        xb = x[start:stop].astype(np.float32)
+        xb = x[block].astype(np.float32)
         h = xb @ phi32
         norm = row_norms(xb)
         rms, pre, post, res = logits(h, norm, bias32, gates, n, width)
@@ -195,9 +198,9 @@ def mhc_pre_backward_host(
         trace: list = []
         matrix = sinkhorn(shifted, gates, trace)
         streams = xb.reshape(rows, n, c_x)
-        up_res = grad_x_res[start:stop].astype(np.float32).reshape(rows, n, c_x)
-        up_layer = grad_x_layer[start:stop].astype(np.float32)
-        up_post = grad_h_post[start:stop].astype(np.float32)
+        up_res = grad_x_res[block].astype(np.float32).reshape(rows, n, c_x)
+        up_layer = grad_x_layer[block].astype(np.float32)
+        up_post = grad_h_post[block].astype(np.float32)
         # x_res = M @ streams and x_layer = h_pre @ streams
         grad_streams = np.matmul(matrix.transpose(0, 2, 1), up_res)
         grad_streams += h_pre[:, :, None] * up_layer[:, None, :]
@@ -225,7 +228,7 @@ def mhc_pre_backward_host(
         unit = xb / np.where(norm == 0, np.float32(1), norm)[:, None]  # d norm / dx (0 at 0)
         grad_xb = grad_streams.reshape(rows, width) + grad_h @ phi32.T
         grad_xb += grad_norm[:, None] * unit
-        grad_x[start:stop] = grad_xb.astype(grad_x.dtype)
+        grad_x[block] = grad_xb.astype(grad_x.dtype)
         sum_phi += xb.T @ grad_h
         sum_b += grad_logit.sum(axis=0)
         per_alpha = (grad_logit * z).sum(axis=0)
@@ -248,13 +251,11 @@ def mhc_post_backward_host(
     ``x_out[b, i*c_x + c] = h_post[b, i] * x_layer_out[b, c] + x_res[b, i*c_x + c]``."""
     batch, c_x = x_layer_out.shape
     n = h_post.shape[1]
-    step = max(1, _BLOCK_FLOATS // max(n * c_x, 1))
-    for start in range(0, batch, step):
-        stop = min(batch, start + step)
-        layer = x_layer_out[start:stop].astype(np.float32)
-        gates = h_post[start:stop].astype(np.float32)
-        grad = grad_x_out[start:stop].astype(np.float32).reshape(stop - start, n, c_x)
+    for block in _row_blocks(batch, n * c_x):
+        layer = x_layer_out[block].astype(np.float32)
+        gates = h_post[block].astype(np.float32)
+        grad = grad_x_out[block].astype(np.float32).reshape(-1, n, c_x)
         grad_layer = np.matmul(gates[:, None, :], grad)[:, 0, :]
-        grad_x_layer_out[start:stop] = grad_layer.astype(grad_x_layer_out.dtype)
-        grad_h_post[start:stop] = np.matmul(grad, layer[:, :, None])[:, :, 0]
-        grad_x_res[start:stop] = grad_x_out[start:stop]
+        grad_x_layer_out[block] = grad_layer.astype(grad_x_layer_out.dtype)
+        grad_h_post[block] = np.matmul(grad, layer[:, :, None])[:, :, 0]
+        grad_x_res[block] = grad_x_out[block]
