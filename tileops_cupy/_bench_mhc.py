@@ -73,13 +73,18 @@ def _pre_row(ceiling: float, batch: int, n: int, c_x: int, with_compile: bool) -
     return row
 
 
-def _post_row(ceiling: float, batch: int, n: int, c_x: int, with_compile: bool) -> dict:
-    from .sequence_modeling import MHCPostFwdOp
-
+def _post_inputs(batch: int, n: int, c_x: int) -> tuple:
+    """(x_layer_out bf16, h_post float32 in (0, 2), x_res bf16) on the device."""
     torch = torch_module()
     layer = torch.randn(batch, c_x, device="cuda").bfloat16()
     gates = 2 * torch.rand(batch, n, device="cuda")
-    res = torch.randn(batch, n * c_x, device="cuda").bfloat16()
+    return layer, gates, torch.randn(batch, n * c_x, device="cuda").bfloat16()
+
+
+def _post_row(ceiling: float, batch: int, n: int, c_x: int, with_compile: bool) -> dict:
+    from .sequence_modeling import MHCPostFwdOp
+
+    layer, gates, res = _post_inputs(batch, n, c_x)
     op = MHCPostFwdOp()
     moved = layer.numel() * 2 + gates.numel() * 4 + 2 * res.numel() * 2
     row = measure_row(
@@ -162,9 +167,7 @@ def _post_backward_row(ceiling: float, batch: int, n: int, c_x: int, with_compil
     from .sequence_modeling import MHCPostBwdOp
 
     torch = torch_module()
-    layer = torch.randn(batch, c_x, device="cuda").bfloat16()
-    gates = 2 * torch.rand(batch, n, device="cuda")
-    res = torch.randn(batch, n * c_x, device="cuda").bfloat16()
+    layer, gates, res = _post_inputs(batch, n, c_x)
     grad_out = torch.randn(batch, n * c_x, device="cuda").bfloat16()
     op = MHCPostBwdOp()
     # read once: x_layer_out, h_post, grad_x_out; written once: their gradients, grad_x_res
