@@ -170,7 +170,8 @@ __device__ __forceinline__ float sigmoid(float z) { return 1.f / (1.f + expf(-z)
 
 // ------------------------------------------------------------------ parameters
 
-// One by-value parameter per launch (tileops_cupy.sequence_modeling._PRE_PARAMS mirrors it).
+// One by-value parameter per launch, declared by field name in tileops_cupy._mhc (PRE_PARAMS;
+// tests/test_nvrtc.py checks names and types against this declaration).
 struct PreParams {
   const void* x;          // [batch, n*c_x], rows x_stride elements apart, columns dense
   const float* phi;       // [n*c_x, Q] through (phi_stride_k, phi_stride_q)
@@ -188,7 +189,7 @@ struct PreParams {
   float alpha_pre, alpha_post, alpha_res, eps;
 };
 
-static_assert(sizeof(PreParams) == 176, "PreParams changed: update _PRE_PARAMS");
+static_assert(sizeof(PreParams) == 176, "PreParams changed: update _mhc.PRE_PARAMS");
 
 struct PostParams {
   const void* x_layer_out;  // [batch, c_x], rows layer_stride apart, columns dense
@@ -200,7 +201,7 @@ struct PostParams {
   int vector_io, unused;
 };
 
-static_assert(sizeof(PostParams) == 104, "PostParams changed: update _POST_PARAMS");
+static_assert(sizeof(PostParams) == 104, "PostParams changed: update _mhc.POST_PARAMS");
 
 template <int N>
 struct Dims {
@@ -605,7 +606,7 @@ __device__ __forceinline__ void grid_barrier(unsigned int* count) {
 // Grid: (batch tiles of 128 tokens) x k_splits blocks; block b takes tile b / k_splits and
 // K range [split * k_range, (split+1) * k_range), a multiple of BLOCK_K. Warp w: tokens
 // 32*(w%4) .. +32 (two mma m-tiles) and k-steps 2*(w/4), +1 of every 64-wide K block.
-// Shared memory (size as in sequence_modeling._pre_plan): STAGES x stages, then STAGES
+// Shared memory (size as in _mhc._pre_plan): STAGES x stages, then STAGES
 // B-fragment stages.
 template <typename T, int N>
 // Two blocks per multiprocessor where the registers allow (bf16 x, n <= 4): twice the

@@ -79,7 +79,7 @@ _COUNTER_TILES = _GEOMETRY["COUNTER_TILES"]  # first per-tile counter word
 _MAX_FUSED_ROWS = 256  # batches this small: cooperative mhc_project, no mhc_apply launch
 
 
-# Mirror PreBwdParams / PostBwdParams in kernels_cu/mhc_backward.cu, field by field.
+# PreBwdParams / PostBwdParams of kernels_cu/mhc_backward.cu, by field name (test_nvrtc checks).
 PRE_BWD_PARAMS = _cuda.ParamStruct(
     "PreBwdParams",
     (
