@@ -192,7 +192,7 @@ def bump_versions(*tensors: Any) -> None:
 def register_if_torch_imported() -> None:
     """Register now when torch is already imported (op constructors call this, so that a
     compiled function meets registered ops)."""
-    if not _registered and "torch" in sys.modules:
+    if not _registered and sys.modules.get("torch") is not None:
         ensure_registered()
 
 
