@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _compile import backends, compile_counting
 from _oracle import (
     SEQUENCE_OP_IDS,
     SEQUENCE_OPS,
@@ -555,25 +556,6 @@ def test_seed_ops_with_rotary_dim_gradcheck(rng, case, layout):
 # --------------------------------------------------------------------------- torch.compile
 
 
-class _Compiles:
-    """How many graphs a backend was handed (compiles and recompiles)."""
-
-    def __init__(self, backend: str) -> None:
-        self.backend, self.count, self.after_first_call = backend, 0, None
-
-    def __call__(self, graph, example_inputs):
-        self.count += 1
-        return torch._dynamo.lookup_backend(self.backend)(graph, example_inputs)
-
-    def first_call_done(self) -> None:
-        if self.after_first_call is None:
-            self.after_first_call = self.count
-
-    def assert_no_recompile(self) -> None:
-        recompiles = self.count - self.after_first_call
-        assert recompiles == 0, f"{self.backend}: {recompiles} recompiles"
-
-
 @pytest.mark.parametrize("place", PLACES)
 @pytest.mark.parametrize("layout", ("BT", "packed"))
 def test_forward_with_positions_compiles_without_recompiling(rng, layout, place):
@@ -586,18 +568,15 @@ def test_forward_with_positions_compiles_without_recompiling(rng, layout, place)
         rope.forward(q, k, positions=positions)
         return qkv
 
-    backends = ("aot_eager",) if place == "cpu" else ("aot_eager", "inductor")
-    for backend in backends:
-        torch._dynamo.reset()
-        counter = _Compiles(backend)
-        compiled = torch.compile(attention_inputs, fullgraph=True, dynamic=True, backend=counter)
+    for backend in backends(place):
+        compiled_inputs, counter = compile_counting(attention_inputs, dynamic=True, backend=backend)
         for seq in (5, 9, 7):  # new lengths: no recompile
             tokens = _token_shape(layout, seq=seq)
             x = _randn(rng, (*tokens, 8), place)
             w = _randn(rng, (8, width), place)
             positions, ids = _positions(rng, layout, place, "int32", seq=seq)
             with torch.no_grad():  # in place, through rope_qk_
-                actual = compiled(x, w, positions)
+                actual = compiled_inputs(x, w, positions)
             expected = attention_inputs(x, w, positions)
             torch.testing.assert_close(actual, expected)
             q64 = (x @ w).detach().double().cpu().numpy()[..., : HEADS * HEAD_DIM]
@@ -608,7 +587,8 @@ def test_forward_with_positions_compiles_without_recompiling(rng, layout, place)
 
             # under autograd: recorded, and the same gradients as eager
             w1, w2 = w.clone().requires_grad_(), w.clone().requires_grad_()
-            actual, expected = compiled(x, w1, positions), attention_inputs(x, w2, positions)
+            actual = compiled_inputs(x, w1, positions)
+            expected = attention_inputs(x, w2, positions)
             torch.testing.assert_close(actual, expected)
             grad = _randn(rng, actual.shape, place)
             actual.backward(grad)

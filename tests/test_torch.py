@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _compile import backends, compile_counting
 from _oracle import SEQUENCE_OP_IDS, SEQUENCE_OPS, random_position_ids
 
 from tileops_cupy.rope import (
@@ -228,46 +229,16 @@ def test_mhc_unused_outputs_take_zero_gradients(rng, place):
 # --------------------------------------------------------------------------- torch.compile
 
 
-class _Compiles:
-    """How many graphs a backend was handed (compiles and recompiles)."""
-
-    def __init__(self, backend: str) -> None:
-        self.backend, self.count, self.after_first_call = backend, 0, None
-
-    def __call__(self, graph, example_inputs):
-        self.count += 1
-        return torch._dynamo.lookup_backend(self.backend)(graph, example_inputs)
-
-    def first_call_done(self) -> None:
-        if self.after_first_call is None:
-            self.after_first_call = self.count
-
-    def assert_no_recompile(self) -> None:
-        recompiles = self.count - self.after_first_call
-        assert recompiles == 0, f"{self.backend}: {recompiles} recompiles"
-
-
-def _compiled(fn, dynamic=None, backend="aot_eager"):
-    """``fn`` compiled with fullgraph=True, and a counter of the graphs handed to backend."""
-    torch._dynamo.reset()
-    counter = _Compiles(backend)
-    return torch.compile(fn, fullgraph=True, dynamic=dynamic, backend=counter), counter
-
-
-def _backends(place):
-    return ("aot_eager",) if place == "cpu" else ("aot_eager", "inductor")
-
-
 @pytest.mark.parametrize("place", PLACES)
 @pytest.mark.parametrize("case", SEQUENCE_OPS, ids=SEQUENCE_OP_IDS)
 def test_seed_ops_compile_forward_and_backward(rng, case, place):
     fwd, _ = _seed_pair(rng, case, "2d")
-    for backend in _backends(place):
+    for backend in backends(place):
 
         def step(x):
             return (fwd(x) * 3).sin()
 
-        compiled, counter = _compiled(step, dynamic=True, backend=backend)
+        compiled, counter = compile_counting(step, dynamic=True, backend=backend)
         for seq in (19, 33, 7):  # new sequence lengths: no recompile
             x = _randn(rng, (2, seq, 3, 16), place, requires_grad=True)
             x_eager = x.detach().requires_grad_()
@@ -284,8 +255,10 @@ def test_seed_ops_compile_forward_and_backward(rng, case, place):
 @pytest.mark.parametrize("place", PLACES)
 def test_position_ids_op_compiles(rng, place):
     op = RoPENeoxPositionIdsFwdOp(max_position=4096, rotary_dim=8)
-    for backend in _backends(place):
-        compiled, counter = _compiled(lambda x, ids: op(x, ids) + 1, dynamic=True, backend=backend)
+    for backend in backends(place):
+        compiled, counter = compile_counting(
+            lambda x, ids: op(x, ids) + 1, dynamic=True, backend=backend
+        )
         for tokens in (9, 40, 17):
             x = _randn(rng, (tokens, 2, HEAD_DIM), place)
             ids = torch.from_numpy(random_position_ids(rng, tokens, 4096, np.int64)).to(place)
@@ -306,8 +279,8 @@ def test_component_compiles_in_place_and_with_autograd(rng, place):
     def loss(x, w):
         return attention_inputs(x @ w, 3).square().sum()
 
-    for backend in _backends(place):
-        compiled, counter = _compiled(attention_inputs, dynamic=True, backend=backend)
+    for backend in backends(place):
+        compiled, counter = compile_counting(attention_inputs, dynamic=True, backend=backend)
         for seq in (3, 8, 5):
             positions = torch.tensor([5, 900], device=place)
             for position in (positions, 17 + seq):
@@ -321,7 +294,7 @@ def test_component_compiles_in_place_and_with_autograd(rng, place):
         # under autograd: the rotation is recorded, gradients match eager
         w = _randn(rng, (8, (HEADS + 2 * KV_HEADS) * HEAD_DIM), place, requires_grad=True)
         x = _randn(rng, (2, 5, 8), place)
-        compiled, _ = _compiled(loss, backend=backend)
+        compiled, _ = compile_counting(loss, backend=backend)
         compiled(x, w).backward()
         grad = w.grad.clone()
         w.grad = None
@@ -340,9 +313,9 @@ def test_component_decode_and_apply_rope_compile(rng, place):
     def rotate(q, k):
         return apply_rope(q, k, rope, 9)
 
-    for backend in _backends(place):
-        compiled_decode, _ = _compiled(decode, backend=backend)
-        compiled_rotate, _ = _compiled(rotate, backend=backend)
+    for backend in backends(place):
+        compiled_decode, _ = compile_counting(decode, backend=backend)
+        compiled_rotate, _ = compile_counting(rotate, backend=backend)
         q = _randn(rng, (3, 1, HEADS * HEAD_DIM), place)
         k = _randn(rng, (3, 1, KV_HEADS * HEAD_DIM), place)
         positions = torch.tensor([0, 4095, 77], device=place, dtype=torch.int32)
@@ -363,8 +336,8 @@ def test_mhc_ops_compile(rng, place):
         x_res, x_layer, h_post = pre(phi, x, b)
         return post(torch.tanh(x_layer), h_post, x_res)
 
-    for backend in _backends(place):
-        compiled, counter = _compiled(block, dynamic=True, backend=backend)
+    for backend in backends(place):
+        compiled, counter = compile_counting(block, dynamic=True, backend=backend)
         for batch in (3, 6, 9):
             phi, x, b = _mhc_inputs(rng, place, batch=batch)
             torch.testing.assert_close(compiled(phi, x, b), block(phi, x, b))
