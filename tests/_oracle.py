@@ -343,38 +343,42 @@ def _standard(layout: str, base: float):
     return make
 
 
+# The scheme parameters the seed-op cases (and the serving tests) use.
+LLAMA31_PARAMS = dict(
+    base=500000.0,
+    scale_factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position=8192,
+)
+YARN_PARAMS = dict(
+    base=10000.0,
+    scale=16.0,
+    original_max_position=4096,
+    beta_fast=32.0,
+    beta_slow=1.0,
+    attn_factor=0.9,
+)
+LONGROPE_PARAMS = dict(
+    base=10000.0, max_position_embeddings=16384, original_max_position_embeddings=4096
+)
+
+
 def _llama31(direction, input_layout, head_dim, rng, **extra):
-    params = dict(
-        base=500000.0,
-        scale_factor=8.0,
-        low_freq_factor=1.0,
-        high_freq_factor=4.0,
-        original_max_position=8192,
-    )
-    op = _op_class("RoPELlama31", direction)(input_layout, **params, **extra)
-    return op, llama31_frequencies(head_dim, **params), True
+    op = _op_class("RoPELlama31", direction)(input_layout, **LLAMA31_PARAMS, **extra)
+    return op, llama31_frequencies(head_dim, **LLAMA31_PARAMS), True
 
 
 def _yarn(direction, input_layout, head_dim, rng, **extra):
-    params = dict(
-        base=10000.0,
-        scale=16.0,
-        original_max_position=4096,
-        beta_fast=32.0,
-        beta_slow=1.0,
-        attn_factor=0.9,
-    )
-    op = _op_class("YaRN", direction)(input_layout, **params, **extra)
-    return op, yarn_frequencies(head_dim, **params), True
+    op = _op_class("YaRN", direction)(input_layout, **YARN_PARAMS, **extra)
+    return op, yarn_frequencies(head_dim, **YARN_PARAMS), True
 
 
 def _longrope(direction, input_layout, head_dim, rng, **extra):
     factors = rng.uniform(1.0, 8.0, head_dim // 2)
-    params = dict(
-        base=10000.0, max_position_embeddings=16384, original_max_position_embeddings=4096
-    )
-    op = _op_class("LongRoPE", direction)(input_layout, rescale_factors=factors, **params, **extra)
-    return op, longrope_frequencies(head_dim, rescale_factors=factors, **params), True
+    op_class = _op_class("LongRoPE", direction)
+    op = op_class(input_layout, rescale_factors=factors, **LONGROPE_PARAMS, **extra)
+    return op, longrope_frequencies(head_dim, rescale_factors=factors, **LONGROPE_PARAMS), True
 
 
 SEQUENCE_OPS = (

@@ -21,8 +21,11 @@ import pytest
 import torch
 from _compile import backends, compile_counting
 from _oracle import (
+    LLAMA31_PARAMS,
+    LONGROPE_PARAMS,
     SEQUENCE_OP_IDS,
     SEQUENCE_OPS,
+    YARN_PARAMS,
     assert_matches_oracle,
     llama31_frequencies,
     longrope_frequencies,
@@ -61,22 +64,6 @@ SCHEME_CASES = {
     "yarn-partial": ("yarn", 16, "neox"),
     "longrope-partial": ("longrope", 16, "neox"),
 }
-_LLAMA31 = dict(
-    base=500000.0,
-    scale_factor=8.0,
-    low_freq_factor=1.0,
-    high_freq_factor=4.0,
-    original_max_position=8192,
-)
-_YARN = dict(
-    base=10000.0,
-    scale=16.0,
-    original_max_position=4096,
-    beta_fast=32.0,
-    beta_slow=1.0,
-    attn_factor=0.9,
-)
-_LONGROPE = dict(base=10000.0, max_position_embeddings=16384, original_max_position_embeddings=4096)
 
 
 def _scheme(name: str, rotary_dim: int):
@@ -84,12 +71,12 @@ def _scheme(name: str, rotary_dim: int):
     if name == "standard":
         return Standard(500.0), standard_frequencies(rotary_dim, 500.0)
     if name == "llama31":
-        return Llama31(**_LLAMA31), llama31_frequencies(rotary_dim, **_LLAMA31)
+        return Llama31(**LLAMA31_PARAMS), llama31_frequencies(rotary_dim, **LLAMA31_PARAMS)
     if name == "yarn":
-        return YaRN(**_YARN), yarn_frequencies(rotary_dim, **_YARN)
+        return YaRN(**YARN_PARAMS), yarn_frequencies(rotary_dim, **YARN_PARAMS)
     factors = np.linspace(1.0, 7.0, rotary_dim // 2)[::-1]  # decreasing: order matters
-    scheme = LongRoPE(rescale_factors=factors, **_LONGROPE)
-    return scheme, longrope_frequencies(rotary_dim, rescale_factors=factors, **_LONGROPE)
+    scheme = LongRoPE(rescale_factors=factors, **LONGROPE_PARAMS)
+    return scheme, longrope_frequencies(rotary_dim, rescale_factors=factors, **LONGROPE_PARAMS)
 
 
 def _rope(case: str, max_position=None):
