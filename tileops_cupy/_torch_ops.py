@@ -205,35 +205,13 @@ def rope(config: tuple, x: Any, position_ids: Any) -> Any:
     return torch.ops.tileops_cupy.rope(x, position_ids, *config)
 
 
-def rope_qk(
-    config: tuple,
-    q: Any,
-    k: Any,
-    offsets: Any,
-    offset: Any,
-    positions: Any,
-    inverse: bool,
-    decode: bool,
-) -> Any:
+def rope_qk(config: tuple, *arguments: Any, in_place: bool = False) -> Any:
+    """The component's op on ``(q, k, offsets, offset, positions, inverse, decode)``: rotated
+    copies of q and k (``rope_qk``), or the rotation in place (``rope_qk_``)."""
     import torch
 
-    op = torch.ops.tileops_cupy.rope_qk
-    return op(q, k, offsets, offset, positions, inverse, decode, *config)
-
-
-def rope_qk_(
-    config: tuple,
-    q: Any,
-    k: Any,
-    offsets: Any,
-    offset: Any,
-    positions: Any,
-    inverse: bool,
-    decode: bool,
-) -> None:
-    import torch
-
-    torch.ops.tileops_cupy.rope_qk_(q, k, offsets, offset, positions, inverse, decode, *config)
+    op = torch.ops.tileops_cupy.rope_qk_ if in_place else torch.ops.tileops_cupy.rope_qk
+    return op(*arguments, *config)
 
 
 def mhc_pre(config: tuple, phi: Any, x: Any, b: Any) -> Any:

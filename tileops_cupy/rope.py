@@ -671,7 +671,8 @@ class RoPE:
             self._record_in_place(q, k, position, inverse, decode, ids)
         else:
             offsets, offset = _split_position(position)
-            torch_ops.rope_qk_(self.config, q, k, offsets, offset, ids, inverse, decode)
+            arguments = (q, k, offsets, offset, ids, inverse, decode)
+            torch_ops.rope_qk(self.config, *arguments, in_place=True)
 
     def _record_in_place(
         self, q: Any, k: Any, position: Any, inverse: bool, decode: bool, ids: Any = None
