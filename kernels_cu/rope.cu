@@ -115,24 +115,28 @@ __device__ __forceinline__ void rotate_chunk(int chunk, int pairs, const float2*
 // instead of thirty boxed scalars: that is most of the host cost of a decode-sized call).
 // The field order is mirrored by ROPE_PARAMS in tileops_cupy/_rotate.py.
 struct RopeParams {
-  // q: [batch, seq, q_heads, head_dim] through element strides (batch, seq, head)
+  // What a repeated call of one layout changes comes first, in one run, so that the host
+  // patches it with one write (tileops_cupy.rope RELAUNCH_*): the operands' addresses,
+  // the positions' addresses and the position offset.
+  // q: [batch, seq, q_heads, head_dim] read from q_in, written to q_out (may alias);
+  // k: the same with k_heads (0 when there is no k).
   const void* q_in;
   void* q_out;
-  long long q_in_stride[3];
-  long long q_out_stride[3];
-  // k: same layout with k_heads (0 when there is no k)
   const void* k_in;
   void* k_out;
-  long long k_in_stride[3];
-  long long k_out_stride[3];
   // positions: offset + offsets[b] + (ids[b*seq + s] or s), each bounded by position_limit
   const void* ids;
   const void* offsets;
+  long long position_offset;
+  // element strides (batch, seq, head) of each operand
+  long long q_in_stride[3];
+  long long q_out_stride[3];
+  long long k_in_stride[3];
+  long long k_out_stride[3];
   int* error_flag;
   // fine[lo][pair] = (cos, sin)(lo*inv); coarse[hi][pair] = a*(cos, sin)(hi*1024*inv)
   const float2* fine;
   const float2* coarse;
-  long long position_offset;
   long long position_limit;
   int q_heads;
   int k_heads;

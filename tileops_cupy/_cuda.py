@@ -205,10 +205,14 @@ class Launch:
         state = _thread_state
         buffer = state.params
         ctypes.memmove(state.address, self.params, len(self.params))
-        start = 0
-        for offset, packer, count in writers:
-            packer.pack_into(buffer, offset, *values[start : start + count])
-            start += count
+        if len(writers) == 1:  # the usual case: the fields that change form one run
+            offset, packer, _ = writers[0]
+            packer.pack_into(buffer, offset, *values)
+        else:
+            start = 0
+            for offset, packer, count in writers:
+                packer.pack_into(buffer, offset, *values[start : start + count])
+                start += count
         _launch_buffer(self, stream, state)
 
 
@@ -223,27 +227,46 @@ def launch(device: int, params: bytes, steps: tuple[Step, ...], stream: int) -> 
     return done
 
 
+class _Driver:
+    """The CUDA calls a launch makes, bound once (attribute chains through CuPy cost a
+    visible share of a decode-sized call)."""
+
+    get_device: Any = None
+
+    @classmethod
+    def bind(cls) -> None:
+        cp = cupy()
+        cls.get_device, cls.set_device = cp.cuda.runtime.getDevice, cp.cuda.runtime.setDevice
+        cls.free = cp.cuda.runtime.free
+        cls.launch, cls.launch_cooperative = (
+            cp.cuda.driver.launchKernel,
+            cp.cuda.driver.launchCooperativeKernel,
+        )
+
+
 def _launch_buffer(done: Launch, stream: int, state: _ThreadLaunchState) -> None:
     """Run ``done``'s steps with the parameters now in ``state``'s buffer."""
-    runtime = cupy().cuda.runtime
+    driver = _Driver
+    if driver.get_device is None:
+        driver.bind()
     device = done.device
-    previous = runtime.getDevice()
+    previous = driver.get_device()
     if device not in state.devices:
-        runtime.setDevice(device)
-        runtime.free(0)  # binds the device's primary context to this thread for the driver
+        driver.set_device(device)
+        driver.free(0)  # binds the device's primary context to this thread for the driver
         state.devices.add(device)
     elif previous != device:
-        runtime.setDevice(device)
+        driver.set_device(device)
     try:
-        driver, pointers = cupy().cuda.driver, state.pointers_address
+        pointers = state.pointers_address
         for cooperative, arguments in done.calls:
             if cooperative:
-                driver.launchCooperativeKernel(*arguments, stream, pointers)
+                driver.launch_cooperative(*arguments, stream, pointers)
             else:
-                driver.launchKernel(*arguments, stream, pointers, 0)
+                driver.launch(*arguments, stream, pointers, 0)
     finally:
         if previous != device:
-            runtime.setDevice(previous)
+            driver.set_device(previous)
 
 
 def compile_without_device(spec: ModuleSpec, arch: str) -> dict[str, str]:

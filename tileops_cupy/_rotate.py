@@ -34,12 +34,12 @@ _DEFINES = (f"HEADS_IN_FLIGHT={_HEADS_IN_FLIGHT}",)
 ROPE_PARAMS = _cuda.ParamStruct(
     "RopeParams",
     (
-        ("q_in", "P"), ("q_out", "P"), ("q_in_stride", "3q"), ("q_out_stride", "3q"),
-        ("k_in", "P"), ("k_out", "P"), ("k_in_stride", "3q"), ("k_out_stride", "3q"),
-        ("ids", "P"), ("offsets", "P"), ("error_flag", "P"), ("fine", "P"), ("coarse", "P"),
-        ("position_offset", "q"), ("position_limit", "q"),
-        ("q_heads", "i"), ("k_heads", "i"), ("batch", "i"), ("seq", "i"),
-        ("rotary_dim", "i"), ("tail_chunks", "i"), ("ids_is_int64", "i"),
+        ("q_in", "P"), ("q_out", "P"), ("k_in", "P"), ("k_out", "P"), ("ids", "P"),
+        ("offsets", "P"), ("position_offset", "q"),
+        ("q_in_stride", "3q"), ("q_out_stride", "3q"), ("k_in_stride", "3q"),
+        ("k_out_stride", "3q"), ("error_flag", "P"), ("fine", "P"), ("coarse", "P"),
+        ("position_limit", "q"), ("q_heads", "i"), ("k_heads", "i"), ("batch", "i"),
+        ("seq", "i"), ("rotary_dim", "i"), ("tail_chunks", "i"), ("ids_is_int64", "i"),
         ("offsets_is_int64", "i"), ("sin_sign", "f"),
     ),
 )  # fmt: skip

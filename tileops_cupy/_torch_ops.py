@@ -120,13 +120,17 @@ def classify(*args: Any) -> Any:
     grad = _grad_enabled()
     keys, pointers = [], []
     for arg in args:
-        if type(arg) is tensor:
+        kind = type(arg)
+        if kind is tensor:
             if grad and arg.requires_grad:
                 ensure_registered()
                 return DISPATCH
             pointer = arg.data_ptr()
             keys.append((arg.shape, arg.stride(), arg.dtype, arg.device, pointer & 15))
             pointers.append(pointer)
+        elif arg is None or kind is int:  # (isinstance on torch.Tensor is slow for these)
+            keys.append(None)
+            pointers.append(0)
         elif isinstance(arg, tensor):  # a subclass: FakeTensor, functional, Parameter...
             ensure_registered()
             return DISPATCH
@@ -178,6 +182,11 @@ def requires_grad(*tensors: Any) -> bool:
     if torch is None or not torch.is_grad_enabled():
         return False
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def bump_torch_versions(tensors: tuple) -> None:
+    """:func:`bump_versions` for tensors known to be plain torch tensors."""
+    _increment_version(tensors)
 
 
 def bump_versions(*tensors: Any) -> None:

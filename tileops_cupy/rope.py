@@ -77,7 +77,7 @@ __all__ = [
 ROPE_LAYOUTS = ("neox", "interleaved")
 # the fields a repeated call of one layout changes (see _torch_ops' fast direct calls)
 RELAUNCH_X = ROPE_PARAMS.field_writer("q_in", "q_out")
-RELAUNCH_IDS = ROPE_PARAMS.field_writer("q_in", "q_out", "ids")
+RELAUNCH_IDS = ROPE_PARAMS.field_writer("q_in", "q_out", "k_in", "k_out", "ids")
 RELAUNCH_QK = ROPE_PARAMS.field_writer(
     "q_in", "q_out", "k_in", "k_out", "ids", "offsets", "position_offset"
 )
@@ -422,7 +422,7 @@ class RoPENeoxPositionIdsFwdOp(_RotaryOp):
         if fast is not None:  # this layout was validated and planned by an earlier call
             result = torch_ops.new_contiguous(x)
             stream = torch_ops.current_stream(fast.device)
-            fast.relaunch(stream, RELAUNCH_IDS, x_ptr, result.data_ptr(), ids_ptr)
+            fast.relaunch(stream, RELAUNCH_IDS, x_ptr, result.data_ptr(), 0, 0, ids_ptr)
             return result
         source = check_float_operand(x, "x")
         if source.ndim != 3:
@@ -739,7 +739,7 @@ class RoPE:
                     torch_ops.current_stream(launch.device), RELAUNCH_QK, q_ptr, q_ptr, k_ptr,
                     k_ptr, ids_ptr, offsets_ptr, position if int_position else 0,
                 )  # fmt: skip
-                torch_ops.bump_versions(q, k)
+                torch_ops.bump_torch_versions((q,) if k is None else (q, k))
                 return
         launch = self._apply(q, k, position, inverse, decode, ids=ids)
         # torch q (and k) only; device positions or ints: host ones are uploaded per call
