@@ -30,7 +30,7 @@ def rope_rows(ceiling: float, with_compile: bool = True) -> list[dict]:
         ),
         "rope-bwd": lambda layout: (rope.RoPEBwdOp(layout, "2d"), rope.Standard()),
     }
-    shapes = [(8, 4096, 32, 128), (2, 2048, 32, 128)]
+    shapes = [(8, 4096, 32, 128), (1, 8192, 32, 128), (2, 2048, 32, 128)]
     cases = [("rope", layout, dt) for layout in ("neox", "interleaved") for dt in dtypes]
     cases += [(op, "neox", "bf16") for op in ("llama31", "yarn", "longrope", "rope-bwd")]
     for shape in shapes:

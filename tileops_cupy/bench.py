@@ -1,8 +1,9 @@
-"""Benchmark: ``python -m tileops_cupy.bench [--json] [--only rope|component|mhc|dispatch]``.
+"""Benchmark: ``python -m tileops_cupy.bench [--json] [--only rope|component|mhc|dispatch|peers]``.
 
 The method and the columns: ``_bench_harness``. Rows: ``_bench_rope`` (the seed ops),
 ``_bench_component`` (the in-place Q/K component), ``_bench_mhc`` (mHC pre/post and their
-backward), ``_bench_dispatch`` (host cost per call as a ratio to a torch launch).
+backward), ``_bench_dispatch`` (host cost per call as a ratio to a torch launch),
+``_bench_peers`` (TileOPs, Liger and FlashInfer beside us, when they import).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import sys
 from ._bench_harness import HEADER, copy_ceiling_gbs, format_row, torch_module
 from ._bench_rope import cold_start, rope_rows
 
+_GROUPS = ("rope", "component", "mhc", "dispatch", "peers")
+
 
 def _run(args: argparse.Namespace) -> tuple[float, list[dict], dict]:
     """Measure the rows ``args`` asks for, printing the table as they come."""
@@ -22,7 +25,7 @@ def _run(args: argparse.Namespace) -> tuple[float, list[dict], dict]:
     ceiling = copy_ceiling_gbs()
     print(f"device: {torch.cuda.get_device_name()}  copy ceiling: {ceiling:.0f} GB/s")
     print(HEADER, flush=True)
-    only = set(args.only or ("rope", "component", "mhc", "dispatch"))
+    only = set(args.only or _GROUPS)
     rows = []
     extra = {}
     if "rope" in only:
@@ -42,6 +45,10 @@ def _run(args: argparse.Namespace) -> tuple[float, list[dict], dict]:
         for row in dispatch_rows():
             print(format_row(row), flush=True)
             rows.append(row)
+    if "peers" in only:
+        from ._bench_peers import peer_rows
+
+        rows += peer_rows(ceiling)
     return ceiling, rows, extra
 
 
@@ -50,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--json", action="store_true", help="print the rows as JSON on stdout, the table on stderr"
     )
-    parser.add_argument("--only", choices=("rope", "component", "mhc", "dispatch"), action="append")
+    parser.add_argument("--only", choices=_GROUPS, action="append")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile columns")
     args = parser.parse_args(argv)
     # with --json, stdout carries the JSON alone (for a pipe); the table goes to stderr
