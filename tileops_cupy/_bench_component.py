@@ -88,4 +88,43 @@ def component_rows(ceiling: float, with_compile: bool = True) -> list[dict]:
         )
     )
     rope.check()
+    return rows + per_token_rows(ceiling)
+
+
+def per_token_rows(ceiling: float) -> list[dict]:
+    """Packed tokens q [N, 32*128], k [N, 8*128] at random per-token positions (device
+    tensor), rotated in place in one launch, for every scheme (they differ in the table
+    alone). Target: >= 85% of the copy ceiling (q+k bytes) at N >= 8192."""
+    from .rope import Llama31, LongRoPE, RoPE, Standard, YaRN
+
+    torch = torch_module()
+    q_heads, kv_heads, head_dim = 32, 8, 128
+    rows = []
+    schemes = {
+        "standard": Standard(),
+        "llama31": Llama31(),
+        "yarn": YaRN(),
+        "longrope": LongRoPE(max_position_embeddings=131072),
+    }
+    for tokens in (8192, 32768):
+        q = torch.randn(tokens, q_heads * head_dim, device="cuda").bfloat16()
+        k = torch.randn(tokens, kv_heads * head_dim, device="cuda").bfloat16()
+        positions = torch.randint(0, 32768, (tokens,), device="cuda")
+        for name, scheme in schemes.items():
+            if tokens == 8192 and name != "standard":
+                continue
+            rope = RoPE(head_dim, q_heads, kv_heads, scheme=scheme, max_position=1 << 16)
+            rows.append(
+                measure_row(
+                    f"component positions N{tokens} {q_heads}q/{kv_heads}kv D128 bf16 {name}",
+                    lambda rope=rope, q=q, k=k, positions=positions: rope.forward(
+                        q, k, positions=positions
+                    ),
+                    None,
+                    2 * (q.numel() + k.numel()) * 2 + positions.numel() * 8,
+                    ceiling,
+                    note="target >= 85%",
+                )
+            )
+            rope.check()
     return rows
