@@ -138,7 +138,16 @@ def mhc_pre(
     if place == "cpu":
         mhc_pre_host(phi.host, x.host, b.host, gates, x_res.host, x_layer.host, h_post.host)
         return None
-    return _pre_cuda(gates, phi, x, b, x_res, x_layer, h_post, stream_handle(phi))
+    if not x.last_dim_contiguous:
+        x = contiguous(x)
+    batch, width = x.shape
+    n = h_post.shape[1]
+    c_x = width // n
+    device = x.device
+    plan = _pre_plan(device, x.dtype, n, c_x, batch)
+    scratch = _scratch(x, plan)
+    params = pre_launch_params(gates, plan, x, phi, b, x_res, x_layer, h_post, scratch)
+    return _cuda.launch(device, params, plan.steps, stream_handle(phi)), plan
 
 
 def mhc_post(
@@ -167,17 +176,60 @@ def mhc_pre_backward(
     grad_alpha: Operand,
 ) -> None:
     """Fill the gradients (fresh contiguous arrays) from validated inputs with batch >= 1,
-    on ``place``."""
+    on ``place``: ``grad_phi [n*c_x, Q]`` (float32), ``grad_x [B, n*c_x]`` (x's dtype),
+    ``grad_b [Q]`` (float32) and ``grad_alpha [3]`` (float32: pre, post, res), the exact
+    gradient of mHC pre (SPEC section 8) for the upstream gradients ``grad_x_res``
+    ``[B, n*c_x]`` and ``grad_x_layer`` ``[B, c_x]`` (x's dtype) and ``grad_h_post``
+    ``[B, n]`` (float32). Reductions over the batch are deterministic."""
     if place == "cpu":
         mhc_pre_backward_host(
             phi.host, x.host, b.host, gates, grad_x_res.host, grad_x_layer.host,
             grad_h_post.host, grad_phi.host, grad_x.host, grad_b.host, grad_alpha.host,
         )  # fmt: skip
-    else:
-        pre_backward_cuda(
-            gates, phi, x, b, grad_x_res, grad_x_layer, grad_h_post, grad_phi, grad_x, grad_b,
-            grad_alpha, stream_handle(phi),
-        )  # fmt: skip
+        return
+    x, grad_x_res, grad_x_layer = (
+        operand if operand.last_dim_contiguous else contiguous(operand)
+        for operand in (x, grad_x_res, grad_x_layer)
+    )
+    batch, width = x.shape
+    q = phi.shape[1]
+    n = math.isqrt(q + 1) - 1
+    c_x = width // n
+    device = x.device
+    streams = CUDA_STREAMS
+    if n not in streams:
+        raise ValueError(
+            f"the CUDA mHC kernels take n <= {streams[-1]} streams, got n = {n} "
+            "(phi width n*n+2n); run on the host (target='cpu' with host arrays) instead"
+        )
+    plan = _pre_backward_plan(device, x.dtype, n, c_x, batch)
+    segment, slots = sinkhorn_checkpoints(gates.sinkhorn_repeat, n)
+    words, offsets = scratch_sections((*plan.scratch, slots * n * n * batch))
+    base = empty_like(x, (words,), "float32").ptr
+    pieces, stats, coef, dh_pieces, per_token, phi_partial, sinkhorn = (
+        base + 4 * offset for offset in offsets
+    )
+    size = ITEMSIZE[x.dtype]
+    alignment = x.ptr | grad_x_res.ptr | grad_x_layer.ptr | grad_x.ptr
+    if batch > 1:
+        alignment |= (x.strides[0] | grad_x_res.strides[0] | grad_x_layer.strides[0]) * size
+    params = PRE_BWD_PARAMS.pack(
+        x=x.ptr, phi=phi.ptr, bias=b.ptr, grad_x_res=grad_x_res.ptr,
+        grad_x_layer=grad_x_layer.ptr, grad_h_post=grad_h_post.ptr, grad_phi=grad_phi.ptr,
+        grad_x=grad_x.ptr, grad_b=grad_b.ptr, grad_alpha=grad_alpha.ptr, pieces=pieces,
+        stats=stats, coef=coef, dh_pieces=dh_pieces, per_token=per_token, sinkhorn=sinkhorn,
+        phi_partial=phi_partial, x_stride=x.strides[0], gxr_stride=grad_x_res.strides[0],
+        gxl_stride=grad_x_layer.strides[0], ghp_stride_row=grad_h_post.strides[0],
+        ghp_stride_col=grad_h_post.strides[1], phi_stride_k=phi.strides[0],
+        phi_stride_q=phi.strides[1], bias_stride=b.strides[0], batch=batch, c_x=c_x,
+        c_range=plan.c_range, k_splits=plan.k_splits, grad_items=plan.grad_items,
+        grad_blocks=plan.grad_blocks, slot_cap=plan.slot_cap,
+        vector_io=c_x % (16 // size) == 0 and alignment % 16 == 0,
+        repeat=gates.sinkhorn_repeat, segment=segment, stages=plan.stages,
+        alpha_pre=gates.alpha_pre, alpha_post=gates.alpha_post, alpha_res=gates.alpha_res,
+        eps=gates.sinkhorn_eps,
+    )  # fmt: skip
+    _cuda.launch(device, params, plan.steps, stream_handle(phi))
 
 
 def mhc_post_backward(
@@ -241,6 +293,17 @@ def forward_module_specs() -> list[_cuda.ModuleSpec]:
     return [pre_module(dtype, n) for dtype in CUDA_TYPES for n in CUDA_STREAMS] + [post_module()]
 
 
+def scratch_sections(sizes: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
+    """(words, word offset of each section) of one float32 scratch buffer holding sections
+    of ``sizes`` words, each starting on 256 bytes (the kernels read scratch rows with
+    16-byte cp.async)."""
+    offsets, words = [], 0
+    for size in sizes:
+        offsets.append(words)
+        words += -(-size // _SCRATCH_ALIGN_WORDS) * _SCRATCH_ALIGN_WORDS
+    return words, tuple(offsets)
+
+
 @dataclass(frozen=True, slots=True)
 class _PrePlan:
     """Launch geometry of one (device, dtype, n, c_x, batch), computed once: phi's
@@ -257,13 +320,8 @@ class _PrePlan:
 
     @property
     def scratch_layout(self) -> tuple[int, tuple[int, ...]]:
-        """(words, word offset of each scratch section) in one buffer: 256-byte sections
-        (the fragment copies are 16-byte cp.async)."""
-        offsets, words = [], 0
-        for size in self.scratch:
-            offsets.append(words)
-            words += -(-size // _SCRATCH_ALIGN_WORDS) * _SCRATCH_ALIGN_WORDS
-        return words, tuple(offsets)
+        """(words, word offset of each scratch section) in one buffer."""
+        return scratch_sections(self.scratch)
 
 
 _pre_plans: dict[tuple, _PrePlan] = {}
@@ -441,28 +499,6 @@ def pre_launch_params(
     )  # fmt: skip
 
 
-def _pre_cuda(
-    gates: SinkhornGates,
-    phi: Operand,
-    x: Operand,
-    b: Operand,
-    x_res: Operand,
-    x_layer: Operand,
-    h_post: Operand,
-    stream: int,
-) -> tuple[_cuda.Launch, _PrePlan]:
-    if not x.last_dim_contiguous:
-        x = contiguous(x)
-    batch, width = x.shape
-    n = h_post.shape[1]
-    c_x = width // n
-    device = x.device
-    plan = _pre_plan(device, x.dtype, n, c_x, batch)
-    scratch = _scratch(x, plan)
-    params = pre_launch_params(gates, plan, x, phi, b, x_res, x_layer, h_post, scratch)
-    return _cuda.launch(device, params, plan.steps, stream), plan
-
-
 def post_launch_params(layer: Operand, gates: Operand, res: Operand, x_out: Operand) -> bytes:
     """PostParams (kernels_cu/mhc.cu) packed."""
     batch, c_x = layer.shape
@@ -499,74 +535,6 @@ def _post_cuda(
 
 
 # --------------------------------------------------------------------------- backward CUDA bodies
-
-
-def pre_backward_cuda(
-    gates: SinkhornGates,
-    phi: Operand,
-    x: Operand,
-    b: Operand,
-    grad_x_res: Operand,
-    grad_x_layer: Operand,
-    grad_h_post: Operand,
-    grad_phi: Operand,
-    grad_x: Operand,
-    grad_b: Operand,
-    grad_alpha: Operand,
-    stream: int,
-) -> None:
-    """Fill ``grad_phi [n*c_x, Q]`` (float32), ``grad_x [B, n*c_x]`` (x's dtype),
-    ``grad_b [Q]`` (float32) and ``grad_alpha [3]`` (float32: pre, post, res) with the
-    exact gradient of mHC pre (SPEC section 8) for the upstream gradients ``grad_x_res``
-    ``[B, n*c_x]`` and ``grad_x_layer`` ``[B, c_x]`` (x's dtype) and ``grad_h_post``
-    ``[B, n]`` (float32). Reductions over the batch are deterministic."""
-    x, grad_x_res, grad_x_layer = (
-        operand if operand.last_dim_contiguous else contiguous(operand)
-        for operand in (x, grad_x_res, grad_x_layer)
-    )
-    batch, width = x.shape
-    q = phi.shape[1]
-    n = math.isqrt(q + 1) - 1
-    c_x = width // n
-    device = x.device
-    streams = CUDA_STREAMS
-    if n not in streams:
-        raise ValueError(
-            f"the CUDA mHC kernels take n <= {streams[-1]} streams, got n = {n} "
-            "(phi width n*n+2n); run on the host (target='cpu' with host arrays) instead"
-        )
-    plan = _pre_backward_plan(device, x.dtype, n, c_x, batch)
-    segment, slots = sinkhorn_checkpoints(gates.sinkhorn_repeat, n)
-    sections = (*plan.scratch, slots * n * n * batch)
-    offsets, words = [], 0
-    for size in sections:
-        offsets.append(words)
-        words += -(-size // _SCRATCH_ALIGN_WORDS) * _SCRATCH_ALIGN_WORDS
-    base = empty_like(x, (words,), "float32").ptr
-    pieces, stats, coef, dh_pieces, per_token, phi_partial, sinkhorn = (
-        base + 4 * offset for offset in offsets
-    )
-    size = ITEMSIZE[x.dtype]
-    alignment = x.ptr | grad_x_res.ptr | grad_x_layer.ptr | grad_x.ptr
-    if batch > 1:
-        alignment |= (x.strides[0] | grad_x_res.strides[0] | grad_x_layer.strides[0]) * size
-    params = PRE_BWD_PARAMS.pack(
-        x=x.ptr, phi=phi.ptr, bias=b.ptr, grad_x_res=grad_x_res.ptr,
-        grad_x_layer=grad_x_layer.ptr, grad_h_post=grad_h_post.ptr, grad_phi=grad_phi.ptr,
-        grad_x=grad_x.ptr, grad_b=grad_b.ptr, grad_alpha=grad_alpha.ptr, pieces=pieces,
-        stats=stats, coef=coef, dh_pieces=dh_pieces, per_token=per_token, sinkhorn=sinkhorn,
-        phi_partial=phi_partial, x_stride=x.strides[0], gxr_stride=grad_x_res.strides[0],
-        gxl_stride=grad_x_layer.strides[0], ghp_stride_row=grad_h_post.strides[0],
-        ghp_stride_col=grad_h_post.strides[1], phi_stride_k=phi.strides[0],
-        phi_stride_q=phi.strides[1], bias_stride=b.strides[0], batch=batch, c_x=c_x,
-        c_range=plan.c_range, k_splits=plan.k_splits, grad_items=plan.grad_items,
-        grad_blocks=plan.grad_blocks, slot_cap=plan.slot_cap,
-        vector_io=c_x % (16 // size) == 0 and alignment % 16 == 0,
-        repeat=gates.sinkhorn_repeat, segment=segment, stages=plan.stages,
-        alpha_pre=gates.alpha_pre, alpha_post=gates.alpha_post, alpha_res=gates.alpha_res,
-        eps=gates.sinkhorn_eps,
-    )  # fmt: skip
-    _cuda.launch(device, params, plan.steps, stream)
 
 
 def post_backward_cuda(

@@ -267,7 +267,7 @@ def _rope_qk_impl(q, k, offsets, offset, positions, inverse, decode, *config):
     from .rope import component
 
     position = _position(offsets, offset)
-    q_out, k_out = component(config).rotated(q, k, position, inverse, decode, positions)
+    q_out, k_out = component(config).rotated(q, k, position, inverse, decode, ids=positions)
     return q_out, (q.new_empty(0) if k_out is None else k_out)
 
 
