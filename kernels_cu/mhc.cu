@@ -170,8 +170,9 @@ __device__ __forceinline__ float sigmoid(float z) { return 1.f / (1.f + expf(-z)
 
 // ------------------------------------------------------------------ parameters
 
-// One by-value parameter per launch, declared by field name in tileops_cupy._mhc (PRE_PARAMS;
-// tests/test_nvrtc.py checks names and types against this declaration).
+// One by-value parameter per launch. tileops_cupy reads the fields from this declaration
+// (_cuda.ParamStruct.declared) and packs them by name; the static_asserts pin the size its
+// packing must have (tests/test_nvrtc.py compares them).
 struct PreParams {
   const void* x;          // [batch, n*c_x], rows x_stride elements apart, columns dense
   const float* phi;       // [n*c_x, Q] through (phi_stride_k, phi_stride_q)
@@ -189,7 +190,7 @@ struct PreParams {
   float alpha_pre, alpha_post, alpha_res, eps;
 };
 
-static_assert(sizeof(PreParams) == 176, "PreParams changed: update _mhc.PRE_PARAMS");
+static_assert(sizeof(PreParams) == 176, "PreParams changed size: update this number");
 
 struct PostParams {
   const void* x_layer_out;  // [batch, c_x], rows layer_stride apart, columns dense
@@ -201,7 +202,7 @@ struct PostParams {
   int vector_io, unused;
 };
 
-static_assert(sizeof(PostParams) == 104, "PostParams changed: update _mhc.POST_PARAMS");
+static_assert(sizeof(PostParams) == 104, "PostParams changed size: update this number");
 
 template <int N>
 struct Dims {

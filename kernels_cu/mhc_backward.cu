@@ -89,8 +89,8 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* smem)
 // ================================================================== pre backward
 #ifdef BWD_N
 
-// One by-value parameter for every pre-backward kernel (tileops_cupy._mhc.PRE_BWD_PARAMS
-// declares the same fields in the same order).
+// One by-value parameter for every pre-backward kernel (tileops_cupy reads its fields from
+// here, as mhc.cu's PreParams).
 struct PreBwdParams {
   const void* x;             // [batch, n*c_x], rows x_stride elements apart, columns dense
   const float* phi;          // [n*c_x, Q] through (phi_stride_k, phi_stride_q)
@@ -117,7 +117,7 @@ struct PreBwdParams {
   float alpha_pre, alpha_post, alpha_res, eps;
 };
 
-static_assert(sizeof(PreBwdParams) == 288, "PreBwdParams changed: update PRE_BWD_PARAMS");
+static_assert(sizeof(PreBwdParams) == 288, "PreBwdParams changed size: update this number");
 
 constexpr int BWD_BLOCK = BWD_THREADS;  // threads of mhc_bwd_pieces, _stats and _grad
 
@@ -1025,7 +1025,7 @@ __global__ void __launch_bounds__(BWD_REDUCE_THREADS) mhc_bwd_reduce(const PreBw
 // ================================================================== post backward
 #ifdef BWD_POST_THREADS  // the post module (tileops_cupy._mhc.post_backward_module)
 
-// One by-value parameter of mhc_post_bwd (tileops_cupy._mhc.POST_BWD_PARAMS mirrors it).
+// One by-value parameter of mhc_post_bwd (tileops_cupy reads its fields from here).
 struct PostBwdParams {
   const void* x_layer_out;  // [batch, c_x], rows layer_stride apart, columns dense
   const float* h_post;      // [batch, n] through (h_stride_row, h_stride_col)
@@ -1038,7 +1038,7 @@ struct PostBwdParams {
   int vector_io, unused;
 };
 
-static_assert(sizeof(PostBwdParams) == 120, "PostBwdParams changed: update POST_BWD_PARAMS");
+static_assert(sizeof(PostBwdParams) == 120, "PostBwdParams changed size: update this number");
 
 // The first `count` (< 8) elements of r, element by element (rows not 16-byte aligned).
 template <typename T>

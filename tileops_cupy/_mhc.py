@@ -43,26 +43,11 @@ __all__ = [
 CUDA_TYPES = _cuda.CUDA_TYPES
 CUDA_STREAMS = tuple(range(1, 9))  # n the CUDA kernels are compiled for (registers bound n)
 
-PRE_PARAMS = _cuda.ParamStruct(
-    "PreParams",
-    (
-        ("x", "P"), ("phi", "P"), ("bias", "P"), ("partial", "P"), ("counter", "P"),
-        ("coef", "P"), ("pieces", "P"), ("x_res", "P"), ("x_layer", "P"), ("h_post", "P"),
-        ("x_stride", "q"), ("phi_stride_k", "q"), ("phi_stride_q", "q"), ("bias_stride", "q"),
-        ("batch", "q"), ("c_x", "q"), ("k_range", "q"), ("k_splits", "q"),
-        ("vector_io", "i"), ("fuse", "i"), ("repeat", "i"), ("unused", "i"),
-        ("alpha_pre", "f"), ("alpha_post", "f"), ("alpha_res", "f"), ("eps", "f"),
-    ),
-)  # fmt: skip
-POST_PARAMS = _cuda.ParamStruct(
-    "PostParams",
-    (
-        ("x_layer_out", "P"), ("h_post", "P"), ("x_res", "P"), ("out", "P"),
-        ("layer_stride", "q"), ("h_stride_row", "q"), ("h_stride_col", "q"), ("res_stride", "q"),
-        ("batch", "q"), ("n", "q"), ("c_x", "q"), ("units", "q"),
-        ("vector_io", "i"), ("unused", "i"),
-    ),
-)  # fmt: skip
+# the kernels' argument structs, fields as their .cu files declare them (packed by name)
+PRE_PARAMS = _cuda.ParamStruct.declared("mhc", "PreParams")
+POST_PARAMS = _cuda.ParamStruct.declared("mhc", "PostParams")
+PRE_BWD_PARAMS = _cuda.ParamStruct.declared("mhc_backward", "PreBwdParams")
+POST_BWD_PARAMS = _cuda.ParamStruct.declared("mhc_backward", "PostBwdParams")
 # Launch geometry fixed by the kernels (TILE_ROWS, BLOCK_K, STAGE_PITCH, thread counts).
 _GEOMETRY = {
     "TILE_ROWS": 128, "BLOCK_K": 64, "STAGE_PITCH": 72, "STAGES": 3, "PROJECT_THREADS": 256,
@@ -78,33 +63,6 @@ _PROJECT_THREADS, _APPLY_THREADS, _POST_THREADS = (
 _COUNTER_TILES = _GEOMETRY["COUNTER_TILES"]  # first per-tile counter word
 _MAX_FUSED_ROWS = 256  # batches this small: cooperative mhc_project, no mhc_apply launch
 
-
-# PreBwdParams / PostBwdParams of kernels_cu/mhc_backward.cu, by field name (test_nvrtc checks).
-PRE_BWD_PARAMS = _cuda.ParamStruct(
-    "PreBwdParams",
-    (
-        ("x", "P"), ("phi", "P"), ("bias", "P"), ("grad_x_res", "P"), ("grad_x_layer", "P"),
-        ("grad_h_post", "P"), ("grad_phi", "P"), ("grad_x", "P"), ("grad_b", "P"),
-        ("grad_alpha", "P"), ("pieces", "P"), ("stats", "P"), ("coef", "P"),
-        ("dh_pieces", "P"), ("per_token", "P"), ("sinkhorn", "P"), ("phi_partial", "P"),
-        ("x_stride", "q"), ("gxr_stride", "q"), ("gxl_stride", "q"), ("ghp_stride_row", "q"),
-        ("ghp_stride_col", "q"), ("phi_stride_k", "q"), ("phi_stride_q", "q"),
-        ("bias_stride", "q"), ("batch", "q"), ("c_x", "q"), ("c_range", "q"),
-        ("k_splits", "q"), ("grad_items", "q"), ("grad_blocks", "q"), ("slot_cap", "q"),
-        ("vector_io", "i"), ("repeat", "i"), ("segment", "i"), ("stages", "i"),
-        ("alpha_pre", "f"), ("alpha_post", "f"), ("alpha_res", "f"), ("eps", "f"),
-    ),
-)  # fmt: skip
-POST_BWD_PARAMS = _cuda.ParamStruct(
-    "PostBwdParams",
-    (
-        ("x_layer_out", "P"), ("h_post", "P"), ("grad_x_out", "P"), ("grad_x_layer_out", "P"),
-        ("grad_h_post", "P"), ("grad_x_res", "P"),
-        ("layer_stride", "q"), ("h_stride_row", "q"), ("h_stride_col", "q"),
-        ("grad_stride", "q"), ("batch", "q"), ("n", "q"), ("c_x", "q"), ("units", "q"),
-        ("vector_io", "i"), ("unused", "i"),
-    ),
-)  # fmt: skip
 
 # Launch geometry: NVRTC gets these as the BWD_* defines (one source of truth), and
 # mhc_backward.cu asserts the stage sizes it derives against the ones _geometry computes.
