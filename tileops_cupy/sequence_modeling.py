@@ -288,6 +288,8 @@ class MHCPreBwdOp(_PreSettings):
         ValueError: whatever :class:`MHCPreFwdOp` refuses; an upstream gradient whose
             ndim, shape or dtype is not that of the forward output it belongs to.
         TypeError: an argument that is not an array.
+        RuntimeError: a backward through this op's outputs (a second-order gradient of
+            :class:`MHCPreFwdOp`, after ``create_graph=True``): it is once differentiable.
 
     Example (host, runs anywhere)::
 
@@ -371,6 +373,8 @@ class MHCPostBwdOp:
         ValueError: whatever :class:`MHCPostFwdOp` refuses; a ``grad_x_out`` whose ndim,
             shape or dtype is not that of ``x_res``.
         TypeError: an argument that is not an array.
+        RuntimeError: a backward through this op's outputs (a second-order gradient of
+            :class:`MHCPostFwdOp`): it is once differentiable.
 
     Example (host, runs anywhere)::
 
