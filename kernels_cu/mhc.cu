@@ -470,7 +470,7 @@ __device__ __forceinline__ void apply_unit(const PreParams& p, i64 row, i64 c0, 
 // into Io<T>::x_pieces exact bf16 pieces: a0 (g, k), a1 (g+8, k), a2 (g, k+8), a3 (g+8, k+8).
 // SUMSQ: adds the squares of its 8 elements to sumsq[0] (token g) and sumsq[1] (token g+8).
 // The projection here and the backward's first pass (mhc_backward.cu) share it.
-template <typename T, int PITCH = STAGE_PITCH, bool SUMSQ = true>
+template <typename T, int PITCH, bool SUMSQ>
 __device__ __forceinline__ void x_fragment(const typename Io<T>::elem* stage, int row, int col,
                                            u32 (&a)[Io<T>::x_pieces][4], float (&sumsq)[2]) {
   constexpr int XP = Io<T>::x_pieces;

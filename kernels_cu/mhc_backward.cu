@@ -1,9 +1,9 @@
 // mHC backward (SPEC section 8): the exact gradients of mhc.cu's pre and post.
 //
 // Compiled after mhc.cu's text (tileops_cupy._mhc prepends it: NVRTC gets no include path
-// here), so these kernels use the forward's conversions (Io, split_bf16, x_fragment), PTX wrappers
-// (cp.async, mma.sync, streaming loads and stores) and 8-element helpers (Raw8, unpack8,
-// store8, load_raw8) as they are. The geometry defines (BWD_*) follow mhc.cu in the module
+// here), so these kernels use the forward's conversions (Io, split_bf16), PTX wrappers
+// (cp.async, mma.sync, streaming loads and stores), 8-element helpers (Raw8, unpack8,
+// store8, load_raw8) and tensor-core pieces (build_piece_slot, mma_x_phi) as they are. The geometry defines (BWD_*) follow mhc.cu in the module
 // text, so they never touch the forward's names.
 //
 // Pre backward, five kernels per call (one module per x dtype and n):
@@ -275,7 +275,6 @@ __device__ __forceinline__ void stage_rows(const PreBwdParams& p, unsigned char*
     }
   }
 }
-
 
 // Grid: (tiles of 128 tokens) x k_splits; block b takes tile b / k_splits and columns
 // [split*c_range, (split+1)*c_range) of every stream, c_range a multiple of CS. Warps as
