@@ -170,8 +170,9 @@ __device__ __forceinline__ float sigmoid(float z) { return 1.f / (1.f + expf(-z)
 
 // ------------------------------------------------------------------ parameters
 
-// One by-value parameter per launch, declared by field name in tileops_cupy._mhc (PRE_PARAMS;
-// tests/test_nvrtc.py checks names and types against this declaration).
+// One by-value parameter per launch. tileops_cupy reads the fields from this declaration
+// (_cuda.ParamStruct.declared) and packs them by name; the static_asserts pin the size its
+// packing must have (tests/test_nvrtc.py compares them).
 struct PreParams {
   const void* x;          // [batch, n*c_x], rows x_stride elements apart, columns dense
   const float* phi;       // [n*c_x, Q] through (phi_stride_k, phi_stride_q)
@@ -189,7 +190,7 @@ struct PreParams {
   float alpha_pre, alpha_post, alpha_res, eps;
 };
 
-static_assert(sizeof(PreParams) == 176, "PreParams changed: update _mhc.PRE_PARAMS");
+static_assert(sizeof(PreParams) == 176, "PreParams changed size: update this number");
 
 struct PostParams {
   const void* x_layer_out;  // [batch, c_x], rows layer_stride apart, columns dense
@@ -201,7 +202,7 @@ struct PostParams {
   int vector_io, unused;
 };
 
-static_assert(sizeof(PostParams) == 104, "PostParams changed: update _mhc.POST_PARAMS");
+static_assert(sizeof(PostParams) == 104, "PostParams changed size: update this number");
 
 template <int N>
 struct Dims {
@@ -465,21 +466,25 @@ __device__ __forceinline__ void apply_unit(const PreParams& p, i64 row, i64 c0, 
 
 // ------------------------------------------------------------------ projection
 
-// A fragment (16 tokens x 16 K, row-major) of x, split into bf16 pieces; adds the squares of
-// its 8 elements to sumsq[0] (token g) and sumsq[1] (token g+8).
-template <typename T>
+// The 16x16 A fragment at (row, col) of a row-major tile of x (PITCH elements a row), split
+// into Io<T>::x_pieces exact bf16 pieces: a0 (g, k), a1 (g+8, k), a2 (g, k+8), a3 (g+8, k+8).
+// SUMSQ: adds the squares of its 8 elements to sumsq[0] (token g) and sumsq[1] (token g+8).
+// The projection here and the backward's first pass (mhc_backward.cu) share it.
+template <typename T, int PITCH, bool SUMSQ>
 __device__ __forceinline__ void x_fragment(const typename Io<T>::elem* stage, int row, int col,
                                            u32 (&a)[Io<T>::x_pieces][4], float (&sumsq)[2]) {
   constexpr int XP = Io<T>::x_pieces;
 #pragma unroll
-  for (int r = 0; r < 4; ++r) {  // a0: (g, k), a1: (g+8, k), a2: (g, k+8), a3: (g+8, k+8)
-    const typename Io<T>::elem* src = stage + (row + (r & 1) * 8) * STAGE_PITCH + col + (r >> 1) * 8;
-    float f0, f1;
+  for (int r = 0; r < 4; ++r) {
+    const typename Io<T>::elem* src = stage + (row + (r & 1) * 8) * PITCH + col + (r >> 1) * 8;
+    float f0 = 0.f, f1 = 0.f;
     if constexpr (XP == 1) {
       const u32 w = *(const u32*)src;
       a[0][r] = w;
-      f0 = bf16_bits_to_float(w & 0xffffu);
-      f1 = bf16_bits_to_float(w >> 16);
+      if constexpr (SUMSQ) {
+        f0 = bf16_bits_to_float(w & 0xffffu);
+        f1 = bf16_bits_to_float(w >> 16);
+      }
     } else {
       if constexpr (sizeof(typename Io<T>::elem) == 2) {
         const u32 w = *(const u32*)src;
@@ -496,32 +501,64 @@ __device__ __forceinline__ void x_fragment(const typename Io<T>::elem* stage, in
 #pragma unroll
       for (int i = 0; i < XP; ++i) a[i][r] = p0[i] | (p1[i] << 16);
     }
-    sumsq[r & 1] = fmaf(f0, f0, sumsq[r & 1]);
-    sumsq[r & 1] = fmaf(f1, f1, sumsq[r & 1]);
+    if constexpr (SUMSQ) {
+      sumsq[r & 1] = fmaf(f0, f0, sumsq[r & 1]);
+      sumsq[r & 1] = fmaf(f1, f1, sumsq[r & 1]);
+    }
   }
 }
 
-// The B fragments of one K block, each phi value split into three bf16 pieces, from
-// phi_at(kk, q) (kk within the block; 0 outside phi). Slot = (kstep, n-tile, lane, half): two
-// consecutive K rows of one h column; NT slots per thread. Layout: [kstep 4][n-tile NT]
-// [piece 3][lane 32] x (b0, b1), one 8-byte load per mma.
+// acc[mt][nt] += (x @ phi) of k-step ks for two m-tiles of 16 tokens (rows row, row + 16 of
+// the x tile; the thread's column pair 2*tg) on the bf16 tensor cores: x's pieces times phi's
+// three pieces (frag: build_piece_slot's layout), leaving out the products below float32's
+// precision (xp + piece > 2). SUMSQ: x_fragment's squares into sumsq[mt]. The projection here
+// and the backward's first pass share it.
+template <typename T, int NT, int PITCH, bool SUMSQ>
+__device__ __forceinline__ void mma_x_phi(const typename Io<T>::elem* stage, const U2* frag, int row, int ks,
+                                          int tg, int lane, float (&acc)[2][NT][4], float (&sumsq)[2][2]) {
+  constexpr int XP = Io<T>::x_pieces;
+  u32 a[2][XP][4];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+    x_fragment<T, PITCH, SUMSQ>(stage, row + mt * 16, ks * 16 + 2 * tg, a[mt], sumsq[mt]);
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int piece = 0; piece < 3; ++piece) {
+      const U2 bw = frag[((ks * NT + nt) * 3 + piece) * 32 + lane];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int xp = 0; xp < XP; ++xp)
+          if (xp + piece <= 2) mma_bf16_16816(acc[mt][nt], a[mt][xp], bw);
+    }
+  }
+}
+
+// One slot of B fragments, each phi value split into three bf16 pieces, from phi_at(kk, q)
+// (kk within the K block; 0 outside phi). Slot = (kstep, n-tile, lane, half): two consecutive
+// K rows of one h column. Layout: [kstep][n-tile NT][piece 3][lane 32] x (b0, b1), one 8-byte
+// load per mma. The backward's mhc_bwd_pieces builds its fragments with it too.
+template <int NT, typename PhiAt>
+__device__ __forceinline__ void build_piece_slot(u32* pieces, int slot, PhiAt phi_at) {
+  const int half = slot & 1, lane = (slot >> 1) & 31, rest = slot >> 6;
+  const int nt = rest % NT, ks = rest / NT;
+  const int q = nt * 8 + (lane >> 2);
+  const int kk = ks * 16 + half * 8 + 2 * (lane & 3);
+  u32 lo[3], hi[3];
+  split_bf16<3>(phi_at(kk, q), lo);
+  split_bf16<3>(phi_at(kk + 1, q), hi);
+#pragma unroll
+  for (int piece = 0; piece < 3; ++piece)
+    pieces[(((ks * NT + nt) * 3 + piece) * 32 + lane) * 2 + half] = lo[piece] | (hi[piece] << 16);
+}
+
+// The B fragments of one K block (4 k-steps): NT slots per thread.
 template <int N, typename PhiAt>
 __device__ __forceinline__ void build_pieces(u32* pieces, PhiAt phi_at) {
   constexpr int NT = Dims<N>::NT;
 #pragma unroll
-  for (int i = 0; i < NT; ++i) {
-    const int slot = i * PROJECT_THREADS + threadIdx.x;
-    const int half = slot & 1, lane = (slot >> 1) & 31, rest = slot >> 6;
-    const int nt = rest % NT, ks = rest / NT;
-    const int q = nt * 8 + (lane >> 2);
-    const int kk = ks * 16 + half * 8 + 2 * (lane & 3);
-    u32 lo[3], hi[3];
-    split_bf16<3>(phi_at(kk, q), lo);
-    split_bf16<3>(phi_at(kk + 1, q), hi);
-#pragma unroll
-    for (int piece = 0; piece < 3; ++piece)
-      pieces[(((ks * NT + nt) * 3 + piece) * 32 + lane) * 2 + half] = lo[piece] | (hi[piece] << 16);
-  }
+  for (int i = 0; i < NT; ++i) build_piece_slot<NT>(pieces, i * PROJECT_THREADS + threadIdx.x, phi_at);
 }
 
 template <int N>
@@ -615,7 +652,6 @@ __global__ void __launch_bounds__(PROJECT_THREADS, N <= 4 && Io<T>::x_pieces == 
     mhc_project(const PreParams p) {
   typedef typename Io<T>::elem E;
   constexpr int Q = Dims<N>::Q, QP = Dims<N>::QP, NT = Dims<N>::NT, NC = Dims<N>::NC;
-  constexpr int XP = Io<T>::x_pieces;
   constexpr int X_STAGE = TILE_ROWS * STAGE_PITCH;  // elements
   constexpr int X_BYTES = STAGES * X_STAGE * (int)sizeof(E);
   constexpr int PIECES = piece_words<N>();          // u32 words
@@ -671,22 +707,7 @@ __global__ void __launch_bounds__(PROJECT_THREADS, N <= 4 && Io<T>::x_pieces == 
 #pragma unroll
     for (int kq = 0; kq < 2; ++kq) {
       const int ks = k_half * 2 + kq;
-      u32 a[2][XP][4];
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-        x_fragment<T>(stage, row_group * 32 + mt * 16 + g, ks * 16 + 2 * tg, a[mt], sumsq[mt]);
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-        for (int piece = 0; piece < 3; ++piece) {
-          const U2 bw = frag[((ks * NT + nt) * 3 + piece) * 32 + lane];
-#pragma unroll
-          for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-            for (int xp = 0; xp < XP; ++xp)
-              if (xp + piece <= 2) mma_bf16_16816(acc[mt][nt], a[mt][xp], bw);
-        }
-      }
+      mma_x_phi<T, NT, STAGE_PITCH, true>(stage, frag, row_group * 32 + g, ks, tg, lane, acc, sumsq);
     }
   }
 

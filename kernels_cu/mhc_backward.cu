@@ -2,8 +2,8 @@
 //
 // Compiled after mhc.cu's text (tileops_cupy._mhc prepends it: NVRTC gets no include path
 // here), so these kernels use the forward's conversions (Io, split_bf16), PTX wrappers
-// (cp.async, mma.sync, streaming loads and stores) and 8-element helpers (Raw8, unpack8,
-// store8, load_raw8) as they are. The geometry defines (BWD_*) follow mhc.cu in the module
+// (cp.async, mma.sync, streaming loads and stores), 8-element helpers (Raw8, unpack8,
+// store8, load_raw8) and tensor-core pieces (build_piece_slot, mma_x_phi) as they are. The geometry defines (BWD_*) follow mhc.cu in the module
 // text, so they never touch the forward's names.
 //
 // Pre backward, five kernels per call (one module per x dtype and n):
@@ -89,8 +89,8 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* smem)
 // ================================================================== pre backward
 #ifdef BWD_N
 
-// One by-value parameter for every pre-backward kernel (tileops_cupy._mhc.PRE_BWD_PARAMS
-// declares the same fields in the same order).
+// One by-value parameter for every pre-backward kernel (tileops_cupy reads its fields from
+// here, as mhc.cu's PreParams).
 struct PreBwdParams {
   const void* x;             // [batch, n*c_x], rows x_stride elements apart, columns dense
   const float* phi;          // [n*c_x, Q] through (phi_stride_k, phi_stride_q)
@@ -117,7 +117,7 @@ struct PreBwdParams {
   float alpha_pre, alpha_post, alpha_res, eps;
 };
 
-static_assert(sizeof(PreBwdParams) == 288, "PreBwdParams changed: update PRE_BWD_PARAMS");
+static_assert(sizeof(PreBwdParams) == 288, "PreBwdParams changed size: update this number");
 
 constexpr int BWD_BLOCK = BWD_THREADS;  // threads of mhc_bwd_pieces, _stats and _grad
 
@@ -183,36 +183,6 @@ struct BwdGeo {
   static_assert(CS % VEC == 0 && CS % 2 == 0 && CG % 16 == 0 && CG % VEC == 0, "widths");
 };
 
-// The 16x16 A fragment at (row, col) of a row-major tile of x (PITCH elements a row), in XP
-// exact bf16 pieces: a0 (g, k), a1 (g+8, k), a2 (g, k+8), a3 (g+8, k+8).
-template <typename T, int XP, int PITCH>
-__device__ __forceinline__ void x_fragment_pieces(const typename Io<T>::elem* stage, int row, int col,
-                                                  u32 (&a)[XP][4]) {
-#pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    const typename Io<T>::elem* src = stage + (row + (r & 1) * 8) * PITCH + col + (r >> 1) * 8;
-    if constexpr (Io<T>::x_pieces == 1) {
-      a[0][r] = *(const u32*)src;
-    } else {
-      float f0, f1;
-      if constexpr (sizeof(typename Io<T>::elem) == 2) {
-        const u32 w = *(const u32*)src;
-        f0 = Io<T>::to_float((u16)(w & 0xffffu));
-        f1 = Io<T>::to_float((u16)(w >> 16));
-      } else {
-        const U2 w = *(const U2*)src;
-        f0 = __uint_as_float(w.x);
-        f1 = __uint_as_float(w.y);
-      }
-      u32 p0[XP], p1[XP];
-      split_bf16<XP>(f0, p0);
-      split_bf16<XP>(f1, p1);
-#pragma unroll
-      for (int i = 0; i < XP; ++i) a[i][r] = p0[i] | (p1[i] << 16);
-    }
-  }
-}
-
 // ------------------------------------------------------------------ phi fragments
 
 // Block b: the B fragments of h = x @ phi for stats column block b (columns b*CS .. of every
@@ -230,21 +200,81 @@ __global__ void __launch_bounds__(BWD_BLOCK) mhc_bwd_pieces(const PreBwdParams p
     if (k >= N || c >= p.c_x || q >= Q) return 0.f;
     return p.phi[(k * p.c_x + c) * p.phi_stride_k + q * p.phi_stride_q];
   };
-  for (int slot = threadIdx.x; slot < G::KS * NT * 64; slot += BWD_BLOCK) {
-    const int half = slot & 1, lane = (slot >> 1) & 31, rest = slot >> 6;
-    const int nt = rest % NT, ks = rest / NT;
-    const int q = nt * 8 + (lane >> 2);
-    const int pos = ks * 16 + half * 8 + 2 * (lane & 3);
-    u32 lo[3], hi[3];
-    split_bf16<3>(phi_at(pos, q), lo);
-    split_bf16<3>(phi_at(pos + 1, q), hi);
-#pragma unroll
-    for (int piece = 0; piece < 3; ++piece)
-      dst[(((ks * NT + nt) * 3 + piece) * 32 + lane) * 2 + half] = lo[piece] | (hi[piece] << 16);
-  }
+  for (int slot = threadIdx.x; slot < G::KS * NT * 64; slot += BWD_BLOCK)
+    build_piece_slot<NT>(dst, slot, phi_at);
 }
 
 // ------------------------------------------------------------------ first pass
+
+// The kernel's dynamic shared memory (16-byte aligned): its cp.async stages, then the
+// buffers its epilogue reuses them for.
+__device__ __forceinline__ unsigned char* dynamic_smem_bytes() {
+  extern __shared__ U4 dynamic_smem[];
+  return (unsigned char*)dynamic_smem;
+}
+
+// The first sections of a stage of the two passes: rows row0 .. row0+TILE of x, then of
+// grad_x_res (columns c0 .. c0+W of every stream k, at k*W in a row of XPITCH elements),
+// then of grad_x_layer (columns c0 .. c0+W, rows LPITCH apart), zeros at columns >= c_end, so
+// the padded products vanish. Rows past the batch: zeros too, or (KEEP_ROWS) left as they
+// are, for a kernel that zeroed its shared memory once at its start.
+template <typename T, int N, int TILE, int W, int XPITCH, int LPITCH, bool KEEP_ROWS>
+__device__ __forceinline__ void stage_rows(const PreBwdParams& p, unsigned char* stage, i64 row0,
+                                           i64 c0, i64 c_end) {
+  typedef typename Io<T>::elem E;
+  constexpr int VEC = 16 / (int)sizeof(E);
+  constexpr int X_BYTES = TILE * XPITCH * (int)sizeof(E);
+  E* xs = (E*)stage;
+  E* gs = (E*)(stage + X_BYTES);
+  E* ls = (E*)(stage + 2 * X_BYTES);
+  const int tid = threadIdx.x;
+  const E* x = (const E*)p.x;
+  const E* gxr = (const E*)p.grad_x_res;
+  const E* gxl = (const E*)p.grad_x_layer;
+  if (p.vector_io) {  // 16-byte copies: each lies wholly inside or outside [c0, c_end)
+    constexpr int SEGS = W / VEC;
+    for (int i = tid; i < TILE * N * SEGS; i += BWD_BLOCK) {
+      const int r = i / (N * SEGS), rest = i - r * (N * SEGS);
+      const int k = rest / SEGS, seg = rest - k * SEGS;
+      const i64 row = row0 + r, c = c0 + seg * VEC;
+      if (KEEP_ROWS && row >= p.batch) continue;
+      const int at = r * XPITCH + k * W + seg * VEC;
+      if (row < p.batch && c < c_end) {
+        cp_async16(xs + at, x + row * p.x_stride + k * p.c_x + c);
+        cp_async16(gs + at, gxr + row * p.gxr_stride + k * p.c_x + c);
+      } else {
+        *(U4*)(xs + at) = U4{0u, 0u, 0u, 0u};
+        *(U4*)(gs + at) = U4{0u, 0u, 0u, 0u};
+      }
+    }
+    for (int i = tid; i < TILE * SEGS; i += BWD_BLOCK) {
+      const int r = i / SEGS, seg = i - r * SEGS;
+      const i64 row = row0 + r, c = c0 + seg * VEC;
+      if (KEEP_ROWS && row >= p.batch) continue;
+      E* dst = ls + r * LPITCH + seg * VEC;
+      if (row < p.batch && c < c_end)
+        cp_async16(dst, gxl + row * p.gxl_stride + c);
+      else
+        *(U4*)dst = U4{0u, 0u, 0u, 0u};
+    }
+  } else {  // rows not 16-byte aligned: element by element
+    for (int i = tid; i < TILE * N * W; i += BWD_BLOCK) {
+      const int r = i / (N * W), rest = i - r * (N * W);
+      const int k = rest / W, j = rest - k * W;
+      const i64 row = row0 + r, c = c0 + j;
+      if (KEEP_ROWS && row >= p.batch) continue;
+      const bool inside = row < p.batch && c < c_end;
+      xs[r * XPITCH + k * W + j] = inside ? x[row * p.x_stride + k * p.c_x + c] : E{};
+      gs[r * XPITCH + k * W + j] = inside ? gxr[row * p.gxr_stride + k * p.c_x + c] : E{};
+    }
+    for (int i = tid; i < TILE * W; i += BWD_BLOCK) {
+      const int r = i / W, j = i - r * W;
+      const i64 row = row0 + r, c = c0 + j;
+      if (KEEP_ROWS && row >= p.batch) continue;
+      ls[r * LPITCH + j] = row < p.batch && c < c_end ? gxl[row * p.gxl_stride + c] : E{};
+    }
+  }
+}
 
 // Grid: (tiles of 128 tokens) x k_splits; block b takes tile b / k_splits and columns
 // [split*c_range, (split+1)*c_range) of every stream, c_range a multiple of CS. Warps as
@@ -255,10 +285,9 @@ template <typename T, int N>
 __global__ void __launch_bounds__(BWD_BLOCK, 1) mhc_bwd_stats(const PreBwdParams p) {
   typedef BwdGeo<T, N> G;
   typedef typename G::E E;
-  constexpr int Q = G::Q, NT = G::NT, KS = G::KS, CS = G::CS, XP = G::XP, HC = G::HC;
+  constexpr int Q = G::Q, NT = G::NT, KS = G::KS, CS = G::CS, HC = G::HC;
   constexpr int NN = G::NN, W = G::W, PW = G::PW, TILE = G::TILE, VEC = G::VEC;
-  extern __shared__ U4 dynamic_smem[];
-  unsigned char* smem = (unsigned char*)dynamic_smem;
+  unsigned char* smem = dynamic_smem_bytes();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, tg = lane & 3;
   const int row_group = warp & 3, k_half = warp >> 2;
@@ -269,71 +298,19 @@ __global__ void __launch_bounds__(BWD_BLOCK, 1) mhc_bwd_stats(const PreBwdParams
   const i64 c_end = c_begin + p.c_range < p.c_x ? c_begin + p.c_range : p.c_x;
   const int blocks = (int)((c_end - c_begin + CS - 1) / CS);
   const int stages = p.stages;
-  const E* x = (const E*)p.x;
-  const E* gxr = (const E*)p.grad_x_res;
-  const E* gxl = (const E*)p.grad_x_layer;
 
   // rows past the batch and the padding positions are never loaded: they must read as zeros
-  for (int i = tid; i < stages * (G::STATS_STAGE / 16); i += BWD_BLOCK) dynamic_smem[i] = U4{0u, 0u, 0u, 0u};
+  for (int i = tid; i < stages * (G::STATS_STAGE / 16); i += BWD_BLOCK) ((U4*)smem)[i] = U4{0u, 0u, 0u, 0u};
   __syncthreads();
 
   auto stage_base = [&](int s) { return smem + s * G::STATS_STAGE; };
   auto load_block = [&](int b) {
     unsigned char* base = stage_base(b % stages);
-    E* xs = (E*)base;
-    E* gs = (E*)(base + G::XS_BYTES);
-    E* ls = (E*)(base + 2 * G::XS_BYTES);
     u32* pc = (u32*)(base + 2 * G::XS_BYTES + G::LS_BYTES);
     const i64 cb = c_begin + (i64)b * CS;
     const u32* src = p.pieces + (cb / CS) * G::PIECE_WORDS;
     for (int i = tid; i < G::PIECE_WORDS / 4; i += BWD_BLOCK) cp_async16(pc + 4 * i, src + 4 * i);
-    if (p.vector_io) {  // 16-byte copies: each lies wholly inside or outside [cb, c_end)
-      constexpr int SEGS = CS / VEC;
-      for (int i = tid; i < TILE * N * SEGS; i += BWD_BLOCK) {
-        const int r = i / (N * SEGS), rest = i - r * (N * SEGS);
-        const int k = rest / SEGS, seg = rest - k * SEGS;
-        const i64 row = row0 + r;
-        if (row >= p.batch) continue;  // stays zero from the kernel's start
-        const i64 c = cb + seg * VEC;
-        const int at = r * G::XS_PITCH + k * CS + seg * VEC;
-        if (c < c_end) {
-          cp_async16(xs + at, x + row * p.x_stride + k * p.c_x + c);
-          cp_async16(gs + at, gxr + row * p.gxr_stride + k * p.c_x + c);
-        } else {  // past this range: zeros, so the padded products vanish
-          *(U4*)(xs + at) = U4{0u, 0u, 0u, 0u};
-          *(U4*)(gs + at) = U4{0u, 0u, 0u, 0u};
-        }
-      }
-      for (int i = tid; i < TILE * SEGS; i += BWD_BLOCK) {
-        const int r = i / SEGS, seg = i - r * SEGS;
-        const i64 row = row0 + r;
-        if (row >= p.batch) continue;
-        const i64 c = cb + seg * VEC;
-        E* dst = ls + r * G::LS_PITCH + seg * VEC;
-        if (c < c_end)
-          cp_async16(dst, gxl + row * p.gxl_stride + c);
-        else
-          *(U4*)dst = U4{0u, 0u, 0u, 0u};
-      }
-    } else {  // rows not 16-byte aligned: element by element
-      for (int i = tid; i < TILE * N * CS; i += BWD_BLOCK) {
-        const int r = i / (N * CS), rest = i - r * (N * CS);
-        const int k = rest / CS, j = rest - k * CS;
-        const i64 row = row0 + r;
-        if (row >= p.batch) continue;
-        const i64 c = cb + j;
-        const bool inside = c < c_end;
-        xs[r * G::XS_PITCH + k * CS + j] = inside ? x[row * p.x_stride + k * p.c_x + c] : E{};
-        gs[r * G::XS_PITCH + k * CS + j] = inside ? gxr[row * p.gxr_stride + k * p.c_x + c] : E{};
-      }
-      for (int i = tid; i < TILE * CS; i += BWD_BLOCK) {
-        const int r = i / CS, j = i - r * CS;
-        const i64 row = row0 + r;
-        if (row >= p.batch) continue;
-        const i64 c = cb + j;
-        ls[r * G::LS_PITCH + j] = c < c_end ? gxl[row * p.gxl_stride + c] : E{};
-      }
-    }
+    stage_rows<T, N, TILE, CS, G::XS_PITCH, G::LS_PITCH, true>(p, base, row0, cb, c_end);
   };
 
   for (int s = 0; s < stages - 1; ++s) {
@@ -347,6 +324,7 @@ __global__ void __launch_bounds__(BWD_BLOCK, 1) mhc_bwd_stats(const PreBwdParams
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
   float sumsq = 0.f, pre[N], mix[NN];
+  float no_sumsq[2][2];  // mma_x_phi leaves it alone: sum(x*x) is summed below, in float32 FMA
 #pragma unroll
   for (int k = 0; k < N; ++k) pre[k] = 0.f;
 #pragma unroll
@@ -364,24 +342,8 @@ __global__ void __launch_bounds__(BWD_BLOCK, 1) mhc_bwd_stats(const PreBwdParams
     const U2* frag = (const U2*)(base + 2 * G::XS_BYTES + G::LS_BYTES);
 
     // h += x @ phi on the tensor cores
-    for (int ks = k_half; ks < KS; ks += 2) {
-      u32 a[2][XP][4];
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-        x_fragment_pieces<T, XP, G::XS_PITCH>(xs, row_group * 32 + mt * 16 + g, ks * 16 + 2 * tg, a[mt]);
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-        for (int piece = 0; piece < 3; ++piece) {
-          const U2 bw = frag[((ks * NT + nt) * 3 + piece) * 32 + lane];
-#pragma unroll
-          for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-            for (int xp = 0; xp < XP; ++xp)
-              if (xp + piece <= 2) mma_bf16_16816(acc[mt][nt], a[mt][xp], bw);
-        }
-      }
-    }
+    for (int ks = k_half; ks < KS; ks += 2)
+      mma_x_phi<T, NT, G::XS_PITCH, false>(xs, frag, row_group * 32 + g, ks, tg, lane, acc, no_sumsq);
 
     // sum(x*x), dh_pre and dM of this thread's token and columns, in float32 FMA
     {
@@ -462,30 +424,26 @@ __global__ void __launch_bounds__(BWD_BLOCK, 1) mhc_bwd_stats(const PreBwdParams
 
 // ------------------------------------------------------------------ per token
 
+// m[first + j*stride], j < N (a row or a column), divided by their sum + eps.
+template <int N>
+__device__ __forceinline__ void sinkhorn_divide(float (&m)[N * N], int first, int stride, float eps) {
+  float s = 0.f;
+#pragma unroll
+  for (int j = 0; j < N; ++j) s += m[first + j * stride];
+  s += eps;
+  const float r = 1.f / (s == 0.f ? 1.f : s);
+#pragma unroll
+  for (int j = 0; j < N; ++j) m[first + j * stride] *= r;
+}
+
 // One Sinkhorn step as the forward takes it (rows, then columns; a sum that is exactly 0
 // divides by 1), each division as a multiplication by the divisor's reciprocal.
 template <int N>
 __device__ __forceinline__ void sinkhorn_step(float (&m)[N * N], float eps) {
 #pragma unroll
-  for (int i = 0; i < N; ++i) {
-    float s = 0.f;
+  for (int i = 0; i < N; ++i) sinkhorn_divide<N>(m, i * N, 1, eps);  // row i
 #pragma unroll
-    for (int k = 0; k < N; ++k) s += m[i * N + k];
-    s += eps;
-    const float r = 1.f / (s == 0.f ? 1.f : s);
-#pragma unroll
-    for (int k = 0; k < N; ++k) m[i * N + k] *= r;
-  }
-#pragma unroll
-  for (int k = 0; k < N; ++k) {
-    float c = 0.f;
-#pragma unroll
-    for (int i = 0; i < N; ++i) c += m[i * N + k];
-    c += eps;
-    const float r = 1.f / (c == 0.f ? 1.f : c);
-#pragma unroll
-    for (int i = 0; i < N; ++i) m[i * N + k] *= r;
-  }
+  for (int k = 0; k < N; ++k) sinkhorn_divide<N>(m, k, N, eps);  // column k
 }
 
 // The gradient through one Sinkhorn step, in log form: `a` holds the step's input
@@ -725,8 +683,7 @@ __global__ void __launch_bounds__(BWD_BLOCK, 1) mhc_bwd_grad(const PreBwdParams 
   constexpr int Q = G::Q, NT = G::NT, KQ = G::KQ, QP16 = G::QP16, CG = G::CG, PG = G::PG;
   constexpr int DP = G::DP, VEC = G::VEC, NN = G::NN, TILE = G::GTILE, XPG = G::XPG;
   constexpr int MTK = G::MTK, MT_W = G::MT_W, NTK = G::NTK, NW = G::NW, CW4 = G::CW4;
-  extern __shared__ U4 dynamic_smem[];
-  unsigned char* smem = (unsigned char*)dynamic_smem;
+  unsigned char* smem = dynamic_smem_bytes();
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, tg = lane & 3;
   const int stages = p.stages;
@@ -735,60 +692,16 @@ __global__ void __launch_bounds__(BWD_BLOCK, 1) mhc_bwd_grad(const PreBwdParams 
   const i64 items = p.grad_items, blocks = p.grad_blocks;
   const i64 u_begin = (i64)blockIdx.x * items / blocks;
   const int count = (int)(((i64)blockIdx.x + 1) * items / blocks - u_begin);
-  const E* x = (const E*)p.x;
-  const E* gxr = (const E*)p.grad_x_res;
-  const E* gxl = (const E*)p.grad_x_layer;
   float* D = (float*)(smem + stages * G::GRAD_STAGE);  // [TILE][D_PITCH]
 
   auto stage_base = [&](int s) { return smem + s * G::GRAD_STAGE; };
   auto load_item = [&](int i) {
     unsigned char* base = stage_base(i % stages);
-    E* xs = (E*)base;
-    E* gs = (E*)(base + G::GX_BYTES);
-    E* ls = (E*)(base + 2 * G::GX_BYTES);
     u16* dh = (u16*)(base + 2 * G::GX_BYTES + G::GL_BYTES);
     float* cf = (float*)(base + 2 * G::GX_BYTES + G::GL_BYTES + G::DH_BYTES);
     const i64 u = u_begin + i, chunk = u / tiles;
     const i64 row0 = (u - chunk * tiles) * TILE, c0 = chunk * CG;
-    if (p.vector_io) {  // 16-byte copies: each lies wholly inside or outside [0, c_x)
-      constexpr int SEGS = CG / VEC;
-      for (int j = tid; j < TILE * N * SEGS; j += BWD_BLOCK) {
-        const int r = j / (N * SEGS), rest = j - r * (N * SEGS);
-        const int k = rest / SEGS, seg = rest - k * SEGS;
-        const i64 row = row0 + r, c = c0 + seg * VEC;
-        const int at = r * G::GX_PITCH + k * CG + seg * VEC;
-        if (row < batch && c < c_x) {
-          cp_async16(xs + at, x + row * p.x_stride + k * c_x + c);
-          cp_async16(gs + at, gxr + row * p.gxr_stride + k * c_x + c);
-        } else {
-          *(U4*)(xs + at) = U4{0u, 0u, 0u, 0u};
-          *(U4*)(gs + at) = U4{0u, 0u, 0u, 0u};
-        }
-      }
-      for (int j = tid; j < TILE * SEGS; j += BWD_BLOCK) {
-        const int r = j / SEGS, seg = j - r * SEGS;
-        const i64 row = row0 + r, c = c0 + seg * VEC;
-        E* dst = ls + r * G::GL_PITCH + seg * VEC;
-        if (row < batch && c < c_x)
-          cp_async16(dst, gxl + row * p.gxl_stride + c);
-        else
-          *(U4*)dst = U4{0u, 0u, 0u, 0u};
-      }
-    } else {  // rows not 16-byte aligned: element by element
-      for (int j = tid; j < TILE * N * CG; j += BWD_BLOCK) {
-        const int r = j / (N * CG), rest = j - r * (N * CG);
-        const int k = rest / CG, cc = rest - k * CG;
-        const i64 row = row0 + r, c = c0 + cc;
-        const bool inside = row < batch && c < c_x;
-        xs[r * G::GX_PITCH + k * CG + cc] = inside ? x[row * p.x_stride + k * c_x + c] : E{};
-        gs[r * G::GX_PITCH + k * CG + cc] = inside ? gxr[row * p.gxr_stride + k * c_x + c] : E{};
-      }
-      for (int j = tid; j < TILE * CG; j += BWD_BLOCK) {
-        const int r = j / CG, cc = j - r * CG;
-        const i64 row = row0 + r, c = c0 + cc;
-        ls[r * G::GL_PITCH + cc] = row < batch && c < c_x ? gxl[row * p.gxl_stride + c] : E{};
-      }
-    }
+    stage_rows<T, N, TILE, CG, G::GX_PITCH, G::GL_PITCH, false>(p, base, row0, c0, c_x);
     constexpr int DH_SEGS = G::DH_ROW * 2 / 16, CF_SEGS = CW4 / 4;
     for (int j = tid; j < TILE * DH_SEGS; j += BWD_BLOCK) {
       const int r = j / DH_SEGS, seg = j - r * DH_SEGS;
@@ -1111,7 +1024,7 @@ __global__ void __launch_bounds__(BWD_REDUCE_THREADS) mhc_bwd_reduce(const PreBw
 // ================================================================== post backward
 #ifdef BWD_POST_THREADS  // the post module (tileops_cupy._mhc.post_backward_module)
 
-// One by-value parameter of mhc_post_bwd (tileops_cupy._mhc.POST_BWD_PARAMS mirrors it).
+// One by-value parameter of mhc_post_bwd (tileops_cupy reads its fields from here).
 struct PostBwdParams {
   const void* x_layer_out;  // [batch, c_x], rows layer_stride apart, columns dense
   const float* h_post;      // [batch, n] through (h_stride_row, h_stride_col)
@@ -1124,7 +1037,7 @@ struct PostBwdParams {
   int vector_io, unused;
 };
 
-static_assert(sizeof(PostBwdParams) == 120, "PostBwdParams changed: update POST_BWD_PARAMS");
+static_assert(sizeof(PostBwdParams) == 120, "PostBwdParams changed size: update this number");
 
 // The first `count` (< 8) elements of r, element by element (rows not 16-byte aligned).
 template <typename T>
@@ -1164,6 +1077,44 @@ __device__ __forceinline__ void block_sums(const float (&v)[COUNT], float* scrat
   __syncthreads();  // scratch may be written again
 }
 
+// 8 elements at p: one 16-byte access when the rows allow it (`vector`), else the first
+// `count` element by element.
+template <typename T>
+__device__ __forceinline__ void load8_or_some(const typename Io<T>::elem* p, bool vector, int count,
+                                              float (&v)[8]) {
+  if (vector)
+    load8<T>(p, v);
+  else
+    load_some<T>(p, count, v);
+}
+
+template <typename T>
+__device__ __forceinline__ void store8_or_some(typename Io<T>::elem* p, bool vector, int count,
+                                               const float (&v)[8]) {
+  if (vector)
+    store8<T>(p, v);
+  else
+    store_some<T>(p, count, v);
+}
+
+// grad_x_res = grad_x_out for 8 columns of one stream, copied bit for bit (streaming stores),
+// and the same 8 elements as floats in v.
+template <typename T>
+__device__ __forceinline__ void copy_unpack8(const typename Io<T>::elem* src, typename Io<T>::elem* dst,
+                                             bool vector, int count, float (&v)[8]) {
+  typedef typename Io<T>::elem E;
+  Raw8<T> raw;
+  load_raw8<T>(src, vector, count, raw);
+  if (vector) {
+#pragma unroll
+    for (int h = 0; h < (int)(sizeof(raw.w) / sizeof(U4)); ++h)
+      store_stream16(dst + h * (16 / (int)sizeof(E)), raw.w[h]);
+  } else {
+    store_raw_some<T>(dst, count, raw);
+  }
+  unpack8<T>(raw, v);
+}
+
 // One block per row. N > 0: the n = N streams unrolled, one pass. N == 0: any n, grad_x_out
 // read twice (a stream loop for grad_h_post and the copy, a column loop for grad_x_layer_out).
 template <typename T, int N>
@@ -1187,35 +1138,20 @@ __global__ void __launch_bounds__(BWD_POST_THREADS) mhc_post_bwd(const PostBwdPa
       const i64 c0 = u * 8;
       const int count = p.c_x - c0 < 8 ? (int)(p.c_x - c0) : 8;
       float xl[8], acc[8];
-      if (vector)
-        load8<T>(layer + c0, xl);
-      else
-        load_some<T>(layer + c0, count, xl);
+      load8_or_some<T>(layer + c0, vector, count, xl);
 #pragma unroll
       for (int e = 0; e < 8; ++e) acc[e] = 0.f;
 #pragma unroll
       for (int i = 0; i < N; ++i) {
-        Raw8<T> raw;
-        load_raw8<T>(grad + i * p.c_x + c0, vector, count, raw);
-        if (vector) {
-#pragma unroll
-          for (int h = 0; h < (int)(sizeof(raw.w) / sizeof(U4)); ++h)
-            store_stream16(out_res + i * p.c_x + c0 + h * (16 / (int)sizeof(E)), raw.w[h]);
-        } else {
-          store_raw_some<T>(out_res + i * p.c_x + c0, count, raw);
-        }
         float v[8];
-        unpack8<T>(raw, v);
+        copy_unpack8<T>(grad + i * p.c_x + c0, out_res + i * p.c_x + c0, vector, count, v);
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
           acc[e] = fmaf(gate[i], v[e], acc[e]);
           dot[i] = fmaf(xl[e], v[e], dot[i]);
         }
       }
-      if (vector)
-        store8<T>(out_layer + c0, acc);
-      else
-        store_some<T>(out_layer + c0, count, acc);
+      store8_or_some<T>(out_layer + c0, vector, count, acc);
     }
     block_sums<N>(dot, scratch, out_gates);
   } else {
@@ -1224,22 +1160,9 @@ __global__ void __launch_bounds__(BWD_POST_THREADS) mhc_post_bwd(const PostBwdPa
       for (i64 u = tid; u < p.units; u += BWD_POST_THREADS) {
         const i64 c0 = u * 8;
         const int count = p.c_x - c0 < 8 ? (int)(p.c_x - c0) : 8;
-        float xl[8];
-        if (vector)
-          load8<T>(layer + c0, xl);
-        else
-          load_some<T>(layer + c0, count, xl);
-        Raw8<T> raw;
-        load_raw8<T>(grad + i * p.c_x + c0, vector, count, raw);
-        if (vector) {
-#pragma unroll
-          for (int h = 0; h < (int)(sizeof(raw.w) / sizeof(U4)); ++h)
-            store_stream16(out_res + i * p.c_x + c0 + h * (16 / (int)sizeof(E)), raw.w[h]);
-        } else {
-          store_raw_some<T>(out_res + i * p.c_x + c0, count, raw);
-        }
-        float v[8];
-        unpack8<T>(raw, v);
+        float xl[8], v[8];
+        load8_or_some<T>(layer + c0, vector, count, xl);
+        copy_unpack8<T>(grad + i * p.c_x + c0, out_res + i * p.c_x + c0, vector, count, v);
 #pragma unroll
         for (int e = 0; e < 8; ++e) dot = fmaf(xl[e], v[e], dot);
       }
@@ -1254,18 +1177,12 @@ __global__ void __launch_bounds__(BWD_POST_THREADS) mhc_post_bwd(const PostBwdPa
       for (int e = 0; e < 8; ++e) acc[e] = 0.f;
       for (i64 i = 0; i < p.n; ++i) {
         float v[8];
-        if (vector)
-          load8<T>(grad + i * p.c_x + c0, v);
-        else
-          load_some<T>(grad + i * p.c_x + c0, count, v);
+        load8_or_some<T>(grad + i * p.c_x + c0, vector, count, v);
         const float gate = gates[i * p.h_stride_col];
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[e] = fmaf(gate, v[e], acc[e]);
       }
-      if (vector)
-        store8<T>(out_layer + c0, acc);
-      else
-        store_some<T>(out_layer + c0, count, acc);
+      store8_or_some<T>(out_layer + c0, vector, count, acc);
     }
   }
 }

@@ -113,7 +113,7 @@ __device__ __forceinline__ void rotate_chunk(int chunk, int pairs, const float2*
 
 // One launch's arguments, passed by value as a single struct (one packed buffer from the host
 // instead of thirty boxed scalars: that is most of the host cost of a decode-sized call).
-// The field order is mirrored by ROPE_PARAMS in tileops_cupy/_rotate.py.
+// tileops_cupy/_rotate.py reads the fields from this declaration and packs them by name.
 struct RopeParams {
   // What a repeated call of one layout changes comes first, in one run, so that the host
   // patches it with one write (tileops_cupy.rope RELAUNCH_*): the operands' addresses,
@@ -148,6 +148,8 @@ struct RopeParams {
   int offsets_is_int64;
   float sin_sign;
 };
+
+static_assert(sizeof(RopeParams) == 224, "RopeParams changed size: update this number");
 
 template <typename T, bool NEOX, int VEC, int ROTARY_DIM>
 __global__ void rope_rotate(const RopeParams p) {

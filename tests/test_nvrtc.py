@@ -7,7 +7,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
-from pathlib import Path
 
 import pytest
 
@@ -106,44 +105,54 @@ def test_every_launch_picks_a_shipped_kernel(dtype, neox):
 
 # --------------------------------------------------------------------------- argument structs
 
-_C_TYPES = {"long long": "q", "i64": "q", "int": "i", "float": "f"}
 
-
-def _declared_fields(c_name: str) -> list[tuple[str, str]]:
-    """(name, struct code) of every field of ``struct c_name`` in the kernels' sources."""
+def test_param_structs_are_read_from_the_cuda_declarations():
+    """Each kernel's argument struct is declared once, in C; the host reads its fields from
+    that text and packs them with ``struct``'s native alignment. The packed size (padded to
+    the struct's 8-byte alignment) must be the ``static_assert(sizeof(...))`` of the .cu
+    file, which NVRTC checks against the C layout (test_compiles_without_a_device)."""
     import re
 
     import kernels_cu
 
-    for source in sorted(Path(kernels_cu.__file__).parent.glob("*.cu")):
-        text = source.read_text()
-        found = re.search(r"struct\s+" + c_name + r"\s*\{(.*?)\};", text, re.S)
-        if found is None:
-            continue
-        body = re.sub(r"//[^\n]*", "", found.group(1))
-        fields = []
-        for declaration in filter(None, (d.strip() for d in body.split(";"))):
-            pointer = "*" in declaration
-            words = declaration.replace("*", " ").replace(",", " , ").split()
-            kind = next((code for c, code in _C_TYPES.items() if c in " ".join(words[:2])), None)
-            type_words = 2 if words[:2] == ["long", "long"] else 1
-            if words[0] in ("const", "unsigned"):
-                type_words += 1
-            names = " ".join(words[type_words:]).split(",")
-            for name in (n.strip() for n in names):
-                length = re.fullmatch(r"(\w+)\[(\d+)\]", name)
-                if length:
-                    fields.append((length.group(1), length.group(2) + kind))
-                else:
-                    fields.append((name, "P" if pointer else kind))
-        return fields
-    raise AssertionError(f"struct {c_name} is not declared in any kernels_cu/*.cu")
-
-
-def test_param_structs_match_the_cuda_declarations():
-    """Each kernel's argument struct is declared once in Python by field name and type; the
-    C declaration must list the same fields in the same order with the same types."""
     shipped_modules()  # imports every primitive, each declaring its structs
-    assert {s.c_name for s in _cuda.PARAM_STRUCTS} >= {"RopeParams", "PreParams", "PostParams"}
+    names = {s.c_name for s in _cuda.PARAM_STRUCTS}
+    assert names >= {"RopeParams", "PreParams", "PostParams", "PreBwdParams", "PostBwdParams"}
     for declared in _cuda.PARAM_STRUCTS:
-        assert list(declared.fields) == _declared_fields(declared.c_name), declared.c_name
+        assert declared.source is not None, declared.c_name
+        text = kernels_cu.source(declared.source)
+        pinned = re.search(r"static_assert\(sizeof\(" + declared.c_name + r"\) == (\d+)", text)
+        assert pinned, f"{declared.source}.cu pins no size of {declared.c_name}"
+        assert -(-declared.size // 8) * 8 == int(pinned[1]), declared.c_name
+        assert declared.fields == _cuda.declared_fields(declared.source, declared.c_name)
+
+
+def test_declared_fields_reads_every_form(monkeypatch):
+    """The C forms the structs use, each to its struct code: pointers of any type (const,
+    unsigned, typedef'd), long long and i64 (one name or a list), int, float, arrays;
+    comments skipped. A type the host cannot pack is refused by name."""
+    import kernels_cu
+
+    text = """
+    struct Probe {
+      const void* a;          // [batch, n]; with a comment
+      unsigned int* counter;
+      const float2* table;
+      long long strides[3];
+      i64 b, c;  // two at once
+      int d;
+      float e;
+    };
+    struct Bad {
+      double f;
+    };
+    """
+    monkeypatch.setattr(kernels_cu, "source", lambda name: text)
+    assert _cuda.declared_fields("probe", "Probe") == (
+        ("a", "P"), ("counter", "P"), ("table", "P"), ("strides", "3q"), ("b", "q"),
+        ("c", "q"), ("d", "i"), ("e", "f"),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="double"):
+        _cuda.declared_fields("probe", "Bad")
+    with pytest.raises(LookupError, match="Missing"):
+        _cuda.declared_fields("probe", "Missing")

@@ -226,6 +226,39 @@ def test_mhc_unused_outputs_take_zero_gradients(rng, place):
     _assert_same(x.grad, expected[1])
 
 
+def test_mhc_second_order_gradients_raise(rng):
+    """The mHC ops are once differentiable: a gradient taken with create_graph=True is the
+    first-order gradient, and backpropagating through it raises an error that names the op
+    (never a silently wrong or zero second-order gradient). Also for a backward op called
+    directly on tensors that require grad."""
+    phi, x, b = _mhc_inputs(rng, "cpu", n=2, c_x=8, batch=3)
+    pre, post = MHCPreFwdOp(0.8, 1.1, 0.9, 3), MHCPostFwdOp()
+
+    def loss(*leaves):
+        x_res, x_layer, h_post = pre(*leaves)
+        return post(x_layer * 2, h_post, x_res).square().sum()
+
+    leaves = [t.clone().requires_grad_() for t in (phi, x, b)]
+    first = torch.autograd.grad(loss(*leaves), leaves, create_graph=True)
+    for actual, expected in zip(first, torch.autograd.grad(loss(*leaves), leaves), strict=True):
+        _assert_same(actual.detach(), expected)
+    second_order = "MHCPreBwdOp .* no derivative: second-order gradients through MHCPreFwdOp"
+    with pytest.raises(RuntimeError, match=second_order):
+        torch.autograd.grad(sum(g.square().sum() for g in first), leaves)
+
+    layer, gates, res = (_randn(rng, s, "cpu").float() for s in ((3, 8), (3, 2), (3, 16)))
+    post_leaves = [t.detach().requires_grad_() for t in (layer, gates, res)]
+    out = post(*post_leaves)
+    grads = torch.autograd.grad(out.square().sum(), post_leaves, create_graph=True)
+    with pytest.raises(RuntimeError, match="MHCPostBwdOp .* through MHCPostFwdOp"):
+        torch.autograd.grad(grads[1].sum(), post_leaves)
+
+    upstream = [torch.ones(s) for s in ((3, 16), (3, 8), (3, 2))]
+    direct = MHCPreBwdOp(0.8, 1.1, 0.9, 3)(*leaves, *upstream)
+    with pytest.raises(RuntimeError, match="MHCPreBwdOp .* no derivative"):
+        direct[0].sum().backward()
+
+
 # --------------------------------------------------------------------------- torch.compile
 
 
@@ -401,7 +434,7 @@ _CAPTURE = textwrap.dedent(
     import torch
     from tileops_cupy.rope import (RoPE, RoPEFwdOp, RoPEBwdOp, RoPELlama31FwdOp, YaRNFwdOp,
         LongRoPEBwdOp, RoPENeoxPositionIdsFwdOp, apply_rope)
-    from tileops_cupy.sequence_modeling import MHCPreFwdOp, MHCPostFwdOp
+    from tileops_cupy.sequence_modeling import MHCPreFwdOp, MHCPostFwdOp, MHCPreBwdOp, MHCPostBwdOp
 
     rng = np.random.default_rng(int(sys.argv[2]))
     def randn(*shape, dtype=torch.bfloat16):
@@ -412,6 +445,18 @@ _CAPTURE = textwrap.dedent(
     pre, post = MHCPreFwdOp(1.0, 1.0, 1.0, 20), MHCPostFwdOp()
     phi = randn(4 * 512, 24, dtype=torch.float32) / 16
     b = randn(24, dtype=torch.float32)
+    pre_bwd, post_bwd = MHCPreBwdOp(1.0, 1.0, 1.0, 20), MHCPostBwdOp()
+
+    def pre_bwd_inputs(batch):  # x, then the upstream gradients of x_res, x_layer, h_post
+        return [randn(batch, 4 * 512), randn(batch, 4 * 512), randn(batch, 512),
+                randn(batch, 4, dtype=torch.float32)]
+
+    def train_step(phi, x, b, weights):  # autograd through pre -> layer -> post
+        leaves = [t.detach().requires_grad_() for t in (phi, x, b)]
+        x_res, x_layer, h_post = pre(*leaves)
+        x_out = post(x_layer * 2, h_post, x_res)
+        return torch.autograd.grad((x_out.float() * weights).sum(), leaves)
+
     ops = {
         "RoPEFwdOp": (RoPEFwdOp(input_layout="2d"), lambda: [randn(2, 64, 4, 128)]),
         "RoPEBwdOp": (RoPEBwdOp("interleaved"), lambda: [randn(64, 128)]),
@@ -434,6 +479,14 @@ _CAPTURE = textwrap.dedent(
         "MHCPreFwdOp-B300": (lambda x: pre(phi, x, b), lambda: [randn(300, 4 * 512)]),
         "MHCPostFwdOp": (post, lambda: [randn(8, 512), randn(8, 4, dtype=torch.float32),
                                        randn(8, 4 * 512)]),
+        "MHCPreBwdOp-B4": (lambda x, *up: pre_bwd(phi, x, b, *up), lambda: pre_bwd_inputs(4)),
+        "MHCPreBwdOp-B300": (lambda x, *up: pre_bwd(phi, x, b, *up),
+                             lambda: pre_bwd_inputs(300)),
+        "MHCPostBwdOp": (post_bwd, lambda: [randn(8, 512), randn(8, 4, dtype=torch.float32),
+                                           randn(8, 4 * 512), randn(8, 4 * 512)]),
+        "MHC-autograd": (train_step, lambda: [randn(4 * 512, 24, dtype=torch.float32) / 16,
+                                              randn(64, 4 * 512), randn(24, dtype=torch.float32),
+                                              randn(64, 4 * 512, dtype=torch.float32)]),
     }
     op, make = ops[sys.argv[1]]
     static = make()
@@ -479,6 +532,10 @@ _CAPTURED = (
     "MHCPreFwdOp-B4",
     "MHCPreFwdOp-B300",
     "MHCPostFwdOp",
+    "MHCPreBwdOp-B4",
+    "MHCPreBwdOp-B300",
+    "MHCPostBwdOp",
+    "MHC-autograd",
 )
 
 

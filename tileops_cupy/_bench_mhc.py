@@ -47,14 +47,21 @@ def torch_post(x_layer_out, h_post, x_res):
     return mixed.view(batch, n * c_x).to(x_res.dtype)
 
 
-def _pre_row(ceiling: float, batch: int, n: int, c_x: int, with_compile: bool) -> dict:
-    from .sequence_modeling import MHCPreFwdOp
-
+def _pre_inputs(batch: int, n: int, c_x: int) -> tuple:
+    """(phi float32 [n*c_x, Q] scaled to unit logits, x bf16 [batch, n*c_x], b float32 [Q])
+    on the device."""
     torch = torch_module()
     width, q = n * c_x, n * n + 2 * n
     phi = torch.randn(width, q, device="cuda") / math.sqrt(width)
-    b = 0.5 * torch.randn(q, device="cuda")
     x = torch.randn(batch, width, device="cuda").bfloat16()
+    return phi, x, 0.5 * torch.randn(q, device="cuda")
+
+
+def _pre_row(ceiling: float, batch: int, n: int, c_x: int, with_compile: bool) -> dict:
+    from .sequence_modeling import MHCPreFwdOp
+
+    phi, x, b = _pre_inputs(batch, n, c_x)
+    width, q = phi.shape
     op = MHCPreFwdOp(*_ALPHAS, _REPEAT, _EPS)
     moved = x.numel() * 2 + phi.numel() * 4 + q * 4 + batch * (width + c_x) * 2 + batch * n * 4
     small = batch <= 128
@@ -129,10 +136,8 @@ def _pre_backward_row(ceiling: float, batch: int, n: int, c_x: int, with_compile
     from .sequence_modeling import MHCPreBwdOp
 
     torch = torch_module()
-    width, q = n * c_x, n * n + 2 * n
-    phi = torch.randn(width, q, device="cuda") / math.sqrt(width)
-    b = 0.5 * torch.randn(q, device="cuda")
-    x = torch.randn(batch, width, device="cuda").bfloat16()
+    phi, x, b = _pre_inputs(batch, n, c_x)
+    width = phi.shape[0]
     upstream = (
         torch.randn(batch, width, device="cuda").bfloat16(),  # grad_x_res
         torch.randn(batch, c_x, device="cuda").bfloat16(),  # grad_x_layer

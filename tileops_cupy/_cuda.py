@@ -13,6 +13,7 @@ no GPU. This module imports no primitive.
 from __future__ import annotations
 
 import ctypes
+import re
 import struct
 import threading
 from dataclasses import dataclass, field
@@ -76,18 +77,57 @@ def function(spec: ModuleSpec, name_expression: str, device: int) -> Any:
     return loaded[name_expression]
 
 
+# struct codes of the C types the kernels' argument structs hold by value
+_C_CODES = {"long long": "q", "i64": "q", "int": "i", "float": "f"}
+_DECLARATION = re.compile(r"((?:const\s+|unsigned\s+)*(?:long\s+long|\w+))\s*(\*?)\s*(.+)", re.S)
+
+
+def declared_fields(source: str, c_name: str) -> tuple[tuple[str, str], ...]:
+    """(name, struct code) of every field of ``struct c_name`` in ``kernels_cu/<source>.cu``,
+    in order: "P" for any pointer, "q" ``long long``/``i64``, "i" ``int``, "f" ``float``,
+    "3q" a ``long long[3]``."""
+    text = kernels_cu.source(source)
+    found = re.search(r"struct\s+" + c_name + r"\s*\{(.*?)\};", text, re.S)
+    if found is None:
+        raise LookupError(f"struct {c_name} is not declared in kernels_cu/{source}.cu")
+    body = re.sub(r"//[^\n]*|#[^\n]*", "", found.group(1))
+    fields: list[tuple[str, str]] = []
+    for declaration in filter(None, (d.strip() for d in body.split(";"))):
+        c_type, pointer, names = _DECLARATION.fullmatch(declaration).groups()
+        c_type = " ".join(c_type.split())
+        if not pointer and c_type not in _C_CODES:
+            raise ValueError(
+                f"struct {c_name} in {source}.cu: field type {c_type!r} is none of "
+                f"{sorted(_C_CODES)} or a pointer"
+            )
+        code = "P" if pointer else _C_CODES[c_type]
+        for name in (n.strip() for n in names.split(",")):
+            array = re.fullmatch(r"(\w+)\[(\d+)\]", name)
+            fields.append((array[1], array[2] + code) if array else (name, code))
+    return tuple(fields)
+
+
 class ParamStruct:
-    """A kernel's single by-value struct parameter, declared once with named fields in the
-    C order of the struct in the .cu file (``tests/test_nvrtc.py`` checks names and types
-    against that declaration).
+    """A kernel's single by-value struct parameter, packed by field name in the C order of
+    the struct. :meth:`declared` reads the fields from the .cu file, so the C declaration
+    is the only one (``tests/test_nvrtc.py`` checks the packed size against the file's
+    ``static_assert(sizeof(...))``, which NVRTC checks against the C layout).
 
     Field codes are ``struct``'s: P pointer, q long long, i int, f float; "3q" is a
     ``long long[3]``. Native alignment ("@") gives the device ABI's layout. Packing into one
     reused buffer costs about a microsecond, where CuPy boxes every scalar separately.
     """
 
+    @classmethod
+    def declared(cls, source: str, c_name: str) -> ParamStruct:
+        """``struct c_name`` of ``kernels_cu/<source>.cu``, with the fields declared there."""
+        declared = cls(c_name, declared_fields(source, c_name))
+        declared.source = source
+        return declared
+
     def __init__(self, c_name: str, fields: tuple[tuple[str, str], ...]) -> None:
         self.c_name = c_name
+        self.source: str | None = None  # the .cu file, for a declared struct
         self.fields = fields
         PARAM_STRUCTS.append(self)
         self._struct = struct.Struct("@" + "".join(code for _, code in fields))

@@ -43,26 +43,11 @@ __all__ = [
 CUDA_TYPES = _cuda.CUDA_TYPES
 CUDA_STREAMS = tuple(range(1, 9))  # n the CUDA kernels are compiled for (registers bound n)
 
-PRE_PARAMS = _cuda.ParamStruct(
-    "PreParams",
-    (
-        ("x", "P"), ("phi", "P"), ("bias", "P"), ("partial", "P"), ("counter", "P"),
-        ("coef", "P"), ("pieces", "P"), ("x_res", "P"), ("x_layer", "P"), ("h_post", "P"),
-        ("x_stride", "q"), ("phi_stride_k", "q"), ("phi_stride_q", "q"), ("bias_stride", "q"),
-        ("batch", "q"), ("c_x", "q"), ("k_range", "q"), ("k_splits", "q"),
-        ("vector_io", "i"), ("fuse", "i"), ("repeat", "i"), ("unused", "i"),
-        ("alpha_pre", "f"), ("alpha_post", "f"), ("alpha_res", "f"), ("eps", "f"),
-    ),
-)  # fmt: skip
-POST_PARAMS = _cuda.ParamStruct(
-    "PostParams",
-    (
-        ("x_layer_out", "P"), ("h_post", "P"), ("x_res", "P"), ("out", "P"),
-        ("layer_stride", "q"), ("h_stride_row", "q"), ("h_stride_col", "q"), ("res_stride", "q"),
-        ("batch", "q"), ("n", "q"), ("c_x", "q"), ("units", "q"),
-        ("vector_io", "i"), ("unused", "i"),
-    ),
-)  # fmt: skip
+# the kernels' argument structs, fields as their .cu files declare them (packed by name)
+PRE_PARAMS = _cuda.ParamStruct.declared("mhc", "PreParams")
+POST_PARAMS = _cuda.ParamStruct.declared("mhc", "PostParams")
+PRE_BWD_PARAMS = _cuda.ParamStruct.declared("mhc_backward", "PreBwdParams")
+POST_BWD_PARAMS = _cuda.ParamStruct.declared("mhc_backward", "PostBwdParams")
 # Launch geometry fixed by the kernels (TILE_ROWS, BLOCK_K, STAGE_PITCH, thread counts).
 _GEOMETRY = {
     "TILE_ROWS": 128, "BLOCK_K": 64, "STAGE_PITCH": 72, "STAGES": 3, "PROJECT_THREADS": 256,
@@ -78,33 +63,6 @@ _PROJECT_THREADS, _APPLY_THREADS, _POST_THREADS = (
 _COUNTER_TILES = _GEOMETRY["COUNTER_TILES"]  # first per-tile counter word
 _MAX_FUSED_ROWS = 256  # batches this small: cooperative mhc_project, no mhc_apply launch
 
-
-# PreBwdParams / PostBwdParams of kernels_cu/mhc_backward.cu, by field name (test_nvrtc checks).
-PRE_BWD_PARAMS = _cuda.ParamStruct(
-    "PreBwdParams",
-    (
-        ("x", "P"), ("phi", "P"), ("bias", "P"), ("grad_x_res", "P"), ("grad_x_layer", "P"),
-        ("grad_h_post", "P"), ("grad_phi", "P"), ("grad_x", "P"), ("grad_b", "P"),
-        ("grad_alpha", "P"), ("pieces", "P"), ("stats", "P"), ("coef", "P"),
-        ("dh_pieces", "P"), ("per_token", "P"), ("sinkhorn", "P"), ("phi_partial", "P"),
-        ("x_stride", "q"), ("gxr_stride", "q"), ("gxl_stride", "q"), ("ghp_stride_row", "q"),
-        ("ghp_stride_col", "q"), ("phi_stride_k", "q"), ("phi_stride_q", "q"),
-        ("bias_stride", "q"), ("batch", "q"), ("c_x", "q"), ("c_range", "q"),
-        ("k_splits", "q"), ("grad_items", "q"), ("grad_blocks", "q"), ("slot_cap", "q"),
-        ("vector_io", "i"), ("repeat", "i"), ("segment", "i"), ("stages", "i"),
-        ("alpha_pre", "f"), ("alpha_post", "f"), ("alpha_res", "f"), ("eps", "f"),
-    ),
-)  # fmt: skip
-POST_BWD_PARAMS = _cuda.ParamStruct(
-    "PostBwdParams",
-    (
-        ("x_layer_out", "P"), ("h_post", "P"), ("grad_x_out", "P"), ("grad_x_layer_out", "P"),
-        ("grad_h_post", "P"), ("grad_x_res", "P"),
-        ("layer_stride", "q"), ("h_stride_row", "q"), ("h_stride_col", "q"),
-        ("grad_stride", "q"), ("batch", "q"), ("n", "q"), ("c_x", "q"), ("units", "q"),
-        ("vector_io", "i"), ("unused", "i"),
-    ),
-)  # fmt: skip
 
 # Launch geometry: NVRTC gets these as the BWD_* defines (one source of truth), and
 # mhc_backward.cu asserts the stage sizes it derives against the ones _geometry computes.
@@ -138,7 +96,16 @@ def mhc_pre(
     if place == "cpu":
         mhc_pre_host(phi.host, x.host, b.host, gates, x_res.host, x_layer.host, h_post.host)
         return None
-    return _pre_cuda(gates, phi, x, b, x_res, x_layer, h_post, stream_handle(phi))
+    if not x.last_dim_contiguous:
+        x = contiguous(x)
+    batch, width = x.shape
+    n = h_post.shape[1]
+    c_x = width // n
+    device = x.device
+    plan = _pre_plan(device, x.dtype, n, c_x, batch)
+    scratch = _scratch(x, plan)
+    params = pre_launch_params(gates, plan, x, phi, b, x_res, x_layer, h_post, scratch)
+    return _cuda.launch(device, params, plan.steps, stream_handle(phi)), plan
 
 
 def mhc_post(
@@ -167,17 +134,60 @@ def mhc_pre_backward(
     grad_alpha: Operand,
 ) -> None:
     """Fill the gradients (fresh contiguous arrays) from validated inputs with batch >= 1,
-    on ``place``."""
+    on ``place``: ``grad_phi [n*c_x, Q]`` (float32), ``grad_x [B, n*c_x]`` (x's dtype),
+    ``grad_b [Q]`` (float32) and ``grad_alpha [3]`` (float32: pre, post, res), the exact
+    gradient of mHC pre (SPEC section 8) for the upstream gradients ``grad_x_res``
+    ``[B, n*c_x]`` and ``grad_x_layer`` ``[B, c_x]`` (x's dtype) and ``grad_h_post``
+    ``[B, n]`` (float32). Reductions over the batch are deterministic."""
     if place == "cpu":
         mhc_pre_backward_host(
             phi.host, x.host, b.host, gates, grad_x_res.host, grad_x_layer.host,
             grad_h_post.host, grad_phi.host, grad_x.host, grad_b.host, grad_alpha.host,
         )  # fmt: skip
-    else:
-        pre_backward_cuda(
-            gates, phi, x, b, grad_x_res, grad_x_layer, grad_h_post, grad_phi, grad_x, grad_b,
-            grad_alpha, stream_handle(phi),
-        )  # fmt: skip
+        return
+    x, grad_x_res, grad_x_layer = (
+        operand if operand.last_dim_contiguous else contiguous(operand)
+        for operand in (x, grad_x_res, grad_x_layer)
+    )
+    batch, width = x.shape
+    q = phi.shape[1]
+    n = math.isqrt(q + 1) - 1
+    c_x = width // n
+    device = x.device
+    streams = CUDA_STREAMS
+    if n not in streams:
+        raise ValueError(
+            f"the CUDA mHC kernels take n <= {streams[-1]} streams, got n = {n} "
+            "(phi width n*n+2n); run on the host (target='cpu' with host arrays) instead"
+        )
+    plan = _pre_backward_plan(device, x.dtype, n, c_x, batch)
+    segment, slots = sinkhorn_checkpoints(gates.sinkhorn_repeat, n)
+    words, offsets = scratch_sections((*plan.scratch, slots * n * n * batch))
+    base = empty_like(x, (words,), "float32").ptr
+    pieces, stats, coef, dh_pieces, per_token, phi_partial, sinkhorn = (
+        base + 4 * offset for offset in offsets
+    )
+    size = ITEMSIZE[x.dtype]
+    alignment = x.ptr | grad_x_res.ptr | grad_x_layer.ptr | grad_x.ptr
+    if batch > 1:
+        alignment |= (x.strides[0] | grad_x_res.strides[0] | grad_x_layer.strides[0]) * size
+    params = PRE_BWD_PARAMS.pack(
+        x=x.ptr, phi=phi.ptr, bias=b.ptr, grad_x_res=grad_x_res.ptr,
+        grad_x_layer=grad_x_layer.ptr, grad_h_post=grad_h_post.ptr, grad_phi=grad_phi.ptr,
+        grad_x=grad_x.ptr, grad_b=grad_b.ptr, grad_alpha=grad_alpha.ptr, pieces=pieces,
+        stats=stats, coef=coef, dh_pieces=dh_pieces, per_token=per_token, sinkhorn=sinkhorn,
+        phi_partial=phi_partial, x_stride=x.strides[0], gxr_stride=grad_x_res.strides[0],
+        gxl_stride=grad_x_layer.strides[0], ghp_stride_row=grad_h_post.strides[0],
+        ghp_stride_col=grad_h_post.strides[1], phi_stride_k=phi.strides[0],
+        phi_stride_q=phi.strides[1], bias_stride=b.strides[0], batch=batch, c_x=c_x,
+        c_range=plan.c_range, k_splits=plan.k_splits, grad_items=plan.grad_items,
+        grad_blocks=plan.grad_blocks, slot_cap=plan.slot_cap,
+        vector_io=c_x % (16 // size) == 0 and alignment % 16 == 0,
+        repeat=gates.sinkhorn_repeat, segment=segment, stages=plan.stages,
+        alpha_pre=gates.alpha_pre, alpha_post=gates.alpha_post, alpha_res=gates.alpha_res,
+        eps=gates.sinkhorn_eps,
+    )  # fmt: skip
+    _cuda.launch(device, params, plan.steps, stream_handle(phi))
 
 
 def mhc_post_backward(
@@ -241,6 +251,17 @@ def forward_module_specs() -> list[_cuda.ModuleSpec]:
     return [pre_module(dtype, n) for dtype in CUDA_TYPES for n in CUDA_STREAMS] + [post_module()]
 
 
+def scratch_sections(sizes: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
+    """(words, word offset of each section) of one float32 scratch buffer holding sections
+    of ``sizes`` words, each starting on 256 bytes (the kernels read scratch rows with
+    16-byte cp.async)."""
+    offsets, words = [], 0
+    for size in sizes:
+        offsets.append(words)
+        words += -(-size // _SCRATCH_ALIGN_WORDS) * _SCRATCH_ALIGN_WORDS
+    return words, tuple(offsets)
+
+
 @dataclass(frozen=True, slots=True)
 class _PrePlan:
     """Launch geometry of one (device, dtype, n, c_x, batch), computed once: phi's
@@ -257,13 +278,8 @@ class _PrePlan:
 
     @property
     def scratch_layout(self) -> tuple[int, tuple[int, ...]]:
-        """(words, word offset of each scratch section) in one buffer: 256-byte sections
-        (the fragment copies are 16-byte cp.async)."""
-        offsets, words = [], 0
-        for size in self.scratch:
-            offsets.append(words)
-            words += -(-size // _SCRATCH_ALIGN_WORDS) * _SCRATCH_ALIGN_WORDS
-        return words, tuple(offsets)
+        """(words, word offset of each scratch section) in one buffer."""
+        return scratch_sections(self.scratch)
 
 
 _pre_plans: dict[tuple, _PrePlan] = {}
@@ -441,28 +457,6 @@ def pre_launch_params(
     )  # fmt: skip
 
 
-def _pre_cuda(
-    gates: SinkhornGates,
-    phi: Operand,
-    x: Operand,
-    b: Operand,
-    x_res: Operand,
-    x_layer: Operand,
-    h_post: Operand,
-    stream: int,
-) -> tuple[_cuda.Launch, _PrePlan]:
-    if not x.last_dim_contiguous:
-        x = contiguous(x)
-    batch, width = x.shape
-    n = h_post.shape[1]
-    c_x = width // n
-    device = x.device
-    plan = _pre_plan(device, x.dtype, n, c_x, batch)
-    scratch = _scratch(x, plan)
-    params = pre_launch_params(gates, plan, x, phi, b, x_res, x_layer, h_post, scratch)
-    return _cuda.launch(device, params, plan.steps, stream), plan
-
-
 def post_launch_params(layer: Operand, gates: Operand, res: Operand, x_out: Operand) -> bytes:
     """PostParams (kernels_cu/mhc.cu) packed."""
     batch, c_x = layer.shape
@@ -499,74 +493,6 @@ def _post_cuda(
 
 
 # --------------------------------------------------------------------------- backward CUDA bodies
-
-
-def pre_backward_cuda(
-    gates: SinkhornGates,
-    phi: Operand,
-    x: Operand,
-    b: Operand,
-    grad_x_res: Operand,
-    grad_x_layer: Operand,
-    grad_h_post: Operand,
-    grad_phi: Operand,
-    grad_x: Operand,
-    grad_b: Operand,
-    grad_alpha: Operand,
-    stream: int,
-) -> None:
-    """Fill ``grad_phi [n*c_x, Q]`` (float32), ``grad_x [B, n*c_x]`` (x's dtype),
-    ``grad_b [Q]`` (float32) and ``grad_alpha [3]`` (float32: pre, post, res) with the
-    exact gradient of mHC pre (SPEC section 8) for the upstream gradients ``grad_x_res``
-    ``[B, n*c_x]`` and ``grad_x_layer`` ``[B, c_x]`` (x's dtype) and ``grad_h_post``
-    ``[B, n]`` (float32). Reductions over the batch are deterministic."""
-    x, grad_x_res, grad_x_layer = (
-        operand if operand.last_dim_contiguous else contiguous(operand)
-        for operand in (x, grad_x_res, grad_x_layer)
-    )
-    batch, width = x.shape
-    q = phi.shape[1]
-    n = math.isqrt(q + 1) - 1
-    c_x = width // n
-    device = x.device
-    streams = CUDA_STREAMS
-    if n not in streams:
-        raise ValueError(
-            f"the CUDA mHC kernels take n <= {streams[-1]} streams, got n = {n} "
-            "(phi width n*n+2n); run on the host (target='cpu' with host arrays) instead"
-        )
-    plan = _pre_backward_plan(device, x.dtype, n, c_x, batch)
-    segment, slots = sinkhorn_checkpoints(gates.sinkhorn_repeat, n)
-    sections = (*plan.scratch, slots * n * n * batch)
-    offsets, words = [], 0
-    for size in sections:
-        offsets.append(words)
-        words += -(-size // _SCRATCH_ALIGN_WORDS) * _SCRATCH_ALIGN_WORDS
-    base = empty_like(x, (words,), "float32").ptr
-    pieces, stats, coef, dh_pieces, per_token, phi_partial, sinkhorn = (
-        base + 4 * offset for offset in offsets
-    )
-    size = ITEMSIZE[x.dtype]
-    alignment = x.ptr | grad_x_res.ptr | grad_x_layer.ptr | grad_x.ptr
-    if batch > 1:
-        alignment |= (x.strides[0] | grad_x_res.strides[0] | grad_x_layer.strides[0]) * size
-    params = PRE_BWD_PARAMS.pack(
-        x=x.ptr, phi=phi.ptr, bias=b.ptr, grad_x_res=grad_x_res.ptr,
-        grad_x_layer=grad_x_layer.ptr, grad_h_post=grad_h_post.ptr, grad_phi=grad_phi.ptr,
-        grad_x=grad_x.ptr, grad_b=grad_b.ptr, grad_alpha=grad_alpha.ptr, pieces=pieces,
-        stats=stats, coef=coef, dh_pieces=dh_pieces, per_token=per_token, sinkhorn=sinkhorn,
-        phi_partial=phi_partial, x_stride=x.strides[0], gxr_stride=grad_x_res.strides[0],
-        gxl_stride=grad_x_layer.strides[0], ghp_stride_row=grad_h_post.strides[0],
-        ghp_stride_col=grad_h_post.strides[1], phi_stride_k=phi.strides[0],
-        phi_stride_q=phi.strides[1], bias_stride=b.strides[0], batch=batch, c_x=c_x,
-        c_range=plan.c_range, k_splits=plan.k_splits, grad_items=plan.grad_items,
-        grad_blocks=plan.grad_blocks, slot_cap=plan.slot_cap,
-        vector_io=c_x % (16 // size) == 0 and alignment % 16 == 0,
-        repeat=gates.sinkhorn_repeat, segment=segment, stages=plan.stages,
-        alpha_pre=gates.alpha_pre, alpha_post=gates.alpha_post, alpha_res=gates.alpha_res,
-        eps=gates.sinkhorn_eps,
-    )  # fmt: skip
-    _cuda.launch(device, params, plan.steps, stream)
 
 
 def post_backward_cuda(

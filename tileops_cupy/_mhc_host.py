@@ -140,18 +140,27 @@ def mhc_pre_host(
         h_post[block] = post
 
 
-def mhc_post_host(
-    x_layer_out: np.ndarray, h_post: np.ndarray, x_res: np.ndarray, x_out: np.ndarray
-) -> None:
-    """``x_out[b, i*c_x + c] = h_post[b, i] * x_layer_out[b, c] + x_res[b, i*c_x + c]``."""
+def _post_blocks(
+    x_layer_out: np.ndarray, h_post: np.ndarray, streams: np.ndarray
+) -> Iterator[tuple[slice, np.ndarray, np.ndarray, np.ndarray]]:
+    """Post's operands block by block (:func:`_row_blocks`) in float32: ``(rows,
+    x_layer_out [b, c_x], h_post [b, n], streams [b, n, c_x])``, where ``streams`` is
+    ``[B, n*c_x]`` (x_res forward, grad_x_out backward)."""
     batch, c_x = x_layer_out.shape
     n = h_post.shape[1]
     for block in _row_blocks(batch, n * c_x):
         layer = x_layer_out[block].astype(np.float32)
         gates = h_post[block].astype(np.float32)
-        residual = x_res[block].astype(np.float32).reshape(-1, n, c_x)
+        yield block, layer, gates, streams[block].astype(np.float32).reshape(-1, n, c_x)
+
+
+def mhc_post_host(
+    x_layer_out: np.ndarray, h_post: np.ndarray, x_res: np.ndarray, x_out: np.ndarray
+) -> None:
+    """``x_out[b, i*c_x + c] = h_post[b, i] * x_layer_out[b, c] + x_res[b, i*c_x + c]``."""
+    for block, layer, gates, residual in _post_blocks(x_layer_out, h_post, x_res):
         mixed = gates[:, :, None] * layer[:, None, :] + residual
-        x_out[block] = mixed.reshape(-1, n * c_x).astype(x_out.dtype)
+        x_out[block] = mixed.reshape(-1, x_out.shape[1]).astype(x_out.dtype)
 
 
 def mhc_pre_backward_host(
@@ -249,12 +258,7 @@ def mhc_post_backward_host(
     """Fill ``grad_x_layer_out [B, c_x]`` (its dtype), ``grad_h_post [B, n]`` (float32) and
     ``grad_x_res [B, n*c_x]`` (``grad_x_out`` itself: x_res enters x_out with weight 1) for
     ``x_out[b, i*c_x + c] = h_post[b, i] * x_layer_out[b, c] + x_res[b, i*c_x + c]``."""
-    batch, c_x = x_layer_out.shape
-    n = h_post.shape[1]
-    for block in _row_blocks(batch, n * c_x):
-        layer = x_layer_out[block].astype(np.float32)
-        gates = h_post[block].astype(np.float32)
-        grad = grad_x_out[block].astype(np.float32).reshape(-1, n, c_x)
+    for block, layer, gates, grad in _post_blocks(x_layer_out, h_post, grad_x_out):
         grad_layer = np.matmul(gates[:, None, :], grad)[:, 0, :]
         grad_x_layer_out[block] = grad_layer.astype(grad_x_layer_out.dtype)
         grad_h_post[block] = np.matmul(grad, layer[:, :, None])[:, :, 0]

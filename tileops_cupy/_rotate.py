@@ -31,18 +31,7 @@ SHIPPED_ROTARY_DIMS = (64, 128)  # compiled with rotary_dim as a constant; other
 _THREADS_PER_BLOCK = 128
 _HEADS_IN_FLIGHT = 4  # loads of this many heads per thread in flight: rope.cu's define
 _DEFINES = (f"HEADS_IN_FLIGHT={_HEADS_IN_FLIGHT}",)
-ROPE_PARAMS = _cuda.ParamStruct(
-    "RopeParams",
-    (
-        ("q_in", "P"), ("q_out", "P"), ("k_in", "P"), ("k_out", "P"), ("ids", "P"),
-        ("offsets", "P"), ("position_offset", "q"),
-        ("q_in_stride", "3q"), ("q_out_stride", "3q"), ("k_in_stride", "3q"),
-        ("k_out_stride", "3q"), ("error_flag", "P"), ("fine", "P"), ("coarse", "P"),
-        ("position_limit", "q"), ("q_heads", "i"), ("k_heads", "i"), ("batch", "i"),
-        ("seq", "i"), ("rotary_dim", "i"), ("tail_chunks", "i"), ("ids_is_int64", "i"),
-        ("offsets_is_int64", "i"), ("sin_sign", "f"),
-    ),
-)  # fmt: skip
+ROPE_PARAMS = _cuda.ParamStruct.declared("rope", "RopeParams")
 
 
 @dataclass(frozen=True, slots=True)

@@ -276,7 +276,7 @@ def _rope_qk_impl(q, k, offsets, offset, positions, inverse, decode, *config):
     from .rope import component
 
     position = _position(offsets, offset)
-    q_out, k_out = component(config).rotated(q, k, position, inverse, decode, positions)
+    q_out, k_out = component(config).rotated(q, k, position, inverse, decode, ids=positions)
     return q_out, (q.new_empty(0) if k_out is None else k_out)
 
 
@@ -394,6 +394,26 @@ def _mhc_post_bwd_fake(x_layer_out, h_post, x_res, grad_x_out, target):
     return layer, gates, residual
 
 
+def _no_second_order(op_name: str, forward_name: str) -> tuple:
+    """The autograd formula of a backward op (mhc_pre_bwd, mhc_post_bwd): once
+    differentiable, as ``torch.autograd.function.once_differentiable``, with an error that
+    says so. A gradient taken with ``create_graph=True`` is right; backpropagating through
+    it raises instead of returning a silently wrong (or zero) second-order gradient."""
+
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"{op_name} (the gradient of {forward_name}) has no derivative: second-order "
+            f"gradients through {forward_name} are not supported (a gradient taken with "
+            "create_graph=True cannot be backpropagated again); take first-order gradients "
+            "only, or differentiate the float64 torch reference for higher orders"
+        )
+
+    def setup_context(ctx, inputs, output):
+        pass
+
+    return backward, setup_context
+
+
 # --------------------------------------------------------------------------- registration
 
 _IMPLEMENTATIONS = {
@@ -402,8 +422,18 @@ _IMPLEMENTATIONS = {
     "rope_qk_": (_rope_qk__impl, _rope_qk__fake, ("q", "k"), None),
     "mhc_pre": (_mhc_pre_impl, _mhc_pre_fake, (), (_mhc_pre_backward, _mhc_pre_setup)),
     "mhc_post": (_mhc_post_impl, _mhc_post_fake, (), (_mhc_post_backward, _mhc_post_setup)),
-    "mhc_pre_bwd": (_mhc_pre_bwd_impl, _mhc_pre_bwd_fake, (), None),
-    "mhc_post_bwd": (_mhc_post_bwd_impl, _mhc_post_bwd_fake, (), None),
+    "mhc_pre_bwd": (
+        _mhc_pre_bwd_impl,
+        _mhc_pre_bwd_fake,
+        (),
+        _no_second_order("MHCPreBwdOp", "MHCPreFwdOp"),
+    ),
+    "mhc_post_bwd": (
+        _mhc_post_bwd_impl,
+        _mhc_post_bwd_fake,
+        (),
+        _no_second_order("MHCPostBwdOp", "MHCPostFwdOp"),
+    ),
 }
 
 

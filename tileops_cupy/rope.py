@@ -17,7 +17,9 @@ Example (host, runs anywhere)::
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import math
 from typing import Any
 
@@ -236,7 +238,52 @@ class RoPEFwdOp(_RotaryOp):
         self._setup(Standard(base), rope_layout, input_layout, target, rotary_dim)
 
 
-class RoPELlama31FwdOp(_RotaryOp):
+_POSITIONAL = inspect.Parameter.POSITIONAL_OR_KEYWORD
+_INPUT_LAYOUT_PARAMETER = inspect.Parameter(
+    "input_layout", _POSITIONAL, default="1d", annotation="str"
+)
+
+
+class _SchemeOp(_RotaryOp):
+    """A neox op of one frequency scheme (the class keyword ``scheme``), constructed as
+    ``(input_layout="1d", <the scheme's fields, in order, with its defaults>, *,
+    rotary_dim=None, target=None)``: the scheme dataclass declares those parameters once,
+    and the op's signature (``inspect.signature``, ``help``) is derived from it."""
+
+    _scheme_type: type
+
+    def __init_subclass__(cls, scheme: type | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if scheme is None:  # a Bwd twin: its Fwd op's scheme and signature
+            return
+        cls._scheme_type = scheme
+        keyword = inspect.Parameter.KEYWORD_ONLY
+        parameters = [_INPUT_LAYOUT_PARAMETER]
+        parameters += [
+            inspect.Parameter(f.name, _POSITIONAL, default=f.default, annotation=f.type)
+            for f in dataclasses.fields(scheme)
+        ]
+        parameters += [
+            inspect.Parameter("rotary_dim", keyword, default=None, annotation="int | None"),
+            inspect.Parameter("target", keyword, default=None, annotation="Any"),
+        ]
+        cls.__signature__ = inspect.Signature(parameters, return_annotation="None")
+
+    def __init__(
+        self,
+        input_layout: str = "1d",
+        *scheme_args: Any,
+        rotary_dim: int | None = None,
+        target: Any = None,
+        **scheme_kwargs: Any,
+    ) -> None:
+        scheme = self._scheme_type(*scheme_args, **scheme_kwargs)
+        self._setup(scheme, "neox", input_layout, target, rotary_dim)
+        if self.rotary_dim is not None:
+            scheme.inv_freq(self.rotary_dim)  # a count the scheme fixes (LongRoPE's factors), now
+
+
+class RoPELlama31FwdOp(_SchemeOp, scheme=Llama31):
     """Neox RoPE with Llama 3.1 piecewise frequency scaling (HF ``rope_type="llama3"``).
 
     Args:
@@ -255,25 +302,8 @@ class RoPELlama31FwdOp(_RotaryOp):
         (4, 128)
     """
 
-    def __init__(
-        self,
-        input_layout: str = "1d",
-        base: float = 10000.0,
-        scale_factor: float = 8.0,
-        low_freq_factor: float = 1.0,
-        high_freq_factor: float = 4.0,
-        original_max_position: int = 8192,
-        *,
-        rotary_dim: int | None = None,
-        target: Any = None,
-    ) -> None:
-        scheme = Llama31(
-            base, scale_factor, low_freq_factor, high_freq_factor, original_max_position
-        )
-        self._setup(scheme, "neox", input_layout, target, rotary_dim)
 
-
-class YaRNFwdOp(_RotaryOp):
+class YaRNFwdOp(_SchemeOp, scheme=YaRN):
     """Neox RoPE with YaRN frequencies and attention amplitude, as vLLM's
     ``YaRNScalingRotaryEmbedding`` and HF ``rope_type="yarn"`` (TileOPs' own kernel drifted
     from that reference; see ``schemes.YaRN``). cos and sin carry the amplitude
@@ -296,24 +326,8 @@ class YaRNFwdOp(_RotaryOp):
         (4, 64)
     """
 
-    def __init__(
-        self,
-        input_layout: str = "1d",
-        base: float = 10000.0,
-        scale: float = 16.0,
-        original_max_position: int = 4096,
-        beta_fast: float = 32.0,
-        beta_slow: float = 1.0,
-        attn_factor: float = 1.0,
-        *,
-        rotary_dim: int | None = None,
-        target: Any = None,
-    ) -> None:
-        scheme = YaRN(base, scale, original_max_position, beta_fast, beta_slow, attn_factor)
-        self._setup(scheme, "neox", input_layout, target, rotary_dim)
 
-
-class LongRoPEFwdOp(_RotaryOp):
+class LongRoPEFwdOp(_SchemeOp, scheme=LongRoPE):
     """Neox RoPE with per-pair rescaled frequencies ``inv0 / rescale_factors`` and the
     amplitude ``sqrt(1 + ln(s)/ln(original))``, ``s = max/original`` (HF ``longrope``).
 
@@ -338,24 +352,6 @@ class LongRoPEFwdOp(_RotaryOp):
         >>> LongRoPEFwdOp(rescale_factors=[1.0] * 8, rotary_dim=16)(np.ones((4, 64))).shape
         (4, 64)
     """
-
-    def __init__(
-        self,
-        input_layout: str = "1d",
-        base: float = 10000.0,
-        rescale_factors: Any = None,
-        max_position_embeddings: int = 4096,
-        original_max_position_embeddings: int = 4096,
-        *,
-        rotary_dim: int | None = None,
-        target: Any = None,
-    ) -> None:
-        scheme = LongRoPE(
-            base, rescale_factors, max_position_embeddings, original_max_position_embeddings
-        )
-        self._setup(scheme, "neox", input_layout, target, rotary_dim)
-        if self.rotary_dim is not None:
-            scheme.inv_freq(self.rotary_dim)  # the factors' count, checked now
 
 
 class RoPENeoxPositionIdsFwdOp(_RotaryOp):
@@ -699,7 +695,7 @@ class RoPE:
         if k is not None:
             k.copy_(k_rot)
 
-    def rotate_in_place(
+    def _direct(
         self,
         q: Any,
         k: Any,
@@ -708,15 +704,23 @@ class RoPE:
         decode: bool = False,
         layout: tuple | None = None,
         ids: Any = None,
-    ) -> None:
-        """The in-place rotation without the torch dispatcher (what its custom op runs);
-        ``layout``: ``_torch_ops.layouts(q, k, position, ids)`` when the caller has it;
-        ``ids``: per-token positions (see :meth:`forward`) or None.
+        *,
+        in_place: bool,
+    ) -> tuple[Any, Any] | None:
+        """The rotation without the torch dispatcher (what the custom ops run): in place
+        (:meth:`rotate_in_place`, returns None) or into new copies (:meth:`rotated`, returns
+        them; k None gives None). ``layout``: ``_torch_ops.layouts(q, k, position, ids)``
+        when the caller has it; ``ids``: per-token positions (see :meth:`forward`) or None.
 
-        A call whose torch layouts (q, k, the position's kind, the per-token positions, the
-        direction) an earlier call validated and planned re-runs that launch with the new
-        addresses and offset: at decode sizes the bookkeeping would otherwise cost more than
-        the kernel."""
+        An in-place call whose torch layouts (q, k, the position's kind, the per-token
+        positions, the direction) an earlier call validated and planned re-runs that launch
+        with the new addresses and offset: at decode sizes the bookkeeping would otherwise
+        cost more than the kernel."""
+        if not in_place:
+            q_out = empty_like(as_operand(q, "q"), tuple(q.shape))
+            k_out = None if k is None else empty_like(as_operand(k, "k"), tuple(k.shape))
+            self._apply(q, k, position, inverse, decode, out=(q_out, k_out), ids=ids)
+            return to_caller(q_out), None if k_out is None else to_caller(k_out)
         keys, (q_ptr, k_ptr, offsets_ptr, ids_ptr) = layout or torch_ops.layouts(
             q, k, position, ids
         )
@@ -760,20 +764,9 @@ class RoPE:
             self._relaunches[key] = (launch, last_position, k_ptr - q_ptr, *spans)
         torch_ops.bump_versions(q, k)
 
-    def rotated(
-        self,
-        q: Any,
-        k: Any,
-        position: Any,
-        inverse: bool = False,
-        decode: bool = False,
-        ids: Any = None,
-    ) -> tuple[Any, Any]:
-        """New rotated copies of q and k (k None gives None), without the dispatcher."""
-        q_out = empty_like(as_operand(q, "q"), tuple(q.shape))
-        k_out = None if k is None else empty_like(as_operand(k, "k"), tuple(k.shape))
-        self._apply(q, k, position, inverse, decode, out=(q_out, k_out), ids=ids)
-        return to_caller(q_out), None if k_out is None else to_caller(k_out)
+    # the custom ops' two entries: one signature, the copy or in-place choice by name
+    rotate_in_place = functools.partialmethod(_direct, in_place=True)
+    rotated = functools.partialmethod(_direct, in_place=False)
 
     def _rows(self, operand: Operand, name: str, heads: int, packed: bool = False) -> HeadRows:
         """``operand`` as [B, T, heads, head_dim] rows; ``packed`` also takes [N, heads*head_dim]

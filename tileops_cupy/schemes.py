@@ -26,15 +26,18 @@ from ._validate import check_real
 __all__ = ["Standard", "Llama31", "YaRN", "LongRoPE", "Scheme", "scheme_args", "scheme_from_args"]
 
 
-def _check_numbers(scheme: Scheme) -> None:
-    """Every number field of ``scheme`` checked by its declared type (an int field takes
-    ints, a float field any real; both > 0 and finite) and stored in that type."""
-    for f in fields(scheme):
-        if f.type in ("int", "float"):
-            value = check_real(
-                f.name, getattr(scheme, f.name), integer=f.type == "int", positive=True
-            )
-            object.__setattr__(scheme, f.name, value)
+@dataclass(frozen=True)
+class _Numbers:
+    """Base of the schemes: every number field checked by its declared type (an int field
+    takes ints, a float field any real; both > 0 and finite) and stored in that type."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if f.type in ("int", "float"):
+                value = check_real(
+                    f.name, getattr(self, f.name), integer=f.type == "int", positive=True
+                )
+                object.__setattr__(self, f.name, value)
 
 
 def _base_inv_freq(base: float, rotary_dim: int) -> np.ndarray:
@@ -43,13 +46,10 @@ def _base_inv_freq(base: float, rotary_dim: int) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class Standard:
+class Standard(_Numbers):
     """``inv[j] = base ** (-2j/d)``, amplitude 1 (GPT-NeoX, RoFormer, Llama 2)."""
 
     base: float = 10000.0
-
-    def __post_init__(self) -> None:
-        _check_numbers(self)
 
     def inv_freq(self, rotary_dim: int) -> np.ndarray:
         return _base_inv_freq(self.base, rotary_dim)
@@ -59,7 +59,7 @@ class Standard:
 
 
 @dataclass(frozen=True)
-class Llama31:
+class Llama31(_Numbers):
     """Llama 3.1 piecewise scaling: long wavelengths divided by ``scale_factor``, short ones
     kept, a linear blend in between (HF ``rope_type="llama3"``). Amplitude 1."""
 
@@ -70,7 +70,7 @@ class Llama31:
     original_max_position: int = 8192
 
     def __post_init__(self) -> None:
-        _check_numbers(self)
+        super().__post_init__()
         if self.high_freq_factor <= self.low_freq_factor:
             raise ValueError(
                 "high_freq_factor must be greater than low_freq_factor, got "
@@ -95,7 +95,7 @@ class Llama31:
 
 
 @dataclass(frozen=True)
-class YaRN:
+class YaRN(_Numbers):
     """YaRN ramp between interpolated and extrapolated frequencies, with the attention
     (mscale) amplitude, as vLLM's ``YaRNScalingRotaryEmbedding`` and HF ``rope_type="yarn"``.
 
@@ -109,9 +109,6 @@ class YaRN:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     attn_factor: float = 1.0
-
-    def __post_init__(self) -> None:
-        _check_numbers(self)
 
     def _correction_dim(self, rotations: float, rotary_dim: int) -> float:
         return (rotary_dim * math.log(self.original_max_position / (rotations * 2 * math.pi))) / (
@@ -134,7 +131,7 @@ class YaRN:
 
 
 @dataclass(frozen=True)
-class LongRoPE:
+class LongRoPE(_Numbers):
     """Per-pair rescaled frequencies ``inv0 / rescale_factors`` with the amplitude
     ``sqrt(1 + ln(s)/ln(original))``, ``s = max/original`` (HF ``rope_type="longrope"``).
 
@@ -148,7 +145,7 @@ class LongRoPE:
     original_max_position_embeddings: int = 4096
 
     def __post_init__(self) -> None:
-        _check_numbers(self)
+        super().__post_init__()
         if (
             self.max_position_embeddings > self.original_max_position_embeddings
             and self.original_max_position_embeddings <= 1

@@ -288,20 +288,20 @@ class MHCPreBwdOp(_PreSettings):
         ValueError: whatever :class:`MHCPreFwdOp` refuses; an upstream gradient whose
             ndim, shape or dtype is not that of the forward output it belongs to.
         TypeError: an argument that is not an array.
+        RuntimeError: a backward through this op's outputs (a second-order gradient of
+            :class:`MHCPreFwdOp`, after ``create_graph=True``): it is once differentiable.
 
     Example (host, runs anywhere)::
 
         >>> import numpy as np
         >>> from tileops_cupy.sequence_modeling import MHCPreBwdOp, MHCPreFwdOp
         >>> rng = np.random.default_rng(0)
-        >>> n, c_x, batch = 4, 64, 3
-        >>> phi = (rng.standard_normal((n * c_x, n * n + 2 * n)) / 16).astype(np.float32)
-        >>> b = np.zeros(n * n + 2 * n, np.float32)
-        >>> x = rng.standard_normal((batch, n * c_x)).astype(np.float32)
-        >>> outputs = MHCPreFwdOp(1.0, 1.0, 1.0, sinkhorn_repeat=20)(phi, x, b)
+        >>> phi = (rng.standard_normal((256, 24)) / 16).astype(np.float32)  # n = 4, c_x = 64
+        >>> x, b = rng.standard_normal((3, 256)).astype(np.float32), np.zeros(24, np.float32)
+        >>> settings = dict(alpha_pre=1.0, alpha_post=1.0, alpha_res=1.0, sinkhorn_repeat=20)
+        >>> outputs = MHCPreFwdOp(**settings)(phi, x, b)
         >>> upstream = [np.ones_like(o) for o in outputs]  # d(sum of every output)
-        >>> op = MHCPreBwdOp(1.0, 1.0, 1.0, sinkhorn_repeat=20)
-        >>> grad_phi, grad_x, grad_b, grad_alpha = op(phi, x, b, *upstream)
+        >>> grad_phi, grad_x, grad_b, grad_alpha = MHCPreBwdOp(**settings)(phi, x, b, *upstream)
         >>> grad_phi.shape, grad_x.shape, grad_b.shape, grad_alpha.shape
         ((256, 24), (3, 256), (24,), (3,))
     """
@@ -373,6 +373,8 @@ class MHCPostBwdOp:
         ValueError: whatever :class:`MHCPostFwdOp` refuses; a ``grad_x_out`` whose ndim,
             shape or dtype is not that of ``x_res``.
         TypeError: an argument that is not an array.
+        RuntimeError: a backward through this op's outputs (a second-order gradient of
+            :class:`MHCPostFwdOp`): it is once differentiable.
 
     Example (host, runs anywhere)::
 
