@@ -26,8 +26,9 @@
 //   mhc_bwd_reduce  grad_phi's partials, grad_b and grad_alpha summed in a fixed order.
 // Nothing is accumulated with atomics: two runs give the same bits.
 //
-// Post backward (mhc_post_bwd) is one pass, one block per row: grad_x_layer_out, grad_h_post
-// (a fixed-order block reduction) and the copy grad_x_res = grad_x_out.
+// Post backward (mhc_post_bwd) is one pass, one block per row: grad_x_layer_out and grad_h_post
+// (a fixed-order block reduction). grad_x_res is grad_x_out itself (x_res enters x_out with
+// weight 1), so nothing copies it.
 
 struct alignas(16) F4 {
   float x, y, z, w;
@@ -1031,30 +1032,12 @@ struct PostBwdParams {
   const void* grad_x_out;   // [batch, n*c_x], rows grad_stride apart, columns dense
   void* grad_x_layer_out;   // [batch, c_x], contiguous
   float* grad_h_post;       // [batch, n], contiguous
-  void* grad_x_res;         // [batch, n*c_x], contiguous
   i64 layer_stride, h_stride_row, h_stride_col, grad_stride;
   i64 batch, n, c_x, units;  // units = ceil(c_x / 8)
   int vector_io, unused;
 };
 
-static_assert(sizeof(PostBwdParams) == 120, "PostBwdParams changed size: update this number");
-
-// The first `count` (< 8) elements of r, element by element (rows not 16-byte aligned).
-template <typename T>
-__device__ __forceinline__ void store_raw_some(typename Io<T>::elem* p, int count, const Raw8<T>& r) {
-  typedef typename Io<T>::elem E;
-  if constexpr (sizeof(E) == 2) {
-    const u32 words[4] = {r.w[0].x, r.w[0].y, r.w[0].z, r.w[0].w};
-#pragma unroll
-    for (int e = 0; e < 8; ++e)
-      if (e < count) p[e] = (u16)(e & 1 ? words[e >> 1] >> 16 : words[e >> 1] & 0xffffu);
-  } else {
-    const u32 words[8] = {r.w[0].x, r.w[0].y, r.w[0].z, r.w[0].w, r.w[1].x, r.w[1].y, r.w[1].z, r.w[1].w};
-#pragma unroll
-    for (int e = 0; e < 8; ++e)
-      if (e < count) p[e] = __uint_as_float(words[e]);
-  }
-}
+static_assert(sizeof(PostBwdParams) == 112, "PostBwdParams changed size: update this number");
 
 // The sums of v[0..COUNT) over the block's threads, by a fixed tree: into out[] from
 // thread 0. Every thread of the block calls it; `scratch` holds COUNT floats per warp.
@@ -1097,26 +1080,8 @@ __device__ __forceinline__ void store8_or_some(typename Io<T>::elem* p, bool vec
     store_some<T>(p, count, v);
 }
 
-// grad_x_res = grad_x_out for 8 columns of one stream, copied bit for bit (streaming stores),
-// and the same 8 elements as floats in v.
-template <typename T>
-__device__ __forceinline__ void copy_unpack8(const typename Io<T>::elem* src, typename Io<T>::elem* dst,
-                                             bool vector, int count, float (&v)[8]) {
-  typedef typename Io<T>::elem E;
-  Raw8<T> raw;
-  load_raw8<T>(src, vector, count, raw);
-  if (vector) {
-#pragma unroll
-    for (int h = 0; h < (int)(sizeof(raw.w) / sizeof(U4)); ++h)
-      store_stream16(dst + h * (16 / (int)sizeof(E)), raw.w[h]);
-  } else {
-    store_raw_some<T>(dst, count, raw);
-  }
-  unpack8<T>(raw, v);
-}
-
 // One block per row. N > 0: the n = N streams unrolled, one pass. N == 0: any n, grad_x_out
-// read twice (a stream loop for grad_h_post and the copy, a column loop for grad_x_layer_out).
+// read twice (a stream loop for grad_h_post, a column loop for grad_x_layer_out).
 template <typename T, int N>
 __global__ void __launch_bounds__(BWD_POST_THREADS) mhc_post_bwd(const PostBwdParams p) {
   typedef typename Io<T>::elem E;
@@ -1127,7 +1092,6 @@ __global__ void __launch_bounds__(BWD_POST_THREADS) mhc_post_bwd(const PostBwdPa
   const E* layer = (const E*)p.x_layer_out + row * p.layer_stride;
   const E* grad = (const E*)p.grad_x_out + row * p.grad_stride;
   E* out_layer = (E*)p.grad_x_layer_out + row * p.c_x;
-  E* out_res = (E*)p.grad_x_res + row * (p.n * p.c_x);
   const float* gates = p.h_post + row * p.h_stride_row;
   float* out_gates = p.grad_h_post + row * p.n;
   if constexpr (N > 0) {
@@ -1144,7 +1108,7 @@ __global__ void __launch_bounds__(BWD_POST_THREADS) mhc_post_bwd(const PostBwdPa
 #pragma unroll
       for (int i = 0; i < N; ++i) {
         float v[8];
-        copy_unpack8<T>(grad + i * p.c_x + c0, out_res + i * p.c_x + c0, vector, count, v);
+        load8_or_some<T>(grad + i * p.c_x + c0, vector, count, v);
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
           acc[e] = fmaf(gate[i], v[e], acc[e]);
@@ -1162,7 +1126,7 @@ __global__ void __launch_bounds__(BWD_POST_THREADS) mhc_post_bwd(const PostBwdPa
         const int count = p.c_x - c0 < 8 ? (int)(p.c_x - c0) : 8;
         float xl[8], v[8];
         load8_or_some<T>(layer + c0, vector, count, xl);
-        copy_unpack8<T>(grad + i * p.c_x + c0, out_res + i * p.c_x + c0, vector, count, v);
+        load8_or_some<T>(grad + i * p.c_x + c0, vector, count, v);
 #pragma unroll
         for (int e = 0; e < 8; ++e) dot = fmaf(xl[e], v[e], dot);
       }

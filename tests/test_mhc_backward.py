@@ -278,8 +278,10 @@ def test_post_backward_matches_oracle(rng, place, n, dtype):
         gates = rng.uniform(0, 2, (batch, n)).astype(np.float32)
         res = rng.standard_normal((batch, n * c_x)).astype(NP_DTYPES[dtype])
         grad_out = rng.standard_normal((batch, n * c_x)).astype(NP_DTYPES[dtype])
+        inputs = [on(place, a) for a in (layer, gates, res, grad_out)]
         with poisoned():
-            grads = MHCPostBwdOp()(*(on(place, a) for a in (layer, gates, res, grad_out)))
+            grads = MHCPostBwdOp()(*inputs)
+        assert grads[2] is inputs[3]  # the gradient passes through x_res uncopied
         assert [dtype_name(g) for g in grads] == [dtype, "float32", dtype]
         assert [tuple(g.shape) for g in grads] == [layer.shape, gates.shape, res.shape]
         assert_post_backward_matches(layer, gates, grad_out, grads, dtype)

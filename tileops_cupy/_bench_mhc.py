@@ -175,8 +175,9 @@ def _post_backward_row(ceiling: float, batch: int, n: int, c_x: int, with_compil
     layer, gates, res = _post_inputs(batch, n, c_x)
     grad_out = torch.randn(batch, n * c_x, device="cuda").bfloat16()
     op = MHCPostBwdOp()
-    # read once: x_layer_out, h_post, grad_x_out; written once: their gradients, grad_x_res
-    moved = 2 * (layer.numel() * 2 + gates.numel() * 4) + 2 * grad_out.numel() * 2
+    # read once: x_layer_out, h_post, grad_x_out; written once: the gradients of the first
+    # two (grad_x_res is grad_x_out itself)
+    moved = 2 * (layer.numel() * 2 + gates.numel() * 4) + grad_out.numel() * 2
     leaves = [t.clone().requires_grad_() for t in (layer, gates, res)]
     row = _backward_row(
         f"mhc post-bwd B{batch} n{n} c_x{c_x} bf16",

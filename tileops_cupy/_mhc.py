@@ -194,23 +194,18 @@ def mhc_post_backward(
     place: str,
     layer: Operand,
     gates: Operand,
-    res: Operand,
     grad_x_out: Operand,
     grad_layer: Operand,
     grad_gates: Operand,
-    grad_res: Operand,
 ) -> None:
-    """Fill the gradients (fresh contiguous arrays) from validated inputs with batch and c_x
-    >= 1, on ``place``."""
+    """Fill grad_x_layer_out and grad_h_post (fresh contiguous arrays) from validated inputs
+    with batch and c_x >= 1, on ``place``. (grad_x_res is grad_x_out itself.)"""
     if place == "cpu":
         mhc_post_backward_host(
-            layer.host, gates.host, grad_x_out.host, grad_layer.host, grad_gates.host,
-            grad_res.host,
-        )  # fmt: skip
-    else:
-        post_backward_cuda(
-            layer, gates, res, grad_x_out, grad_layer, grad_gates, grad_res, stream_handle(layer)
+            layer.host, gates.host, grad_x_out.host, grad_layer.host, grad_gates.host
         )
+    else:
+        post_backward_cuda(layer, gates, grad_x_out, grad_layer, grad_gates, stream_handle(layer))
 
 
 def zero_fill(output: Operand) -> None:
@@ -498,15 +493,13 @@ def _post_cuda(
 def post_backward_cuda(
     x_layer_out: Operand,
     h_post: Operand,
-    x_res: Operand,
     grad_x_out: Operand,
     grad_x_layer_out: Operand,
     grad_h_post: Operand,
-    grad_x_res: Operand,
     stream: int,
 ) -> None:
-    """Fill ``grad_x_layer_out [B, c_x]``, ``grad_h_post [B, n]`` (float32) and
-    ``grad_x_res [B, n*c_x]`` for ``x_out = h_post[i] * x_layer_out + x_res[i]``."""
+    """Fill ``grad_x_layer_out [B, c_x]`` and ``grad_h_post [B, n]`` (float32) for
+    ``x_out = h_post[i] * x_layer_out + x_res[i]``."""
     layer, grad = (
         operand if operand.last_dim_contiguous else contiguous(operand)
         for operand in (x_layer_out, grad_x_out)
@@ -516,7 +509,7 @@ def post_backward_cuda(
     if batch >= 1 << 31:
         raise ValueError(f"mHC post backward takes batch < 2**31, got {batch}")
     size = ITEMSIZE[layer.dtype]
-    alignment = layer.ptr | grad.ptr | grad_x_layer_out.ptr | grad_x_res.ptr
+    alignment = layer.ptr | grad.ptr | grad_x_layer_out.ptr
     if batch > 1:
         alignment |= (layer.strides[0] | grad.strides[0]) * size
     spec = post_backward_module(layer.dtype)
@@ -525,7 +518,7 @@ def post_backward_cuda(
     params = POST_BWD_PARAMS.pack(
         x_layer_out=layer.ptr, h_post=h_post.ptr, grad_x_out=grad.ptr,
         grad_x_layer_out=grad_x_layer_out.ptr, grad_h_post=grad_h_post.ptr,
-        grad_x_res=grad_x_res.ptr, layer_stride=layer.strides[0],
+        layer_stride=layer.strides[0],
         h_stride_row=h_post.strides[0], h_stride_col=h_post.strides[1],
         grad_stride=grad.strides[0], batch=batch, n=n, c_x=c_x, units=-(-c_x // 8),
         vector_io=c_x % 8 == 0 and alignment % 16 == 0, unused=0,

@@ -253,13 +253,11 @@ def mhc_post_backward_host(
     grad_x_out: np.ndarray,
     grad_x_layer_out: np.ndarray,
     grad_h_post: np.ndarray,
-    grad_x_res: np.ndarray,
 ) -> None:
-    """Fill ``grad_x_layer_out [B, c_x]`` (its dtype), ``grad_h_post [B, n]`` (float32) and
-    ``grad_x_res [B, n*c_x]`` (``grad_x_out`` itself: x_res enters x_out with weight 1) for
-    ``x_out[b, i*c_x + c] = h_post[b, i] * x_layer_out[b, c] + x_res[b, i*c_x + c]``."""
+    """Fill ``grad_x_layer_out [B, c_x]`` (its dtype) and ``grad_h_post [B, n]`` (float32)
+    for ``x_out[b, i*c_x + c] = h_post[b, i] * x_layer_out[b, c] + x_res[b, i*c_x + c]``
+    (grad_x_res is ``grad_x_out`` itself: x_res enters x_out with weight 1)."""
     for block, layer, gates, grad in _post_blocks(x_layer_out, h_post, grad_x_out):
         grad_layer = np.matmul(gates[:, None, :], grad)[:, 0, :]
         grad_x_layer_out[block] = grad_layer.astype(grad_x_layer_out.dtype)
         grad_h_post[block] = np.matmul(grad, layer[:, :, None])[:, :, 0]
-        grad_x_res[block] = grad_x_out[block]

@@ -63,7 +63,7 @@ SCHEMAS = {
     ),
     "mhc_post_bwd": (
         "(Tensor x_layer_out, Tensor h_post, Tensor x_res, Tensor grad_x_out, str target) "
-        "-> (Tensor, Tensor, Tensor)"
+        "-> (Tensor, Tensor)"
     ),
 }
 
@@ -242,9 +242,12 @@ def mhc_pre_bwd(config: tuple, *tensors: Any) -> Any:
 
 
 def mhc_post_bwd(target: str, *tensors: Any) -> Any:
+    """``(grad_x_layer_out, grad_h_post, grad_x_res)``: the op computes the first two;
+    grad_x_res is grad_x_out itself (a custom op may not return its input)."""
     import torch
 
-    return torch.ops.tileops_cupy.mhc_post_bwd(*tensors, target)
+    grad_layer, grad_gates = torch.ops.tileops_cupy.mhc_post_bwd(*tensors, target)
+    return grad_layer, grad_gates, tensors[-1]
 
 
 # --------------------------------------------------------------------------- implementations
@@ -386,12 +389,11 @@ def _mhc_post_bwd_impl(x_layer_out, h_post, x_res, grad_x_out, target):
     from .sequence_modeling import rebuilt_op
 
     op = rebuilt_op("MHCPostBwdOp", (target,))
-    return op.direct(x_layer_out, h_post, x_res, grad_x_out)
+    return op.direct(x_layer_out, h_post, x_res, grad_x_out)[:2]
 
 
 def _mhc_post_bwd_fake(x_layer_out, h_post, x_res, grad_x_out, target):
-    layer, gates, residual = (t.new_empty(t.shape) for t in (x_layer_out, h_post, x_res))
-    return layer, gates, residual
+    return x_layer_out.new_empty(x_layer_out.shape), h_post.new_empty(h_post.shape)
 
 
 def _no_second_order(op_name: str, forward_name: str) -> tuple:

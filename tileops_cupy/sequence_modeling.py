@@ -367,7 +367,9 @@ class MHCPostBwdOp:
     [batch, n*c_x])`` in the dtypes of the forward's inputs (grad_h_post float32):
     ``grad_x_layer_out[:, c] = sum_i h_post[:, i] * grad_x_out[:, i*c_x + c]`` (float32,
     rounded once), ``grad_h_post[:, i] = sum_c x_layer_out[:, c] * grad_x_out[:, i*c_x + c]``
-    (float32) and ``grad_x_res`` a copy of ``grad_x_out``. ``x_res`` only sets the shapes.
+    (float32), and ``grad_x_res`` is ``grad_x_out`` itself, the same object (x_res enters
+    the output with weight 1; torch's own ``add`` backward passes its gradient on the same
+    way): nothing is copied. ``x_res`` only sets the shapes.
 
     Raises:
         ValueError: whatever :class:`MHCPostFwdOp` refuses; a ``grad_x_out`` whose ndim,
@@ -421,14 +423,13 @@ class MHCPostBwdOp:
         grads = (
             empty_like(layer_op, layer_op.shape, layer_op.dtype),
             empty_like(layer_op, gates_op.shape, "float32"),
-            empty_like(layer_op, res_op.shape, res_op.dtype),
         )
         if res_op.shape[0] and res_op.shape[1]:
-            _mhc.mhc_post_backward(place, layer_op, gates_op, res_op, up_op, *grads)
+            _mhc.mhc_post_backward(place, layer_op, gates_op, up_op, *grads)
         else:  # nothing to sum: grad_h_post is 0 (and empty with the batch)
             for grad in grads:
                 _mhc.zero_fill(grad)
-        return tuple(to_caller(grad) for grad in grads)
+        return (*(to_caller(grad) for grad in grads), grad_x_out)
 
     __call__ = forward
     __repr__ = MHCPostFwdOp.__repr__
