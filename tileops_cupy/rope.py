@@ -947,6 +947,15 @@ class RoPE:
         # positions of one token dim ([N], or [3, N] under MRoPE): packed q and k
         token_dims = getattr(ids, "ndim", 0) - (self.mrope_section is not None)
         packed = ids is not None and token_dims == 1
+        if ids is not None and hasattr(ids, "ndim") and token_dims not in (1, 2):
+            rows = (
+                "[3, B, T] or [3, N] (MRoPE rows t, h, w)"
+                if self.mrope_section
+                else "[B, T] or [N]"
+            )
+            raise ValueError(
+                f"positions must be {rows}, one position per token, got shape {tuple(ids.shape)}"
+            )
         table = self.table
         if cache is not None:
             if ids is None:
