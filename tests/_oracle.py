@@ -287,9 +287,7 @@ def assert_matches_oracle(
     """Every element of ``y`` (any framework) within :func:`contract_tolerance` of the
     float64 oracle, no NaN/inf, and the columns past rotary_dim copied exactly. Returns
     ``y`` as float64. ``per_pair``: as in :func:`rope_reference`."""
-    y64 = rope_reference(
-        x64, positions, frequencies, neox=neox, inverse=inverse, per_pair=per_pair
-    )
+    y64 = rope_reference(x64, positions, frequencies, neox=neox, inverse=inverse, per_pair=per_pair)
     angle = max_angle(positions, frequencies)
     return assert_matches_reference(
         y, y64, x64, frequencies.rotary_dim, dtype, frequencies.amplitude, angle, what

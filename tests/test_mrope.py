@@ -296,9 +296,7 @@ def test_mrope_construction_errors(section, interleaved, error, match):
     "shape, match",
     [((B * T,), r"\[3, N\]"), ((2, B * T), r"\[3, N\]"), ((3, B, T), "q must be")],
 )
-def test_mrope_positions_of_the_wrong_shape_are_refused_before_any_write(
-    rng, shape, match, place
-):
+def test_mrope_positions_of_the_wrong_shape_are_refused_before_any_write(rng, shape, match, place):
     rope, *_ = _rope("sectioned")
     q, _ = _data(rng, "packed", HEADS, "float32", place)
     before = q.clone()

@@ -676,8 +676,8 @@ class RoPE:
         """Use the device flag ``flag`` (a new one if None) and set :attr:`config`, the
         component by value as its torch custom ops carry it (the flag by key)."""
         flag, self._flag = error_flag(flag)
-        self.config = (
-            *scheme_args(self.scheme), self.rotary_dim, self.rope_layout == "neox",
+        self.config = _component_config(
+            scheme_args(self.scheme), self.rotary_dim, self.rope_layout == "neox",
             self.head_dim, self.num_heads, self.num_kv_heads, self.max_position or 0,
             self.target or "", flag, self.mrope_section or (), self.mrope_interleaved,
         )  # fmt: skip
@@ -705,45 +705,8 @@ class RoPE:
         layout = torch_ops.classify(q, k, position, ids, cache)
         if layout is not torch_ops.DISPATCH:
             self.rotate_in_place(q, k, position, inverse, decode, layout, ids, cache)
-        elif torch_ops.requires_grad(q, k):
-            self._record_in_place(q, k, position, inverse, decode, ids, cache)
         else:
-            offsets, offset = _split_position(position)
-            arguments = (q, k, offsets, offset, ids, cache, inverse, decode)
-            torch_ops.rope_qk(self.config, *arguments, in_place=True)
-
-    def _record_in_place(
-        self,
-        q: Any,
-        k: Any,
-        position: Any,
-        inverse: bool,
-        decode: bool,
-        ids: Any = None,
-        cache: Any = None,
-    ):
-        """An in-place call on tensors autograd tracks, recorded as torch's own in-place ops
-        are: the rotation out of place (its backward is the inverse rotation), copied back
-        into q and k, so their grad_fn and version counters are right. A leaf that requires
-        grad cannot change in place; torch refuses, and so do we, before any write."""
-        for name, tensor in (("q", q), ("k", k)):
-            if tensor is not None and tensor.requires_grad and tensor.is_leaf:
-                raise ValueError(
-                    f"{name} is a leaf tensor that requires grad, which cannot be rotated in "
-                    f"place (autograd forbids it); use apply_rope(q, k, rope) for a rotated "
-                    "copy, or rotate under torch.no_grad()"
-                )
-        if not torch_ops.is_compiling():  # (a traced graph has no memory to compare)
-            operands = {"q": as_operand(q, "q")}
-            if k is not None:
-                operands["k"] = as_operand(k, "k")
-            check_in_place(operands)  # before the first copy_ writes
-        offsets, offset = _split_position(position)
-        arguments = (q, k, offsets, offset, ids, cache, inverse, decode)
-        q_rot, k_rot = torch_ops.rope_qk(self.config, *arguments)
-        q.copy_(q_rot)
-        if k is not None:
-            k.copy_(k_rot)
+            _dispatch_in_place(self.config, q, k, position, inverse, decode, ids, cache)
 
     def rotate_in_place(
         self,
@@ -1009,6 +972,44 @@ class RoPE:
         )
 
 
+def _dispatch_in_place(
+    config: tuple,
+    q: Any,
+    k: Any,
+    position: Any,
+    inverse: bool,
+    decode: bool,
+    ids: Any = None,
+    cache: Any = None,
+) -> None:
+    """An in-place call through torch's dispatcher (``config``: the component's): the
+    in-place custom op, or, on tensors autograd tracks, the call recorded as torch's own
+    in-place ops are: the rotation out of place (its backward is the inverse rotation),
+    copied back into q and k, so their grad_fn and version counters are right. A leaf that
+    requires grad cannot change in place; torch refuses, and so do we, before any write."""
+    offsets, offset = _split_position(position)
+    arguments = (q, k, offsets, offset, ids, cache, inverse, decode)
+    if not torch_ops.requires_grad(q, k):
+        torch_ops.rope_qk(config, *arguments, in_place=True)
+        return
+    for name, tensor in (("q", q), ("k", k)):
+        if tensor is not None and tensor.requires_grad and tensor.is_leaf:
+            raise ValueError(
+                f"{name} is a leaf tensor that requires grad, which cannot be rotated in "
+                f"place (autograd forbids it); use apply_rope(q, k, rope) for a rotated "
+                "copy, or rotate under torch.no_grad()"
+            )
+    if not torch_ops.is_compiling():  # (a traced graph has no memory to compare)
+        operands = {"q": as_operand(q, "q")}
+        if k is not None:
+            operands["k"] = as_operand(k, "k")
+        check_in_place(operands)  # before the first copy_ writes
+    q_rot, k_rot = torch_ops.rope_qk(config, *arguments)
+    q.copy_(q_rot)
+    if k is not None:
+        k.copy_(k_rot)
+
+
 def apply_rope(
     q: Any, k: Any, rope: RoPE, position_offset: Any = 0, *, positions: Any = None
 ) -> tuple[Any, Any]:
@@ -1073,11 +1074,11 @@ def apply_rope_with_cos_sin_cache(
         >>> q_rot.shape, k_rot
         ((3, 32), None)
     """
-    rope = _cache_component(query, key, head_size, cos_sin_cache, is_neox)
+    config = _cache_config(query, key, head_size, cos_sin_cache, is_neox)
     if torch_ops.classify(query, key, positions, cos_sin_cache) is not torch_ops.DISPATCH:
-        return rope.rotated(query, key, 0, ids=positions, cache=cos_sin_cache)
+        return component(config).rotated(query, key, 0, ids=positions, cache=cos_sin_cache)
     arguments = (query, key, None, 0, positions, cos_sin_cache, False, False)
-    q_rot, k_rot = torch_ops.rope_qk(rope.config, *arguments)
+    q_rot, k_rot = torch_ops.rope_qk(config, *arguments)
     return q_rot, None if key is None else k_rot
 
 
@@ -1103,13 +1104,18 @@ def apply_rope_with_cos_sin_cache_inplace(
         >>> bool((q == 1).all() and (k == 1).all())
         True
     """
-    rope = _cache_component(query, key, head_size, cos_sin_cache, is_neox)
-    rope._in_place(query, key, 0, False, False, positions, cos_sin_cache)
+    config = _cache_config(query, key, head_size, cos_sin_cache, is_neox)
+    layout = torch_ops.classify(query, key, 0, positions, cos_sin_cache)
+    if layout is not torch_ops.DISPATCH:
+        rope = component(config)
+        rope.rotate_in_place(query, key, 0, False, False, layout, positions, cos_sin_cache)
+    else:  # (building the component is left to the custom op: a tracer may be watching)
+        _dispatch_in_place(config, query, key, 0, False, False, positions, cos_sin_cache)
 
 
-def _cache_component(query: Any, key: Any, head_size: Any, cache: Any, is_neox: Any) -> RoPE:
-    """The component that runs a cos_sin_cache call of these shapes (built once per shape
-    set; all of them share one device error flag)."""
+def _cache_config(query: Any, key: Any, head_size: Any, cache: Any, is_neox: Any) -> tuple:
+    """The configuration of the component that runs a cos_sin_cache call of these shapes
+    (the scheme's table unused; every such component raises one device error flag)."""
     head_size = check_positive_int("head_size", head_size)
     if not isinstance(is_neox, bool):
         raise TypeError(f"is_neox must be a bool, got {is_neox!r}")
@@ -1121,7 +1127,10 @@ def _cache_component(query: Any, key: Any, head_size: Any, cache: Any, is_neox: 
             f"cos_sin_cache must be [max_position, rotary_dim] with rotary_dim even and in "
             f"[2, head_size = {head_size}], got shape {shape if shape else type(cache).__name__}"
         )
-    return _cache_components(head_size, heads, kv_heads, int(shape[1]), is_neox)
+    return _component_config(
+        _STANDARD_ARGS, int(shape[1]), is_neox, head_size, heads, kv_heads, 0, "", _CACHE_FLAG,
+        (), False,
+    )  # fmt: skip
 
 
 def _packed_heads(name: str, tensor: Any, head_size: int) -> int:
@@ -1138,14 +1147,7 @@ def _packed_heads(name: str, tensor: Any, head_size: int) -> int:
 
 
 _CACHE_FLAG, _ = error_flag()  # one device error flag for every cos_sin_cache call
-
-
-@functools.cache
-def _cache_components(head_size: int, heads: int, kv_heads: int, width: int, neox: bool) -> RoPE:
-    layout = "neox" if neox else "interleaved"
-    rope = RoPE(head_size, heads, kv_heads, rotary_dim=width, rope_layout=layout)
-    rope._adopt_flag(_CACHE_FLAG)
-    return rope
+_STANDARD_ARGS = scheme_args(Standard())
 
 
 def _byte_span(tensor: Any) -> int:
@@ -1187,6 +1189,27 @@ def _seed_op(config: tuple) -> _RotaryOp:
 def seed_op(config: tuple) -> _RotaryOp:
     """The seed op a torch custom op's configuration describes (built once)."""
     return _seed_op((config[0], tuple(config[1]), *config[2:]))
+
+
+def _component_config(
+    scheme: tuple[str, tuple[float, ...]],
+    rotary_dim: int,
+    neox: bool,
+    head_dim: int,
+    num_heads: int,
+    num_kv_heads: int,
+    max_position: int,
+    target: str,
+    flag: int,
+    mrope_section: tuple[int, ...],
+    mrope_interleaved: bool,
+) -> tuple:
+    """A component by value, in the order of the custom ops' schema (_torch_ops
+    ``_COMPONENT_CONFIG``); ``scheme``: ``scheme_args`` of its scheme."""
+    return (
+        *scheme, rotary_dim, neox, head_dim, num_heads, num_kv_heads, max_position, target,
+        flag, mrope_section, mrope_interleaved,
+    )  # fmt: skip
 
 
 @functools.cache
