@@ -689,24 +689,9 @@ class RoPE:
             "earlier call (the kernel clamped it; that call's output is not valid)"
         )
 
-    def _in_place(
-        self,
-        q: Any,
-        k: Any,
-        position: Any,
-        inverse: bool,
-        decode: bool,
-        ids: Any = None,
-        cache: Any = None,
-    ) -> None:
-        """The in-place calls' one entry: the direct path, or torch's dispatcher when autograd
-        or a tracer must see the call. ``ids``: per-token positions (or None); ``cache``: a
-        caller's cos_sin_cache in place of the table (or None)."""
-        layout = torch_ops.classify(q, k, position, ids, cache)
-        if layout is not torch_ops.DISPATCH:
-            self.rotate_in_place(q, k, position, inverse, decode, layout, ids, cache)
-        else:
-            _dispatch_in_place(self.config, q, k, position, inverse, decode, ids, cache)
+    def _in_place(self, q: Any, k: Any, position: Any, inverse: bool, decode: bool, ids=None):
+        """The in-place calls' one entry (see :func:`_in_place_call`)."""
+        _in_place_call(self.config, q, k, position, inverse, decode, ids, None, self)
 
     def rotate_in_place(
         self,
@@ -822,16 +807,7 @@ class RoPE:
         operand = check_float_operand(obj, name, in_place=in_place)
         return self._rows(operand, name, heads, packed)
 
-    def _positions(
-        self,
-        value: Any,
-        name: str,
-        rows: HeadRows,
-        place: str,
-        ids: Any = None,
-        packed: bool = False,
-        limit: int | None = None,
-    ) -> Positions:
+    def _positions(self, value, name, rows: HeadRows, place, ids=None, packed=False, limit=None):
         """Positions for a call: ints and host tensors checked here, device tensors bounded
         by the kernel (by ``limit``: max_position, or 2**24 without one). ``ids``: per-token
         positions of shape [B, T] (or [N] for ``packed`` rows; a leading 3 under MRoPE),
@@ -972,21 +948,23 @@ class RoPE:
         )
 
 
-def _dispatch_in_place(
-    config: tuple,
-    q: Any,
-    k: Any,
-    position: Any,
-    inverse: bool,
-    decode: bool,
-    ids: Any = None,
-    cache: Any = None,
-) -> None:
-    """An in-place call through torch's dispatcher (``config``: the component's): the
-    in-place custom op, or, on tensors autograd tracks, the call recorded as torch's own
-    in-place ops are: the rotation out of place (its backward is the inverse rotation),
-    copied back into q and k, so their grad_fn and version counters are right. A leaf that
-    requires grad cannot change in place; torch refuses, and so do we, before any write."""
+def _in_place_call(config, q, k, position, inverse, decode, ids=None, cache=None, rope=None):
+    """Every in-place call's one entry, for the component ``config`` describes (``rope``:
+    that component, when the caller has it; else it is rebuilt, once, from ``config``):
+    the direct path, or torch's dispatcher when autograd or a tracer must see the call.
+    ``ids``: per-token positions (or None); ``cache``: a caller's cos_sin_cache in place of
+    the table (or None).
+
+    Through the dispatcher: the in-place custom op, or, on tensors autograd tracks, the
+    call recorded as torch's own in-place ops are: the rotation out of place (its backward
+    is the inverse rotation), copied back into q and k, so their grad_fn and version
+    counters are right. A leaf that requires grad cannot change in place; torch refuses,
+    and so do we, before any write."""
+    layout = torch_ops.classify(q, k, position, ids, cache)
+    if layout is not torch_ops.DISPATCH:  # (no component is built while a tracer watches)
+        rope = rope or component(config)
+        rope.rotate_in_place(q, k, position, inverse, decode, layout, ids, cache)
+        return
     offsets, offset = _split_position(position)
     arguments = (q, k, offsets, offset, ids, cache, inverse, decode)
     if not torch_ops.requires_grad(q, k):
@@ -1038,12 +1016,7 @@ def apply_rope(
 
 
 def apply_rope_with_cos_sin_cache(
-    positions: Any,
-    query: Any,
-    key: Any,
-    head_size: int,
-    cos_sin_cache: Any,
-    is_neox: bool = True,
+    positions: Any, query: Any, key: Any, head_size: int, cos_sin_cache: Any, is_neox: bool = True
 ) -> tuple[Any, Any]:
     """FlashInfer's ``apply_rope_with_cos_sin_cache``: new rotated ``(query, key)`` (key may
     be None, giving None) with cos/sin read from the caller's table, inputs untouched.
@@ -1083,12 +1056,7 @@ def apply_rope_with_cos_sin_cache(
 
 
 def apply_rope_with_cos_sin_cache_inplace(
-    positions: Any,
-    query: Any,
-    key: Any,
-    head_size: int,
-    cos_sin_cache: Any,
-    is_neox: bool = True,
+    positions: Any, query: Any, key: Any, head_size: int, cos_sin_cache: Any, is_neox: bool = True
 ) -> None:
     """:func:`apply_rope_with_cos_sin_cache` in place (FlashInfer's ``..._inplace``):
     rotates query and key (None: query only) inside their memory, strided views included
@@ -1105,12 +1073,7 @@ def apply_rope_with_cos_sin_cache_inplace(
         True
     """
     config = _cache_config(query, key, head_size, cos_sin_cache, is_neox)
-    layout = torch_ops.classify(query, key, 0, positions, cos_sin_cache)
-    if layout is not torch_ops.DISPATCH:
-        rope = component(config)
-        rope.rotate_in_place(query, key, 0, False, False, layout, positions, cos_sin_cache)
-    else:  # (building the component is left to the custom op: a tracer may be watching)
-        _dispatch_in_place(config, query, key, 0, False, False, positions, cos_sin_cache)
+    _in_place_call(config, query, key, 0, False, False, positions, cos_sin_cache)
 
 
 def _cache_config(query: Any, key: Any, head_size: Any, cache: Any, is_neox: Any) -> tuple:
