@@ -239,9 +239,9 @@ def _bad_calls(place):
     query = torch.zeros(N, HEADS * HEAD_SIZE, device=place)
     key = torch.zeros(N, KV_HEADS * HEAD_SIZE, device=place)
     ids = torch.zeros(N, dtype=torch.int64, device=place)
-    far = ids.clone()
+    far = ids.cpu().clone()  # host positions: checked before the launch (device ones are flagged)
     far[3] = MAX_POSITION
-    negative = ids.clone()
+    negative = ids.cpu().clone()
     negative[0] = -1
     return {
         "cache float16": ((ids, query, key, HEAD_SIZE, cache.half()), TypeError, "float32"),
