@@ -4,6 +4,8 @@
 // Work layout: blockIdx.x covers `threadDim.z` tokens; threadIdx.x is a chunk of a head row
 // (VEC pairs of a neox row, or VEC interleaved elements), threadIdx.y strides over the heads
 // of q then k. cos/sin of a chunk are formed once per token and reused for every head.
+// Where cos/sin come from is the TABLE template argument (TABLE_* below): the existing
+// paths compile exactly as before, the MRoPE and cos_sin_cache modes are other instantiations.
 //
 // The 16-bit float types and their conversions: common.cuh, prepended by the loader.
 
@@ -163,8 +165,9 @@ constexpr int TABLE_COS_SIN_CACHE = 2;
 // j < 3*h, row 2 if j % 3 == 2 and j < 3*w, else row 0.
 __device__ __forceinline__ int mrope_row(int j, const int (&section)[3], int interleaved) {
   if (interleaved) {
-    const int lane = j % 3;
-    return lane != 0 && j < 3 * section[lane] ? lane : 0;
+    const int lane = j % 3;  // (selects, not section[lane]: no run-time index into params)
+    const int bound = lane == 1 ? section[1] : section[2];
+    return lane != 0 && j < 3 * bound ? lane : 0;
   }
   return (j >= section[0]) + (j >= section[0] + section[1]);
 }
