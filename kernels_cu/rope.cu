@@ -4,6 +4,8 @@
 // Work layout: blockIdx.x covers `threadDim.z` tokens; threadIdx.x is a chunk of a head row
 // (VEC pairs of a neox row, or VEC interleaved elements), threadIdx.y strides over the heads
 // of q then k. cos/sin of a chunk are formed once per token and reused for every head.
+// Where cos/sin come from is the TABLE template argument (TABLE_* below): the existing
+// paths compile exactly as before, the MRoPE and cos_sin_cache modes are other instantiations.
 //
 // The 16-bit float types and their conversions: common.cuh, prepended by the loader.
 
@@ -51,10 +53,11 @@ __device__ __forceinline__ long long token_position(const void* ids, int ids_is_
 
 // Rotate one chunk of every head row of a token: cos/sin formed once, heads loaded
 // HEADS_IN_FLIGHT at a time so that several 16-byte loads are in flight per thread.
-template <typename T, bool NEOX, int VEC, typename RowIn, typename RowOut>
-__device__ __forceinline__ void rotate_chunk(int chunk, int pairs, const float2* fine_row,
-                                             const float2* coarse_row, float sin_sign,
-                                             int total_heads, RowIn row_in, RowOut row_out) {
+// cos_sin_of(pair) gives the pair's (cos, sin) at this token (the table mode's lookup).
+template <typename T, bool NEOX, int VEC, typename CosSinOf, typename RowIn, typename RowOut>
+__device__ __forceinline__ void rotate_chunk(int chunk, int pairs, CosSinOf cos_sin_of,
+                                             float sin_sign, int total_heads, RowIn row_in,
+                                             RowOut row_out) {
   // Pairs this thread rotates: neox pairs (j, j + pairs); interleaved pairs (2j, 2j+1).
   // SPLIT: the two members of each pair come from two loads (neox, or interleaved read one
   // element at a time when the view is not pair-aligned); otherwise one load holds both.
@@ -65,10 +68,9 @@ __device__ __forceinline__ void rotate_chunk(int chunk, int pairs, const float2*
   float cos_v[PAIRS], sin_v[PAIRS];
 #pragma unroll
   for (int i = 0; i < PAIRS; ++i) {
-    const float2 f = fine_row[first_pair + i];
-    const float2 c = coarse_row[first_pair + i];
-    cos_v[i] = fmaf(c.x, f.x, -c.y * f.y);
-    sin_v[i] = fmaf(c.y, f.x, c.x * f.y) * sin_sign;
+    const float2 cs = cos_sin_of(first_pair + i);
+    cos_v[i] = cs.x;
+    sin_v[i] = cs.y * sin_sign;
   }
 
   const int x1_col = NEOX ? chunk * VEC : 2 * first_pair;
@@ -147,11 +149,53 @@ struct RopeParams {
   int ids_is_int64;
   int offsets_is_int64;
   float sin_sign;
+  // TABLE_MROPE: ids holds 3 rows of batch*seq positions (temporal, height, width); pair j
+  // takes the row mrope_row gives from the section sizes and the interleaved flag
+  int mrope_section[3];
+  int mrope_interleaved;
+  // TABLE_COS_SIN_CACHE: the caller's float32 [position_limit, rotary_dim] table, cos of
+  // pair j at column j, sin at column rotary_dim/2 + j
+  const float* cos_sin_cache;
 };
 
-static_assert(sizeof(RopeParams) == 224, "RopeParams changed size: update this number");
+static_assert(sizeof(RopeParams) == 248, "RopeParams changed size: update this number");
 
-template <typename T, bool NEOX, int VEC, int ROTARY_DIM>
+// Where cos/sin of (token, pair) come from: the two-level tables at the token's position; the
+// same at one of three position rows chosen per pair (MRoPE); or the caller's cos_sin_cache.
+constexpr int TABLE_TWO_LEVEL = 0;
+constexpr int TABLE_MROPE = 1;
+constexpr int TABLE_COS_SIN_CACHE = 2;
+
+// The position row of frequency pair j under MRoPE: sectioned (Qwen2-VL), block i of the
+// three sections takes row i; interleaved (Qwen3-VL), j takes row 1 if j % 3 == 1 and
+// j < 3*h, row 2 if j % 3 == 2 and j < 3*w, else row 0.
+__device__ __forceinline__ int mrope_row(int j, const int (&section)[3], int interleaved) {
+  if (interleaved) {
+    const int lane = j % 3;  // (selects, not section[lane]: no run-time index into params)
+    const int bound = lane == 1 ? section[1] : section[2];
+    return lane != 0 && j < 3 * bound ? lane : 0;
+  }
+  return (j >= section[0]) + (j >= section[0] + section[1]);
+}
+
+// The rows of both two-level tables at one position; cos/sin of pair j by angle addition.
+struct TwoLevelRows {
+  const float2* fine;
+  const float2* coarse;
+
+  __device__ __forceinline__ TwoLevelRows(const float2* fine_table, const float2* coarse_table,
+                                          long long position, int pairs)
+      : fine(fine_table + (position & ((1 << FINE_BITS) - 1)) * pairs),
+        coarse(coarse_table + (position >> FINE_BITS) * pairs) {}
+
+  __device__ __forceinline__ float2 cos_sin(int j) const {
+    const float2 f = fine[j];
+    const float2 c = coarse[j];
+    return make_float2(fmaf(c.x, f.x, -c.y * f.y), fmaf(c.y, f.x, c.x * f.y));
+  }
+};
+
+template <typename T, bool NEOX, int VEC, int ROTARY_DIM, int TABLE>
 __global__ void rope_rotate(const RopeParams p) {
   const T* q_in = static_cast<const T*>(p.q_in);
   T* q_out = static_cast<T*>(p.q_out);
@@ -193,14 +237,32 @@ __global__ void rope_rotate(const RopeParams p) {
     }
   }
 
-  const long long position =
-      token_position(p.ids, p.ids_is_int64, p.offsets, p.offsets_is_int64, p.position_offset, b,
-                     s, token, p.position_limit, p.error_flag);
-  const float2* fine_row = fine + (position & ((1 << FINE_BITS) - 1)) * pairs;
-  const float2* coarse_row = coarse + (position >> FINE_BITS) * pairs;
-
-  for (int chunk = threadIdx.x; chunk < rotate_chunks; chunk += blockDim.x) {
-    rotate_chunk<T, NEOX, VEC>(chunk, pairs, fine_row, coarse_row, p.sin_sign, total_heads,
-                               row_in, row_out);
+  // position row `row` of the token (rows other than 0 exist under MRoPE only)
+  auto position_of_row = [&](int row) {
+    const long long id = token + row * (static_cast<long long>(batch) * seq);
+    return token_position(p.ids, p.ids_is_int64, p.offsets, p.offsets_is_int64,
+                          p.position_offset, b, s, id, p.position_limit, p.error_flag);
+  };
+  auto rotate_all = [&](auto cos_sin_of) {
+    for (int chunk = threadIdx.x; chunk < rotate_chunks; chunk += blockDim.x) {
+      rotate_chunk<T, NEOX, VEC>(chunk, pairs, cos_sin_of, p.sin_sign, total_heads, row_in,
+                                 row_out);
+    }
+  };
+  const long long position = position_of_row(0);
+  if constexpr (TABLE == TABLE_TWO_LEVEL) {
+    const TwoLevelRows rows(fine, coarse, position, pairs);
+    rotate_all([=](int j) { return rows.cos_sin(j); });
+  } else if constexpr (TABLE == TABLE_MROPE) {
+    const TwoLevelRows rows[3] = {TwoLevelRows(fine, coarse, position, pairs),
+                                  TwoLevelRows(fine, coarse, position_of_row(1), pairs),
+                                  TwoLevelRows(fine, coarse, position_of_row(2), pairs)};
+    rotate_all([&](int j) {
+      const int row = mrope_row(j, p.mrope_section, p.mrope_interleaved);
+      return (row == 0 ? rows[0] : row == 1 ? rows[1] : rows[2]).cos_sin(j);
+    });
+  } else {
+    const float* cache_row = p.cos_sin_cache + position * rotary_dim;
+    rotate_all([=](int j) { return make_float2(cache_row[j], cache_row[pairs + j]); });
   }
 }

@@ -153,27 +153,58 @@ def rope_reference(
     *,
     neox: bool = True,
     inverse: bool = False,
+    per_pair: bool = False,
 ) -> np.ndarray:
     """SPEC 2 in float64: ``y1 = x1*cos - x2*sin``, ``y2 = x2*cos + x1*sin`` with
     ``cos = a*cos(p*inv)``, ``sin = a*sin(p*inv)`` (sin negated for the inverse rotation);
     columns at or past rotary_dim copied.
 
     ``x64``: ``[..., head_dim]`` float64. ``positions``: integers broadcastable against
-    ``x64.shape[:-1]`` (the position of each head row).
+    ``x64.shape[:-1]`` (the position of each head row), or with ``per_pair`` against
+    ``x64.shape[:-1] + (rotary_dim/2,)`` (a position per pair: MRoPE, see
+    :func:`mrope_pair_positions`).
     """
-    rotary_dim = frequencies.rotary_dim
-    assert rotary_dim <= x64.shape[-1]
-    theta = np.asarray(positions, dtype=np.float64)[..., None] * frequencies.inv_freq
+    positions = np.asarray(positions, dtype=np.float64)
+    theta = (positions if per_pair else positions[..., None]) * frequencies.inv_freq
     cos = frequencies.amplitude * np.cos(theta)
     sin = frequencies.amplitude * np.sin(theta)
-    if inverse:
-        sin = -sin
+    return rotate_reference(x64, cos, sin, neox=neox, inverse=inverse)
+
+
+def rotate_reference(
+    x64: np.ndarray, cos: np.ndarray, sin: np.ndarray, *, neox: bool = True, inverse: bool = False
+) -> np.ndarray:
+    """The rotation of SPEC 2 in float64 with given ``cos``, ``sin`` (broadcastable against
+    ``x64.shape[:-1] + (rotary_dim/2,)``; rotary_dim = 2 * their last dim)."""
+    rotary_dim = 2 * np.shape(cos)[-1]
+    assert rotary_dim <= x64.shape[-1]
+    sin = -np.asarray(sin) if inverse else np.asarray(sin)
     first, second = pair_columns(rotary_dim, neox)
     x1, x2 = x64[..., first], x64[..., second]
     y = np.array(x64, dtype=np.float64, copy=True)
     y[..., first] = x1 * cos - x2 * sin
     y[..., second] = x2 * cos + x1 * sin
     return y
+
+
+def mrope_pair_positions(
+    positions: np.ndarray, section: tuple[int, int, int], interleaved: bool
+) -> np.ndarray:
+    """MRoPE: the position of each frequency pair, ``positions.shape[1:] + (sum(section),)``,
+    from ``positions`` ``[3, ...]`` (temporal, height, width), as HF builds its frequencies:
+    sectioned (``Qwen2VLRotaryEmbedding``) concatenates block i of the sections from row
+    i; interleaved (``Qwen3VLTextRotaryEmbedding``) starts from row 0 and overwrites pairs
+    1, 4, 7, ... below 3*h with row 1 and pairs 2, 5, 8, ... below 3*w with row 2."""
+    rows = np.asarray(positions)[..., None]
+    pairs = sum(section)
+    per_row = np.broadcast_to(rows, (*rows.shape[:-1], pairs))
+    if not interleaved:
+        blocks = np.split(np.arange(pairs), np.cumsum(section)[:2])
+        return np.concatenate([per_row[i][..., block] for i, block in enumerate(blocks)], -1)
+    out = per_row[0].copy()
+    for row in (1, 2):
+        out[..., row : 3 * section[row] : 3] = per_row[row][..., row : 3 * section[row] : 3]
+    return out
 
 
 def sequence_positions(shape: tuple[int, ...], input_layout: str) -> np.ndarray:
@@ -250,22 +281,39 @@ def assert_matches_oracle(
     *,
     neox: bool = True,
     inverse: bool = False,
+    per_pair: bool = False,
     what: str = "output",
 ) -> np.ndarray:
     """Every element of ``y`` (any framework) within :func:`contract_tolerance` of the
     float64 oracle, no NaN/inf, and the columns past rotary_dim copied exactly. Returns
-    ``y`` as float64."""
+    ``y`` as float64. ``per_pair``: as in :func:`rope_reference`."""
+    y64 = rope_reference(x64, positions, frequencies, neox=neox, inverse=inverse, per_pair=per_pair)
+    angle = max_angle(positions, frequencies)
+    return assert_matches_reference(
+        y, y64, x64, frequencies.rotary_dim, dtype, frequencies.amplitude, angle, what
+    )
+
+
+def assert_matches_reference(
+    y: Any,
+    y64: np.ndarray,
+    x64: np.ndarray,
+    rotary_dim: int,
+    dtype: str,
+    amplitude: float = 1.0,
+    angle: float = 0.0,
+    what: str = "output",
+) -> np.ndarray:
+    """``y`` against a float64 rotation ``y64`` of ``x64`` (from :func:`rope_reference` or
+    :func:`rotate_reference`): finite, columns past rotary_dim exact, the rest within
+    :func:`contract_tolerance`. Returns ``y`` as float64."""
     y = to_float64(y)
-    y64 = rope_reference(x64, positions, frequencies, neox=neox, inverse=inverse)
     assert y.shape == y64.shape, f"{what}: shape {y.shape}, expected {y64.shape}"
     assert np.isfinite(y).all(), f"{what}: {int((~np.isfinite(y)).sum())} non-finite elements"
-    rotary_dim = frequencies.rotary_dim
     np.testing.assert_array_equal(
         y[..., rotary_dim:], x64[..., rotary_dim:], err_msg=f"{what}: columns past rotary_dim"
     )
-    tolerance = contract_tolerance(
-        y64, x64, dtype, frequencies.amplitude, max_angle(positions, frequencies)
-    )
+    tolerance = contract_tolerance(y64, x64, dtype, amplitude, angle)
     assert_within(y, y64, tolerance, what=f"{what} ({dtype}) vs the float64 oracle")
     return y
 

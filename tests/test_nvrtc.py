@@ -33,9 +33,11 @@ def test_shipped_modules_are_distinct():
 
 
 def test_catalogue_holds_every_rotate_module():
-    for dtype in ROTATE_DTYPES:
-        for rotary_dim in (*_rotate.SHIPPED_ROTARY_DIMS, 0):
-            assert _rotate.module_spec(dtype, rotary_dim) in CATALOGUE, (dtype, rotary_dim)
+    for mode in _rotate.TABLE_MODES:
+        for dtype in ROTATE_DTYPES:
+            for rotary_dim in (*_rotate.SHIPPED_ROTARY_DIMS, 0):
+                spec = _rotate.module_spec(dtype, rotary_dim, mode)
+                assert spec in CATALOGUE, (dtype, rotary_dim, mode)
 
 
 @pytest.fixture(scope="module")
@@ -96,9 +98,10 @@ def test_every_launch_picks_a_shipped_kernel(dtype, neox):
                     dtype, neox, rotary_dim, head_dim, copy_tail, [source, output]
                 )
                 widths_seen.add(vec)
-                spec, name = _rotate._kernel(dtype, neox, vec, rotary_dim)
-                assert spec in CATALOGUE, (dtype, neox, rotary_dim, vec)
-                assert name in spec.name_expressions, (name, spec.name_expressions)
+                for mode in _rotate.TABLE_MODES:
+                    spec, name = _rotate._kernel(dtype, neox, vec, rotary_dim, mode)
+                    assert spec in CATALOGUE, (dtype, neox, rotary_dim, vec, mode)
+                    assert name in spec.name_expressions, (name, spec.name_expressions)
     wide = 16 // ITEMSIZE[dtype]
     assert widths_seen == {wide, 1}, widths_seen
 

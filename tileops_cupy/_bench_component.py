@@ -1,4 +1,5 @@
-"""Bench rows of the in-place Q/K component (issue 4): prefill, decode and graph replay."""
+"""Bench rows of the in-place Q/K component (issue 4): prefill, decode and graph replay;
+and its serving calls (issue 11): MRoPE and the cos_sin_cache drop-in."""
 
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ def component_rows(ceiling: float, with_compile: bool = True) -> list[dict]:
         )
     )
     rope.check()
-    return rows + per_token_rows(ceiling)
+    return rows + per_token_rows(ceiling) + serving_rows(ceiling)
 
 
 def per_token_rows(ceiling: float) -> list[dict]:
@@ -127,4 +128,53 @@ def per_token_rows(ceiling: float) -> list[dict]:
                 )
             )
             rope.check()
+    return rows
+
+
+def serving_rows(ceiling: float) -> list[dict]:
+    """MRoPE (sectioned and interleaved, positions [3, N]) and the cos_sin_cache call on
+    packed tokens, in place on fused-QKV views: % of the copy ceiling (q + k bytes)."""
+    from .rope import RoPE, apply_rope_with_cos_sin_cache_inplace
+
+    torch = torch_module()
+    rows = []
+    q_heads, kv_heads, head_dim = 32, 8, 128
+    mrope = {
+        "sectioned": RoPE(head_dim, q_heads, kv_heads, mrope_section=(16, 24, 24)),
+        "interleaved": RoPE(
+            head_dim, q_heads, kv_heads, mrope_section=(24, 20, 20), mrope_interleaved=True
+        ),
+    }
+    max_position = 1 << 17
+    angles = torch.rand(max_position, head_dim // 2, device="cuda") * 1e4
+    cache = torch.cat([angles.cos(), angles.sin()], dim=-1).contiguous()
+    for tokens in (8192, 32768):
+        qkv = torch.randn(tokens, (q_heads + 2 * kv_heads) * head_dim, device="cuda").bfloat16()
+        q = qkv[:, : q_heads * head_dim]
+        k = qkv[:, q_heads * head_dim : (q_heads + kv_heads) * head_dim]
+        moved = 2 * (q.numel() + k.numel()) * 2
+        thw = torch.randint(0, 1 << 20, (3, tokens), device="cuda")
+        for name, rope in mrope.items():
+            rows.append(
+                measure_row(
+                    f"MRoPE {name} N{tokens} {q_heads}q/{kv_heads}kv D128 bf16 (positions [3, N])",
+                    lambda rope=rope, q=q, k=k, thw=thw: rope.forward(q, k, positions=thw),
+                    None,
+                    moved,
+                    ceiling,
+                )
+            )
+            rope.check()
+        positions = torch.randint(0, max_position, (tokens,), device="cuda")
+        rows.append(
+            measure_row(
+                f"cos_sin_cache inplace N{tokens} {q_heads}q/{kv_heads}kv D128 bf16",
+                lambda q=q, k=k, positions=positions: apply_rope_with_cos_sin_cache_inplace(
+                    positions, q, k, head_dim, cache
+                ),
+                None,
+                moved,
+                ceiling,
+            )
+        )
     return rows

@@ -23,7 +23,7 @@ from ._arrays import ITEMSIZE, Operand, cupy, stream_handle
 from ._cache import build_once
 from ._tables import RotaryTable
 
-__all__ = ["HeadRows", "Positions", "rotate", "ErrorFlag", "error_flag"]
+__all__ = ["HeadRows", "Positions", "CosSinCache", "rotate", "ErrorFlag", "error_flag"]
 
 SHIPPED_ROTARY_DIMS = (64, 128)  # compiled with rotary_dim as a constant; others use 0 (runtime)
 # Measured on an H200 (bf16/fp32, B8 S4096 H32 D128): 128 threads and 4 heads per thread
@@ -32,6 +32,11 @@ _THREADS_PER_BLOCK = 128
 _HEADS_IN_FLIGHT = 4  # loads of this many heads per thread in flight: rope.cu's define
 _DEFINES = (f"HEADS_IN_FLIGHT={_HEADS_IN_FLIGHT}",)
 ROPE_PARAMS = _cuda.ParamStruct.declared("rope", "RopeParams")
+# Where the kernel finds cos/sin (rope.cu's TABLE template argument): the two-level tables at
+# the token's position, the same at a position row chosen per pair (MRoPE), or a caller's
+# cos_sin_cache. One module per mode, so a process compiles only the modes it uses.
+TWO_LEVEL, MROPE, COS_SIN_CACHE = 0, 1, 2
+TABLE_MODES = (TWO_LEVEL, MROPE, COS_SIN_CACHE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +61,9 @@ class Positions:
     ``limit`` bounds every position (a device-side check raises ``flag`` and clamps);
     ``cover`` is how many positions the table must hold for this call (the highest
     position + 1 when known on the host, else ``limit``).
+
+    MRoPE (``mrope_section`` set): ``ids`` holds three rows of ``batch*seq`` positions
+    (temporal, height, width) and frequency pair j takes row ``mrope_rows(...)[j]``.
     """
 
     offset: int = 0
@@ -63,16 +71,55 @@ class Positions:
     ids: Operand | None = None
     limit: int = 1 << 24
     cover: int = 1
+    mrope_section: tuple[int, int, int] | None = None
+    mrope_interleaved: bool = False
 
     def host_positions(self, batch: int, seq: int) -> np.ndarray:
-        positions = np.full((batch, seq), self.offset, dtype=np.int64)
+        """``[batch, seq]`` int64 positions (``[3, batch, seq]`` under MRoPE)."""
+        rows = (3,) if self.mrope_section is not None else ()
+        positions = np.full((*rows, batch, seq), self.offset, dtype=np.int64)
         if self.offsets is not None:
             positions += self.offsets.host.astype(np.int64).reshape(batch, 1)
         if self.ids is not None:
-            positions += self.ids.host.astype(np.int64).reshape(batch, seq)
+            positions += self.ids.host.astype(np.int64).reshape(*rows, batch, seq)
         else:
             positions += np.arange(seq, dtype=np.int64)
         return positions
+
+
+def mrope_rows(section: tuple[int, int, int], interleaved: bool, pairs: int) -> np.ndarray:
+    """The position row (0 temporal, 1 height, 2 width) of each of ``pairs`` frequency
+    pairs: sectioned (HF Qwen2-VL), block i of the three sections takes row i; interleaved
+    (HF Qwen3-VL), pair j takes row 1 if j % 3 == 1 and j < 3*h, row 2 if j % 3 == 2 and
+    j < 3*w, else row 0. (rope.cu's mrope_row is the same map.)"""
+    j = np.arange(pairs)
+    if not interleaved:
+        return (j >= section[0]).astype(np.int64) + (j >= section[0] + section[1])
+    lane = j % 3
+    return np.where((lane > 0) & (j < 3 * np.asarray(section)[lane]), lane, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class CosSinCache:
+    """A caller's float32 ``[max_position, rotary_dim]`` table (cos of each pair, then sin;
+    FlashInfer's ``cos_sin_cache`` layout) used in place of the two-level tables."""
+
+    operand: Operand
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.operand.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        return self.operand.shape[0]
+
+    def host_cos_sin(self, positions: np.ndarray, float64: bool) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin of shape ``positions.shape + (rotary_dim/2,)``: the cache's values."""
+        rows = self.operand.host[positions]
+        rows = rows.astype(np.float64) if float64 else rows
+        pairs = self.rotary_dim // 2
+        return rows[..., :pairs], rows[..., pairs:]
 
 
 class ErrorFlag:
@@ -146,7 +193,7 @@ def error_flag(key: int | None = None) -> tuple[int, ErrorFlag]:
 
 
 def rotate(
-    table: RotaryTable,
+    table: RotaryTable | CosSinCache,
     neox: bool,
     inverse: bool,
     q: tuple[HeadRows, HeadRows],
@@ -159,6 +206,8 @@ def rotate(
 
     The destination may be the source itself (in place). Columns past ``table.rotary_dim``
     are copied when the destination is another array. ``inverse`` negates sin (backward).
+    ``table``: the scheme's shared two-level table, or a caller's :class:`CosSinCache`
+    (whose capacity then bounds the positions).
     Returns the CUDA launch (None on the host), which a caller may re-run for another call
     of the same layout, patching the fields that differ (addresses, offsets).
     """
@@ -183,6 +232,9 @@ def _rotate_host(
     float64 = source.operand.dtype == "float64"
     compute = np.float64 if float64 else np.float32
     cos, sin = table.host_cos_sin(positions.host_positions(batch, seq), float64)
+    if positions.mrope_section is not None:  # [3, B, S, pairs]: each pair's own row
+        rows = mrope_rows(positions.mrope_section, positions.mrope_interleaved, pairs)
+        cos, sin = (np.moveaxis(a[rows, :, :, np.arange(pairs)], 0, -1) for a in (cos, sin))
     cos = cos.astype(compute)[:, :, None, :]
     sin = (-sin if inverse else sin).astype(compute)[:, :, None, :]
 
@@ -205,33 +257,38 @@ def _rotate_host(
 # --------------------------------------------------------------------------- CUDA body
 
 
-def module_spec(dtype: str, rotary_dim: int) -> _cuda.ModuleSpec:
-    """The module holding every (layout, vector width) instantiation of one dtype and
-    rotary_dim (0 = rotary_dim passed at run time)."""
+def _name(dtype: str, neox: bool, vec: int, rotary_dim: int, mode: int) -> str:
+    layout = "true" if neox else "false"
+    return f"rope_rotate<{_cuda.CUDA_TYPES[dtype]}, {layout}, {vec}, {rotary_dim}, {mode}>"
+
+
+def module_spec(dtype: str, rotary_dim: int, mode: int = TWO_LEVEL) -> _cuda.ModuleSpec:
+    """The module holding every (layout, vector width) instantiation of one dtype, rotary_dim
+    (0 = rotary_dim passed at run time) and table mode."""
     wide = 16 // ITEMSIZE[dtype]
-    cuda_type = _cuda.CUDA_TYPES[dtype]
     names = tuple(
-        f"rope_rotate<{cuda_type}, {'true' if neox else 'false'}, {vec}, {rotary_dim}>"
-        for neox in (True, False)
-        for vec in (wide, 1)
+        _name(dtype, neox, vec, rotary_dim, mode) for neox in (True, False) for vec in (wide, 1)
     )
     return _cuda.ModuleSpec("rope", names, _DEFINES)
 
 
 @cache
-def _kernel(dtype: str, neox: bool, vec: int, rotary_dim: int) -> tuple[_cuda.ModuleSpec, str]:
+def _kernel(
+    dtype: str, neox: bool, vec: int, rotary_dim: int, mode: int = TWO_LEVEL
+) -> tuple[_cuda.ModuleSpec, str]:
     """(module, name expression) of one instantiation; rotary dims outside the shipped set
     use the run-time rotary_dim instantiation."""
     compiled_rotary_dim = rotary_dim if rotary_dim in SHIPPED_ROTARY_DIMS else 0
-    name = f"rope_rotate<{_cuda.CUDA_TYPES[dtype]}, {'true' if neox else 'false'}, {vec}, "
-    return module_spec(dtype, compiled_rotary_dim), name + f"{compiled_rotary_dim}>"
+    spec = module_spec(dtype, compiled_rotary_dim, mode)
+    return spec, _name(dtype, neox, vec, compiled_rotary_dim, mode)
 
 
 def module_specs() -> list[_cuda.ModuleSpec]:
-    """Every module this primitive may launch: each dtype at the shipped rotary dims and at
-    the run-time one (0)."""
+    """Every module this primitive may launch: each dtype and table mode at the shipped
+    rotary dims and at the run-time one (0)."""
     return [
-        module_spec(dtype, rotary_dim)
+        module_spec(dtype, rotary_dim, mode)
+        for mode in TABLE_MODES
         for dtype in _cuda.CUDA_TYPES
         for rotary_dim in (*SHIPPED_ROTARY_DIMS, 0)
     ]
@@ -268,15 +325,16 @@ class _LaunchPlan:
 _plans: dict[tuple, _LaunchPlan] = {}
 
 
-def _plan(table: RotaryTable, neox: bool, rows: list[HeadRows], copy_tail: bool) -> _LaunchPlan:
+def _plan(
+    rotary_dim: int, mode: int, neox: bool, rows: list[HeadRows], copy_tail: bool
+) -> _LaunchPlan:
     q_in = rows[0]
     dtype, device = q_in.operand.dtype, q_in.operand.device
-    rotary_dim = table.rotary_dim
     alignment = 0
     for r in rows:
         alignment |= r.operand.ptr & 15
     key = (
-        dtype, neox, rotary_dim, device, copy_tail, alignment,
+        dtype, neox, rotary_dim, mode, device, copy_tail, alignment,
         tuple((r.shape, r.strides) for r in rows),
     )  # fmt: skip
     plan = _plans.get(key)
@@ -284,7 +342,7 @@ def _plan(table: RotaryTable, neox: bool, rows: list[HeadRows], copy_tail: bool)
         return plan
     batch, seq, q_heads, head_dim = q_in.shape
     vec = _vector_width(dtype, neox, rotary_dim, head_dim, copy_tail, rows)
-    spec, name = _kernel(dtype, neox, vec, rotary_dim)
+    spec, name = _kernel(dtype, neox, vec, rotary_dim, mode)
     total_heads = q_heads + (rows[2].shape[2] if len(rows) > 2 else 0)
     rotate_chunks = (rotary_dim // 2) // (vec if neox or vec == 1 else vec // 2)
     tail_chunks = (head_dim - rotary_dim) // vec if copy_tail else 0
@@ -310,8 +368,12 @@ def _rotate_cuda(
     rotary_dim = table.rotary_dim
     copy_tail = rotary_dim < head_dim and q_out.operand.ptr != q_in.operand.ptr
     rows = [q_in, q_out] if k is None else [q_in, q_out, k[0], k[1]]
-    plan = _plan(table, neox, rows, copy_tail)
-    fine_ptr, coarse_ptr, capacity = table.device_tables(device, positions.cover)
+    if isinstance(table, CosSinCache):
+        mode, fine_ptr, coarse_ptr, capacity = COS_SIN_CACHE, 0, 0, table.capacity
+    else:
+        mode = TWO_LEVEL if positions.mrope_section is None else MROPE
+        fine_ptr, coarse_ptr, capacity = table.device_tables(device, positions.cover)
+    plan = _plan(rotary_dim, mode, neox, rows, copy_tail)
 
     k_in, k_out = (None, None) if k is None else k  # k_heads = 0: the kernel never reads k
     ids, offsets = positions.ids, positions.offsets
@@ -329,6 +391,9 @@ def _rotate_cuda(
         ids_is_int64=ids is not None and ids.dtype == "int64",
         offsets_is_int64=offsets is not None and offsets.dtype == "int64",
         sin_sign=-1.0 if inverse else 1.0,
+        mrope_section=positions.mrope_section or (0, 0, 0),
+        mrope_interleaved=positions.mrope_interleaved,
+        cos_sin_cache=table.operand.ptr if mode == COS_SIN_CACHE else 0,
     )  # fmt: skip
     if stream is None:
         stream = stream_handle(q_in.operand)

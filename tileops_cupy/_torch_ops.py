@@ -28,18 +28,21 @@ NAMESPACE = "tileops_cupy"
 #   seed ops:   scheme, scheme_args, rotary_dim (0 = head_dim), neox, inverse,
 #               input_layout, max_position (0 = none), target ("" = none), flag
 #   component:  scheme, scheme_args, rotary_dim, neox, head_dim, num_heads,
-#               num_kv_heads, max_position (0 = none), target ("" = none), flag
+#               num_kv_heads, max_position (0 = none), target ("" = none), flag,
+#               mrope_section ([] = none), mrope_interleaved
 # where flag keys the op's device error flag (_rotate.error_flag), so the op rebuilt
 # behind the dispatcher raises its caller's flag. The component's calls take a position as
 # offsets (a [B] tensor) or offset (an int), or per-token positions ([B, T] or [N], with
-# offset 0).
+# offset 0; [3, ...] under MRoPE), and optionally a caller's cos_sin_cache in place of the
+# scheme's table.
 _SEED_CONFIG = (
     "str scheme, float[] scheme_args, int rotary_dim, bool neox, bool inverse, "
     "str input_layout, int max_position, str target, int flag"
 )
 _COMPONENT_CONFIG = (
     "str scheme, float[] scheme_args, int rotary_dim, bool neox, int head_dim, "
-    "int num_heads, int num_kv_heads, int max_position, str target, int flag"
+    "int num_heads, int num_kv_heads, int max_position, str target, int flag, "
+    "int[] mrope_section, bool mrope_interleaved"
 )
 _MHC_PRE_CONFIG = (
     "float alpha_pre, float alpha_post, float alpha_res, int sinkhorn_repeat, "
@@ -49,11 +52,12 @@ SCHEMAS = {
     "rope": f"(Tensor x, Tensor? position_ids, {_SEED_CONFIG}) -> Tensor",
     "rope_qk": (
         f"(Tensor q, Tensor? k, Tensor? offsets, SymInt offset, Tensor? positions, "
-        f"bool inverse, bool decode, {_COMPONENT_CONFIG}) -> (Tensor, Tensor)"
+        f"Tensor? cos_sin_cache, bool inverse, bool decode, {_COMPONENT_CONFIG}) "
+        "-> (Tensor, Tensor)"
     ),
     "rope_qk_": (
         f"(Tensor(a!) q, Tensor(b!)? k, Tensor? offsets, SymInt offset, Tensor? positions, "
-        f"bool inverse, bool decode, {_COMPONENT_CONFIG}) -> ()"
+        f"Tensor? cos_sin_cache, bool inverse, bool decode, {_COMPONENT_CONFIG}) -> ()"
     ),
     "mhc_pre": f"(Tensor phi, Tensor x, Tensor b, {_MHC_PRE_CONFIG}) -> (Tensor, Tensor, Tensor)",
     "mhc_post": "(Tensor x_layer_out, Tensor h_post, Tensor x_res, str target) -> Tensor",
@@ -215,7 +219,8 @@ def rope(config: tuple, x: Any, position_ids: Any) -> Any:
 
 
 def rope_qk(config: tuple, *arguments: Any, in_place: bool = False) -> Any:
-    """The component's op on ``(q, k, offsets, offset, positions, inverse, decode)``: rotated
+    """The component's op on ``(q, k, offsets, offset, positions, cos_sin_cache, inverse,
+    decode)``: rotated
     copies of q and k (``rope_qk``), or the rotation in place (``rope_qk_``)."""
     import torch
 
@@ -275,42 +280,47 @@ def _rope_backward(ctx, grad):
     return (rope(flipped, grad, ctx.position_ids), None, *(None,) * len(ctx.config))
 
 
-def _rope_qk_impl(q, k, offsets, offset, positions, inverse, decode, *config):
+def _rope_qk_impl(q, k, offsets, offset, positions, cache, inverse, decode, *config):
     from .rope import component
 
     position = _position(offsets, offset)
-    q_out, k_out = component(config).rotated(q, k, position, inverse, decode, ids=positions)
+    q_out, k_out = component(config).rotated(
+        q, k, position, inverse, decode, ids=positions, cache=cache
+    )
     return q_out, (q.new_empty(0) if k_out is None else k_out)
 
 
-def _rope_qk_fake(q, k, offsets, offset, positions, inverse, decode, *config):
+def _rope_qk_fake(q, k, offsets, offset, positions, cache, inverse, decode, *config):
     return q.new_empty(q.shape), (q.new_empty(0) if k is None else k.new_empty(k.shape))
 
 
 def _rope_qk_setup(ctx, inputs, output):
-    q, k, offsets, offset, positions, inverse, decode, *config = inputs
+    q, k, offsets, offset, positions, cache, inverse, decode, *config = inputs
     ctx.has_k, ctx.offsets, ctx.offset, ctx.positions, ctx.inverse, ctx.config = (
         k is not None, offsets, offset, positions, inverse, tuple(config)
     )  # fmt: skip
+    ctx.cache = cache
 
 
 def _rope_qk_backward(ctx, grad_q, grad_k):
-    # the transpose rotation at the same positions; decode's T == 1 was checked forward
+    # the transpose rotation at the same positions (of the same cos_sin_cache, if any: the
+    # transpose, sin negated, whatever the cache holds); decode's T == 1 was checked forward
     grad_k = grad_k if ctx.has_k else None
     dq, dk = rope_qk(
-        ctx.config, grad_q, grad_k, ctx.offsets, ctx.offset, ctx.positions, not ctx.inverse, False
-    )
-    return (dq, dk if ctx.has_k else None, *(None,) * (5 + len(ctx.config)))
+        ctx.config, grad_q, grad_k, ctx.offsets, ctx.offset, ctx.positions, ctx.cache,
+        not ctx.inverse, False,
+    )  # fmt: skip
+    return (dq, dk if ctx.has_k else None, *(None,) * (6 + len(ctx.config)))
 
 
-def _rope_qk__impl(q, k, offsets, offset, positions, inverse, decode, *config):
+def _rope_qk__impl(q, k, offsets, offset, positions, cache, inverse, decode, *config):
     from .rope import component
 
     position = _position(offsets, offset)
-    component(config).rotate_in_place(q, k, position, inverse, decode, ids=positions)
+    component(config).rotate_in_place(q, k, position, inverse, decode, ids=positions, cache=cache)
 
 
-def _rope_qk__fake(q, k, offsets, offset, positions, inverse, decode, *config):
+def _rope_qk__fake(q, k, offsets, offset, positions, cache, inverse, decode, *config):
     return None
 
 

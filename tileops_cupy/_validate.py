@@ -144,6 +144,51 @@ def is_dense(operand: Operand) -> bool:
 # --------------------------------------------------------------------------- arrays
 
 
+def check_mrope_section(section: Any, rotary_dim: int) -> tuple[int, int, int] | None:
+    """MRoPE's (temporal, height, width) frequency counts: three non-negative ints summing to
+    rotary_dim/2 (None: no MRoPE)."""
+    if section is None:
+        return None
+    values = tuple(section) if isinstance(section, (tuple, list)) else None
+    if (
+        values is None
+        or len(values) != 3
+        or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) for v in values)
+        or any(v < 0 for v in values)
+        or sum(values) != rotary_dim // 2
+    ):
+        raise ValueError(
+            f"mrope_section must be 3 non-negative ints (temporal, height, width) summing to "
+            f"rotary_dim/2 = {rotary_dim // 2}, got {section!r}"
+        )
+    return tuple(int(v) for v in values)
+
+
+def check_cos_sin_cache(obj: Any, head_dim: int) -> Operand:
+    """A caller's cos/sin table: float32 ``[max_position, rotary_dim]``, C-contiguous (the
+    kernel reads row ``p`` at ``p * rotary_dim``), rotary_dim even and <= head_dim."""
+    cache = as_operand(obj, "cos_sin_cache")
+    if cache.dtype != "float32":
+        raise TypeError(f"cos_sin_cache must be float32, got {cache.dtype}")
+    if cache.ndim != 2 or cache.shape[0] < 1:
+        raise ValueError(
+            f"cos_sin_cache must be [max_position, rotary_dim] with max_position >= 1, "
+            f"got shape {cache.shape}"
+        )
+    width = cache.shape[1]
+    if width < 2 or width % 2 or width > head_dim:
+        raise ValueError(
+            f"cos_sin_cache's width (rotary_dim) must be even and in [2, head_size = "
+            f"{head_dim}], got {width}"
+        )
+    if cache.strides[1] != 1 or (cache.shape[0] > 1 and cache.strides[0] != width):
+        raise ValueError(
+            f"cos_sin_cache must be contiguous (strides ({width}, 1)), got strides "
+            f"{cache.strides}; pass cos_sin_cache.contiguous()"
+        )
+    return cache
+
+
 def check_float_operand(obj: Any, name: str, *, in_place: bool = False) -> Operand:
     """``obj`` as a float Operand (float64 on the host only) whose last dimension is
     contiguous: a read-only input with a strided last dimension is copied once; an operand

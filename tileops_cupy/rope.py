@@ -37,16 +37,18 @@ from ._arrays import (
     to_caller,
     upload,
 )
-from ._rotate import ROPE_PARAMS, HeadRows, Positions, error_flag, rotate
+from ._rotate import ROPE_PARAMS, CosSinCache, HeadRows, Positions, error_flag, rotate
 from ._tables import shared_table, table_bytes, table_cache_info
 from ._validate import (
     MAX_POSITIONS,
     check_choice,
+    check_cos_sin_cache,
     check_float_operand,
     check_head_dim_rotary_dim,
     check_host_positions,
     check_in_place,
     check_max_position,
+    check_mrope_section,
     check_position_ids,
     check_positive_int,
     check_rotary_dim,
@@ -73,6 +75,8 @@ __all__ = [
     "LongRoPEBwdOp",
     "RoPE",
     "apply_rope",
+    "apply_rope_with_cos_sin_cache",
+    "apply_rope_with_cos_sin_cache_inplace",
     "table_cache_info",
 ]
 
@@ -81,7 +85,7 @@ ROPE_LAYOUTS = ("neox", "interleaved")
 RELAUNCH_X = ROPE_PARAMS.field_writer("q_in", "q_out")
 RELAUNCH_IDS = ROPE_PARAMS.field_writer("q_in", "q_out", "k_in", "k_out", "ids")
 RELAUNCH_QK = ROPE_PARAMS.field_writer(
-    "q_in", "q_out", "k_in", "k_out", "ids", "offsets", "position_offset"
+    "q_in", "q_out", "k_in", "k_out", "ids", "offsets", "position_offset", "cos_sin_cache"
 )
 INPUT_LAYOUTS = ("1d", "2d")
 
@@ -495,6 +499,16 @@ class RoPE:
             positions then grows the shared table to that range once (~9 MB at
             rotary_dim 128).
         target: None/BUILTIN (where the data lives), "cuda" or "cpu".
+        mrope_section: multimodal RoPE (Qwen2-VL / Qwen3-VL): ``(t, h, w)``, three
+            non-negative ints summing to rotary_dim/2. Per-token ``positions`` then have
+            shape ``(3, *token_shape)`` (temporal, height, width rows) and frequency pair
+            j takes its position from one row: sectioned (default, HF
+            ``Qwen2VLRotaryEmbedding``), the first t pairs row 0, the next h row 1, the
+            last w row 2; ``mrope_interleaved=True`` (HF ``Qwen3VLTextRotaryEmbedding``),
+            row 1 if j % 3 == 1 and j < 3h, row 2 if j % 3 == 2 and j < 3w, else row 0.
+            ``prefill``/``decode`` offsets give all three rows the same position (text
+            tokens), where MRoPE is the plain rotation.
+        mrope_interleaved: see mrope_section.
 
     Positions: ``position_offset``/``position`` is a Python int or an integer tensor
     ``[B]`` (one per sequence). ``forward(q, k, positions=...)`` (and ``backward``,
@@ -513,6 +527,9 @@ class RoPE:
     Example (host; on a GPU pass torch CUDA tensors instead)::
 
         >>> import numpy as np
+        >>> mrope = RoPE(head_dim=64, num_heads=4, mrope_section=(8, 12, 12))
+        >>> thw = np.array([[0, 1, 2], [0, 5, 5], [0, 3, 4]])  # (3, N) for 3 packed tokens
+        >>> _ = mrope.forward(np.ones((3, 4 * 64), np.float32), positions=thw)
         >>> rope = RoPE(head_dim=64, num_heads=4, num_kv_heads=2)
         >>> qkv = np.random.default_rng(0).standard_normal((1, 5, 8 * 64)).astype(np.float32)
         >>> q, k = qkv[..., : 4 * 64], qkv[..., 4 * 64 : 6 * 64]
@@ -534,6 +551,8 @@ class RoPE:
         rope_layout: str = "neox",
         max_position: int | None = None,
         target: Any = None,
+        mrope_section: Any = None,
+        mrope_interleaved: bool = False,
     ) -> None:
         head_dim = check_positive_int("head_dim", head_dim, even=True)
         num_heads = check_positive_int("num_heads", num_heads)
@@ -549,6 +568,12 @@ class RoPE:
         self.rope_layout = check_choice("rope_layout", rope_layout, ROPE_LAYOUTS)
         self.max_position = None if max_position is None else check_max_position(max_position)
         self.target = check_target(target)
+        self.mrope_section = check_mrope_section(mrope_section, self.rotary_dim)
+        if not isinstance(mrope_interleaved, bool):
+            raise TypeError(f"mrope_interleaved must be a bool, got {mrope_interleaved!r}")
+        if mrope_interleaved and self.mrope_section is None:
+            raise ValueError("mrope_interleaved=True needs an mrope_section (t, h, w)")
+        self.mrope_interleaved = mrope_interleaved
         self.table = shared_table(self.scheme, self.rotary_dim)
         self._adopt_flag(None)
         self._relaunches: dict[tuple, Any] = {}  # see rotate_in_place
@@ -559,7 +584,8 @@ class RoPE:
     def forward(self, q: Any, k: Any = None, *, positions: Any = None) -> tuple[Any, Any]:
         """Rotate at positions 0..T-1 (a training forward), or at ``positions``: one
         int32/int64 position per token, ``[B, T]`` for q ``[B, T, ...]`` or ``[N]`` for
-        packed q ``[N, num_heads*head_dim]`` (k ``[N, num_kv_heads*head_dim]``). Returns
+        packed q ``[N, num_heads*head_dim]`` or ``[N, num_heads, head_dim]`` (k likewise
+        with num_kv_heads); with an mrope_section, ``[3, B, T]`` or ``[3, N]``. Returns
         (q, k), the same objects."""
         if positions is None:
             return self.prefill(q, k, 0)
@@ -630,10 +656,14 @@ class RoPE:
         return table_bytes(rotary_dim, max_position)
 
     def __repr__(self) -> str:
+        mrope = ""
+        if self.mrope_section is not None:
+            mrope = f", mrope_section={self.mrope_section}"
+            mrope += ", mrope_interleaved=True" if self.mrope_interleaved else ""
         return (
             f"RoPE(head_dim={self.head_dim}, num_heads={self.num_heads}, "
             f"num_kv_heads={self.num_kv_heads}, scheme={self.scheme}, "
-            f"rotary_dim={self.rotary_dim}, rope_layout={self.rope_layout!r})"
+            f"rotary_dim={self.rotary_dim}, rope_layout={self.rope_layout!r}{mrope})"
         )
 
     # ---- the one path
@@ -642,58 +672,22 @@ class RoPE:
         """Use the device flag ``flag`` (a new one if None) and set :attr:`config`, the
         component by value as its torch custom ops carry it (the flag by key)."""
         flag, self._flag = error_flag(flag)
-        self.config = (
-            *scheme_args(self.scheme), self.rotary_dim, self.rope_layout == "neox",
+        self.config = _component_config(
+            scheme_args(self.scheme), self.rotary_dim, self.rope_layout == "neox",
             self.head_dim, self.num_heads, self.num_kv_heads, self.max_position or 0,
-            self.target or "", flag,
+            self.target or "", flag, self.mrope_section or (), self.mrope_interleaved,
         )  # fmt: skip
 
     def _flagged_message(self) -> str:
         return (
             "a position given as a device tensor was outside [0, "
-            f"{self.max_position or MAX_POSITIONS}) in an earlier call (the kernel clamped "
-            "it; that call's output is not valid)"
+            f"{self.max_position or MAX_POSITIONS}) (or past the cos_sin_cache's rows) in an "
+            "earlier call (the kernel clamped it; that call's output is not valid)"
         )
 
-    def _in_place(
-        self, q: Any, k: Any, position: Any, inverse: bool, decode: bool, ids: Any = None
-    ) -> None:
-        """The in-place calls' one entry: the direct path, or torch's dispatcher when autograd
-        or a tracer must see the call. ``ids``: per-token positions (or None)."""
-        layout = torch_ops.classify(q, k, position, ids)
-        if layout is not torch_ops.DISPATCH:
-            self.rotate_in_place(q, k, position, inverse, decode, layout, ids)
-        elif torch_ops.requires_grad(q, k):
-            self._record_in_place(q, k, position, inverse, decode, ids)
-        else:
-            offsets, offset = _split_position(position)
-            arguments = (q, k, offsets, offset, ids, inverse, decode)
-            torch_ops.rope_qk(self.config, *arguments, in_place=True)
-
-    def _record_in_place(
-        self, q: Any, k: Any, position: Any, inverse: bool, decode: bool, ids: Any = None
-    ):
-        """An in-place call on tensors autograd tracks, recorded as torch's own in-place ops
-        are: the rotation out of place (its backward is the inverse rotation), copied back
-        into q and k, so their grad_fn and version counters are right. A leaf that requires
-        grad cannot change in place; torch refuses, and so do we, before any write."""
-        for name, tensor in (("q", q), ("k", k)):
-            if tensor is not None and tensor.requires_grad and tensor.is_leaf:
-                raise ValueError(
-                    f"{name} is a leaf tensor that requires grad, which cannot be rotated in "
-                    f"place (autograd forbids it); use apply_rope(q, k, rope) for a rotated "
-                    "copy, or rotate under torch.no_grad()"
-                )
-        if not torch_ops.is_compiling():  # (a traced graph has no memory to compare)
-            operands = {"q": as_operand(q, "q")}
-            if k is not None:
-                operands["k"] = as_operand(k, "k")
-            check_in_place(operands)  # before the first copy_ writes
-        offsets, offset = _split_position(position)
-        q_rot, k_rot = torch_ops.rope_qk(self.config, q, k, offsets, offset, ids, inverse, decode)
-        q.copy_(q_rot)
-        if k is not None:
-            k.copy_(k_rot)
+    def _in_place(self, q: Any, k: Any, position: Any, inverse: bool, decode: bool, ids=None):
+        """The in-place calls' one entry (see :func:`_in_place_call`)."""
+        _in_place_call(self.config, q, k, position, inverse, decode, ids, None, self)
 
     def _direct(
         self,
@@ -704,25 +698,29 @@ class RoPE:
         decode: bool = False,
         layout: tuple | None = None,
         ids: Any = None,
+        cache: Any = None,
         *,
         in_place: bool,
     ) -> tuple[Any, Any] | None:
         """The rotation without the torch dispatcher (what the custom ops run): in place
         (:meth:`rotate_in_place`, returns None) or into new copies (:meth:`rotated`, returns
-        them; k None gives None). ``layout``: ``_torch_ops.layouts(q, k, position, ids)``
-        when the caller has it; ``ids``: per-token positions (see :meth:`forward`) or None.
+        them; k None gives None). ``layout``: ``_torch_ops.layouts(q, k, position, ids,
+        cache)`` when the caller has it; ``ids``: per-token positions (see :meth:`forward`)
+        or None; ``cache``: a cos_sin_cache (see :func:`apply_rope_with_cos_sin_cache`) or
+        None.
 
         An in-place call whose torch layouts (q, k, the position's kind, the per-token
-        positions, the direction) an earlier call validated and planned re-runs that launch
-        with the new addresses and offset: at decode sizes the bookkeeping would otherwise
-        cost more than the kernel."""
+        positions, the cache, the direction) an earlier call validated and planned re-runs
+        that launch with the new addresses and offset: at decode sizes the bookkeeping would
+        otherwise cost more than the kernel."""
         if not in_place:
             q_out = empty_like(as_operand(q, "q"), tuple(q.shape))
             k_out = None if k is None else empty_like(as_operand(k, "k"), tuple(k.shape))
-            self._apply(q, k, position, inverse, decode, out=(q_out, k_out), ids=ids)
+            out = (q_out, k_out)
+            self._apply(q, k, position, inverse, decode, out=out, ids=ids, cache=cache)
             return to_caller(q_out), None if k_out is None else to_caller(k_out)
-        keys, (q_ptr, k_ptr, offsets_ptr, ids_ptr) = layout or torch_ops.layouts(
-            q, k, position, ids
+        keys, (q_ptr, k_ptr, offsets_ptr, ids_ptr, cache_ptr) = layout or torch_ops.layouts(
+            q, k, position, ids, cache
         )
         int_position = type(position) is int
         key = (keys, inverse, decode, int_position)
@@ -741,11 +739,11 @@ class RoPE:
                 self._flag.raise_if_set(self._flagged_message)
                 launch.relaunch(
                     torch_ops.current_stream(launch.device), RELAUNCH_QK, q_ptr, q_ptr, k_ptr,
-                    k_ptr, ids_ptr, offsets_ptr, position if int_position else 0,
+                    k_ptr, ids_ptr, offsets_ptr, position if int_position else 0, cache_ptr,
                 )  # fmt: skip
                 torch_ops.bump_torch_versions((q,) if k is None else (q, k))
                 return
-        launch = self._apply(q, k, position, inverse, decode, ids=ids)
+        launch = self._apply(q, k, position, inverse, decode, ids=ids, cache=cache)
         # torch q (and k) only; device positions or ints: host ones are uploaded per call
         device_position = int_position or (keys[2] is not None and keys[2][3].type == "cuda")
         torch_operands = keys[0] is not None and (k is None or keys[1] is not None)
@@ -754,7 +752,8 @@ class RoPE:
         own_ids = ids is None or (
             launch is not None and ROPE_PARAMS.read(launch.params, "ids") == ids_ptr
         )
-        if launch is not None and torch_operands and device_position and own_ids:
+        own_cache = cache is None or keys[4] is not None  # a torch tensor, read in place
+        if launch is not None and torch_operands and device_position and own_ids and own_cache:
             # the highest int offset the launch's table covers; with per-token positions
             # the offset must stay 0 (the kernel bounds every position)
             last_position = ROPE_PARAMS.read(launch.params, "position_limit") - q.shape[1]
@@ -769,20 +768,31 @@ class RoPE:
     rotated = functools.partialmethod(_direct, in_place=False)
 
     def _rows(self, operand: Operand, name: str, heads: int, packed: bool = False) -> HeadRows:
-        """``operand`` as [B, T, heads, head_dim] rows; ``packed`` also takes [N, heads*head_dim]
-        (N tokens, seen as B = 1, T = N), the layout of calls with per-token positions."""
+        """``operand`` as [B, T, heads, head_dim] rows; ``packed`` (per-token positions of
+        shape [N]) takes packed tokens [N, heads*head_dim] or [N, heads, head_dim] instead
+        (N tokens, seen as B = 1, T = N)."""
         head_dim = self.head_dim
         shape, strides = operand.shape, operand.strides
+        if packed:
+            if operand.ndim == 2 and shape[1] == heads * head_dim:
+                return HeadRows(
+                    operand, (1, shape[0], heads, head_dim), (0, strides[0], head_dim, 1)
+                )
+            if operand.ndim == 3 and shape[1:] == (heads, head_dim):
+                return HeadRows(operand, (1, *shape), (0, *strides[:2], 1))
+            raise ValueError(
+                f"{name} must be packed tokens [N, {heads}*{head_dim}] or [N, {heads}, "
+                f"{head_dim}] (heads={heads}, head_dim={head_dim}) with positions of shape "
+                f"[N], got shape {shape}"
+            )
         if operand.ndim == 3 and shape[2] == heads * head_dim:
             return HeadRows(operand, (*shape[:2], heads, head_dim), (*strides[:2], head_dim, 1))
         if operand.ndim == 4 and shape[2:] == (heads, head_dim):
             return HeadRows(operand, shape, (*strides[:3], 1))
-        if packed and operand.ndim == 2 and shape[1] == heads * head_dim:
-            return HeadRows(operand, (1, shape[0], heads, head_dim), (0, strides[0], head_dim, 1))
         raise ValueError(
             f"{name} must be [B, T, {heads}*{head_dim}] or [B, T, {heads}, {head_dim}] "
             f"(heads={heads}, head_dim={head_dim}), or packed tokens [N, {heads}*{head_dim}] "
-            f"with per-token positions, got shape {shape}"
+            f"with per-token positions of shape [N], got shape {shape}"
         )
 
     def _operand(
@@ -791,29 +801,33 @@ class RoPE:
         operand = check_float_operand(obj, name, in_place=in_place)
         return self._rows(operand, name, heads, packed)
 
-    def _positions(
-        self, value: Any, name: str, rows: HeadRows, place: str, ids: Any = None
-    ) -> Positions:
+    def _positions(self, value, name, rows: HeadRows, place, ids=None, packed=False, limit=None):
         """Positions for a call: ints and host tensors checked here, device tensors bounded
-        by the kernel (by max_position, or 2**24 without one). ``ids``: per-token positions
-        of shape [B, T] (or [N] for packed rows), with ``value`` 0."""
+        by the kernel (by ``limit``: max_position, or 2**24 without one). ``ids``: per-token
+        positions of shape [B, T] (or [N] for ``packed`` rows; a leading 3 under MRoPE),
+        with ``value`` 0."""
         batch, seq = rows.shape[:2]
-        limit = self.max_position or MAX_POSITIONS
+        limit = limit or self.max_position or MAX_POSITIONS
         if ids is not None:
-            packed = rows.operand.ndim == 2
-            shape = (seq,) if packed else (batch, seq)
-            ids = check_position_ids("positions", ids, shape, "[N]" if packed else "[B, T]")
+            shape, layout = ((seq,), "[N]") if packed else ((batch, seq), "[B, T]")
+            mrope = {}
+            if self.mrope_section is not None:
+                shape, layout = (3, *shape), "[3, " + layout[1:]
+                mrope = dict(
+                    mrope_section=self.mrope_section, mrope_interleaved=self.mrope_interleaved
+                )
+            ids = check_position_ids("positions", ids, shape, layout)
             if not ids.is_cuda:
                 check_host_positions("positions", ids.host, limit)
                 highest = int(ids.host.max(initial=0)) + 1
                 if place == "cuda":
                     ids = upload(rows.operand, np.ascontiguousarray(ids.host))
-                return Positions(ids=ids, limit=limit, cover=highest)
+                return Positions(ids=ids, limit=limit, cover=highest, **mrope)
             if ids.device != rows.operand.device:
                 raise ValueError(f"positions is on cuda:{ids.device}, the data on another device")
             if not is_dense(ids):  # the kernel reads ids[b*T + s]: copied once, as torch does
                 ids = contiguous(ids)
-            return Positions(ids=ids, limit=limit, cover=limit)
+            return Positions(ids=ids, limit=limit, cover=limit, **mrope)
         if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
             value = int(value)
             if value < 0 or value + seq > limit:
@@ -850,10 +864,12 @@ class RoPE:
         decode: bool = False,
         out: tuple[Any, Any] | None = None,
         ids: Any = None,
+        cache: Any = None,
     ) -> Any:
         """Rotate (q, k) at ``position`` (or at per-token positions ``ids``, ``position``
-        then 0): in place, or into ``out`` (same shapes, contiguous). Returns the CUDA launch
-        (None on the host or for an empty call)."""
+        then 0): in place, or into ``out`` (same shapes, contiguous), with the scheme's table
+        or a caller's cos_sin_cache ``cache`` (per-token positions only). Returns the CUDA
+        launch (None on the host or for an empty call)."""
         self._flag.raise_if_set(self._flagged_message)
         in_place = out is None
         if ids is not None and not (_is_int(position) and position == 0):
@@ -861,7 +877,28 @@ class RoPE:
                 "positions (one per token) and a position offset cannot be combined: "
                 f"got position_offset={position!r}; add the offset to the positions"
             )
-        packed = ids is not None  # [N, heads*head_dim] q and k take per-token positions
+        # positions of one token dim ([N], or [3, N] under MRoPE): packed q and k
+        token_dims = getattr(ids, "ndim", 0) - (self.mrope_section is not None)
+        packed = ids is not None and token_dims == 1
+        if ids is not None and hasattr(ids, "ndim") and token_dims not in (1, 2):
+            rows = (
+                "[3, B, T] or [3, N] (MRoPE rows t, h, w)"
+                if self.mrope_section
+                else "[B, T] or [N]"
+            )
+            raise ValueError(
+                f"positions must be {rows}, one position per token, got shape {tuple(ids.shape)}"
+            )
+        table = self.table
+        if cache is not None:
+            if ids is None:
+                raise ValueError("a cos_sin_cache call takes per-token positions")
+            table = CosSinCache(check_cos_sin_cache(cache, self.head_dim))
+            if table.rotary_dim != self.rotary_dim:
+                raise ValueError(
+                    f"cos_sin_cache has width {table.rotary_dim}; this component rotates "
+                    f"rotary_dim={self.rotary_dim}"
+                )
         q_rows = self._operand(q, "q", self.num_heads, in_place, packed)
         k_rows = None
         if k is not None:
@@ -880,14 +917,18 @@ class RoPE:
                 )
         if in_place:  # every operand checked before anything is written
             check_in_place(operands)
+        if cache is not None:
+            operands["cos_sin_cache"] = table.operand
         place = select_place(self.target, operands)
         name = "position" if decode else "position_offset"
         if decode and q_rows.shape[1] != 1:
             raise ValueError(
                 f"decode takes one token per sequence (T == 1), got T={q_rows.shape[1]}"
             )
-        positions = self._positions(position, name, q_rows, place, ids)
-        self.table.ensure(positions.cover)
+        limit = table.capacity if cache is not None else None
+        positions = self._positions(position, name, q_rows, place, ids, packed, limit)
+        if cache is None:
+            table.ensure(positions.cover)
         if math.prod(q_rows.shape[:2]) == 0:
             return None
         q_out = q_rows if out is None else self._rows(out[0], "out", self.num_heads, packed)
@@ -897,8 +938,48 @@ class RoPE:
             k_pair = (k_rows, k_out)
         q_pair = (q_rows, q_out)
         return rotate(
-            self.table, self.rope_layout == "neox", inverse, q_pair, k_pair, positions, self._flag
+            table, self.rope_layout == "neox", inverse, q_pair, k_pair, positions, self._flag
         )
+
+
+def _in_place_call(config, q, k, position, inverse, decode, ids=None, cache=None, rope=None):
+    """Every in-place call's one entry, for the component ``config`` describes (``rope``:
+    that component, when the caller has it; else it is rebuilt, once, from ``config``):
+    the direct path, or torch's dispatcher when autograd or a tracer must see the call.
+    ``ids``: per-token positions (or None); ``cache``: a caller's cos_sin_cache in place of
+    the table (or None).
+
+    Through the dispatcher: the in-place custom op, or, on tensors autograd tracks, the
+    call recorded as torch's own in-place ops are: the rotation out of place (its backward
+    is the inverse rotation), copied back into q and k, so their grad_fn and version
+    counters are right. A leaf that requires grad cannot change in place; torch refuses,
+    and so do we, before any write."""
+    layout = torch_ops.classify(q, k, position, ids, cache)
+    if layout is not torch_ops.DISPATCH:  # (no component is built while a tracer watches)
+        rope = rope or component(config)
+        rope.rotate_in_place(q, k, position, inverse, decode, layout, ids, cache)
+        return
+    offsets, offset = _split_position(position)
+    arguments = (q, k, offsets, offset, ids, cache, inverse, decode)
+    if not torch_ops.requires_grad(q, k):
+        torch_ops.rope_qk(config, *arguments, in_place=True)
+        return
+    for name, tensor in (("q", q), ("k", k)):
+        if tensor is not None and tensor.requires_grad and tensor.is_leaf:
+            raise ValueError(
+                f"{name} is a leaf tensor that requires grad, which cannot be rotated in "
+                f"place (autograd forbids it); use apply_rope(q, k, rope) for a rotated "
+                "copy, or rotate under torch.no_grad()"
+            )
+    if not torch_ops.is_compiling():  # (a traced graph has no memory to compare)
+        operands = {"q": as_operand(q, "q")}
+        if k is not None:
+            operands["k"] = as_operand(k, "k")
+        check_in_place(operands)  # before the first copy_ writes
+    q_rot, k_rot = torch_ops.rope_qk(config, *arguments)
+    q.copy_(q_rot)
+    if k is not None:
+        k.copy_(k_rot)
 
 
 def apply_rope(
@@ -923,8 +1004,107 @@ def apply_rope(
     if torch_ops.classify(q, k, position_offset, positions) is not torch_ops.DISPATCH:
         return rope.rotated(q, k, position_offset, ids=positions)
     offsets, offset = _split_position(position_offset)
-    q_rot, k_rot = torch_ops.rope_qk(rope.config, q, k, offsets, offset, positions, False, False)
+    arguments = (q, k, offsets, offset, positions, None, False, False)
+    q_rot, k_rot = torch_ops.rope_qk(rope.config, *arguments)
     return q_rot, None if k is None else k_rot
+
+
+def apply_rope_with_cos_sin_cache(
+    positions: Any, query: Any, key: Any, head_size: int, cos_sin_cache: Any, is_neox: bool = True
+) -> tuple[Any, Any]:
+    """FlashInfer's ``apply_rope_with_cos_sin_cache``: new rotated ``(query, key)`` (key may
+    be None, giving None) with cos/sin read from the caller's table, inputs untouched.
+
+    Args:
+        positions: ``[N]`` int32/int64, one position per token, each in
+            ``[0, max_position)``: host positions outside are refused before the launch;
+            device ones are clamped by the kernel (never read out of bounds) and raise
+            ValueError at a later cos_sin_cache call (the error flag, as :class:`RoPE`).
+        query: ``[N, num_q_heads*head_size]`` or ``[N, num_q_heads, head_size]``.
+        key: the same with num_k_heads (a divisor of num_q_heads), or None.
+        head_size: the size of one head.
+        cos_sin_cache: float32 ``[max_position, rotary_dim]``, contiguous: row p holds
+            cos of the rotary_dim/2 pairs at position p, then their sin. The first
+            rotary_dim columns of each head rotate; the rest are copied.
+        is_neox: pairs ``(j, j + rotary_dim/2)`` (True) or ``(2j, 2j+1)`` (False).
+
+    Any framework; on torch tensors that require grad the results carry a ``grad_fn`` (the
+    transpose rotation at the same positions; no gradient flows to the cache).
+
+    Example::
+
+        >>> import numpy as np
+        >>> angles = np.arange(16)[:, None] * 10000.0 ** (-np.arange(4) / 4)
+        >>> cache = np.concatenate([np.cos(angles), np.sin(angles)], 1).astype(np.float32)
+        >>> q = np.ones((3, 2 * 16), np.float32)
+        >>> q_rot, k_rot = apply_rope_with_cos_sin_cache(np.array([0, 5, 15]), q, None, 16, cache)
+        >>> q_rot.shape, k_rot
+        ((3, 32), None)
+    """
+    config = _cache_config(query, key, head_size, cos_sin_cache, is_neox)
+    if torch_ops.classify(query, key, positions, cos_sin_cache) is not torch_ops.DISPATCH:
+        return component(config).rotated(query, key, 0, ids=positions, cache=cos_sin_cache)
+    arguments = (query, key, None, 0, positions, cos_sin_cache, False, False)
+    q_rot, k_rot = torch_ops.rope_qk(config, *arguments)
+    return q_rot, None if key is None else k_rot
+
+
+def apply_rope_with_cos_sin_cache_inplace(
+    positions: Any, query: Any, key: Any, head_size: int, cos_sin_cache: Any, is_neox: bool = True
+) -> None:
+    """:func:`apply_rope_with_cos_sin_cache` in place (FlashInfer's ``..._inplace``):
+    rotates query and key (None: query only) inside their memory, strided views included
+    (last dim contiguous), and returns None. Torch tensors autograd tracks are recorded as
+    torch's in-place ops are (a leaf that requires grad is refused).
+
+    Example::
+
+        >>> import numpy as np
+        >>> cache = np.tile(np.float32([1, 1, 0, 0]), (8, 1))  # cos 1, sin 0: the identity
+        >>> q, k = np.ones((2, 4), np.float32), np.ones((2, 1, 4), np.float32)
+        >>> apply_rope_with_cos_sin_cache_inplace(np.array([1, 7]), q, k, 4, cache)
+        >>> bool((q == 1).all() and (k == 1).all())
+        True
+    """
+    config = _cache_config(query, key, head_size, cos_sin_cache, is_neox)
+    _in_place_call(config, query, key, 0, False, False, positions, cos_sin_cache)
+
+
+def _cache_config(query: Any, key: Any, head_size: Any, cache: Any, is_neox: Any) -> tuple:
+    """The configuration of the component that runs a cos_sin_cache call of these shapes
+    (the scheme's table unused; every such component raises one device error flag)."""
+    head_size = check_positive_int("head_size", head_size)
+    if not isinstance(is_neox, bool):
+        raise TypeError(f"is_neox must be a bool, got {is_neox!r}")
+    heads = _packed_heads("query", query, head_size)
+    kv_heads = heads if key is None else _packed_heads("key", key, head_size)
+    shape = tuple(getattr(cache, "shape", ()))
+    if len(shape) != 2 or shape[1] < 2 or shape[1] % 2 or shape[1] > head_size:
+        raise ValueError(
+            f"cos_sin_cache must be [max_position, rotary_dim] with rotary_dim even and in "
+            f"[2, head_size = {head_size}], got shape {shape if shape else type(cache).__name__}"
+        )
+    return _component_config(
+        _STANDARD_ARGS, int(shape[1]), is_neox, head_size, heads, kv_heads, 0, "", _CACHE_FLAG,
+        (), False,
+    )  # fmt: skip
+
+
+def _packed_heads(name: str, tensor: Any, head_size: int) -> int:
+    """Heads of packed tokens ``[N, heads*head_size]`` or ``[N, heads, head_size]``."""
+    shape = tuple(getattr(tensor, "shape", ()))
+    if len(shape) == 3 and shape[2] == head_size and shape[1] > 0:
+        return shape[1]
+    if len(shape) == 2 and shape[1] % head_size == 0 and shape[1] > 0:
+        return shape[1] // head_size
+    raise ValueError(
+        f"{name} must be [N, heads*head_size] or [N, heads, head_size] with head_size="
+        f"{head_size}, got shape {shape if shape else type(tensor).__name__}"
+    )
+
+
+_CACHE_FLAG, _ = error_flag()  # one device error flag for every cos_sin_cache call
+_STANDARD_ARGS = scheme_args(Standard())
 
 
 def _byte_span(tensor: Any) -> int:
@@ -968,15 +1148,38 @@ def seed_op(config: tuple) -> _RotaryOp:
     return _seed_op((config[0], tuple(config[1]), *config[2:]))
 
 
+def _component_config(
+    scheme: tuple[str, tuple[float, ...]],
+    rotary_dim: int,
+    neox: bool,
+    head_dim: int,
+    num_heads: int,
+    num_kv_heads: int,
+    max_position: int,
+    target: str,
+    flag: int,
+    mrope_section: tuple[int, ...],
+    mrope_interleaved: bool,
+) -> tuple:
+    """A component by value, in the order of the custom ops' schema (_torch_ops
+    ``_COMPONENT_CONFIG``); ``scheme``: ``scheme_args`` of its scheme."""
+    return (
+        *scheme, rotary_dim, neox, head_dim, num_heads, num_kv_heads, max_position, target,
+        flag, mrope_section, mrope_interleaved,
+    )  # fmt: skip
+
+
 @functools.cache
 def _component(config: tuple) -> RoPE:
-    scheme, numbers, rotary_dim, neox, head_dim, heads, kv_heads, max_position, target, flag = (
-        config
-    )
+    (
+        scheme, numbers, rotary_dim, neox, head_dim, heads, kv_heads, max_position, target,
+        flag, mrope_section, mrope_interleaved,
+    ) = config  # fmt: skip
     twin = RoPE(
         head_dim, heads, kv_heads, scheme=scheme_from_args(scheme, numbers),
         rotary_dim=rotary_dim, rope_layout="neox" if neox else "interleaved",
         max_position=max_position or None, target=target or None,
+        mrope_section=mrope_section or None, mrope_interleaved=mrope_interleaved,
     )  # fmt: skip
     twin._adopt_flag(flag)
     return twin
@@ -984,4 +1187,5 @@ def _component(config: tuple) -> RoPE:
 
 def component(config: tuple) -> RoPE:
     """The component a torch custom op's configuration describes (built once)."""
-    return _component((config[0], tuple(config[1]), *config[2:]))
+    section = tuple(config[10])  # lists (the schema's int[]) are not hashable
+    return _component((config[0], tuple(config[1]), *config[2:10], section, *config[11:]))
