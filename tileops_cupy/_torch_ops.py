@@ -28,18 +28,24 @@ NAMESPACE = "tileops_cupy"
 #   seed ops:   scheme, scheme_args, rotary_dim (0 = head_dim), neox, inverse,
 #               input_layout, max_position (0 = none), target ("" = none), flag
 #   component:  scheme, scheme_args, rotary_dim, neox, head_dim, num_heads,
-#               num_kv_heads, max_position (0 = none), target ("" = none), flag
+#               num_kv_heads, max_position (0 = none), target ("" = none), flag,
+#               norm_eps, norm_weight_offset
 # where flag keys the op's device error flag (_rotate.error_flag), so the op rebuilt
 # behind the dispatcher raises its caller's flag. The component's calls take a position as
 # offsets (a [B] tensor) or offset (an int), or per-token positions ([B, T] or [N], with
-# offset 0).
+# offset 0), and the fused QK-RMSNorm's weights (None without the norm).
 _SEED_CONFIG = (
     "str scheme, float[] scheme_args, int rotary_dim, bool neox, bool inverse, "
     "str input_layout, int max_position, str target, int flag"
 )
 _COMPONENT_CONFIG = (
     "str scheme, float[] scheme_args, int rotary_dim, bool neox, int head_dim, "
-    "int num_heads, int num_kv_heads, int max_position, str target, int flag"
+    "int num_heads, int num_kv_heads, int max_position, str target, int flag, "
+    "float norm_eps, float norm_weight_offset"
+)
+_COMPONENT_CALL = (
+    "Tensor? offsets, SymInt offset, Tensor? positions, bool inverse, bool decode, "
+    "Tensor? q_norm_weight, Tensor? k_norm_weight"
 )
 _MHC_PRE_CONFIG = (
     "float alpha_pre, float alpha_post, float alpha_res, int sinkhorn_repeat, "
@@ -47,14 +53,8 @@ _MHC_PRE_CONFIG = (
 )
 SCHEMAS = {
     "rope": f"(Tensor x, Tensor? position_ids, {_SEED_CONFIG}) -> Tensor",
-    "rope_qk": (
-        f"(Tensor q, Tensor? k, Tensor? offsets, SymInt offset, Tensor? positions, "
-        f"bool inverse, bool decode, {_COMPONENT_CONFIG}) -> (Tensor, Tensor)"
-    ),
-    "rope_qk_": (
-        f"(Tensor(a!) q, Tensor(b!)? k, Tensor? offsets, SymInt offset, Tensor? positions, "
-        f"bool inverse, bool decode, {_COMPONENT_CONFIG}) -> ()"
-    ),
+    "rope_qk": f"(Tensor q, Tensor? k, {_COMPONENT_CALL}, {_COMPONENT_CONFIG}) -> (Tensor, Tensor)",
+    "rope_qk_": f"(Tensor(a!) q, Tensor(b!)? k, {_COMPONENT_CALL}, {_COMPONENT_CONFIG}) -> ()",
     "mhc_pre": f"(Tensor phi, Tensor x, Tensor b, {_MHC_PRE_CONFIG}) -> (Tensor, Tensor, Tensor)",
     "mhc_post": "(Tensor x_layer_out, Tensor h_post, Tensor x_res, str target) -> Tensor",
     "mhc_pre_bwd": (
@@ -78,6 +78,7 @@ DISPATCH = "dispatch"
 # torch's per-call entry points, bound once torch is imported: attribute chains such as
 # torch._C._len_torch_dispatch_stack cost a visible share of a decode call
 _Tensor: Any = None
+_Parameter: Any = None
 _is_compiling: Any = None
 _dispatch_depth: Any = None
 _grad_enabled: Any = None
@@ -88,12 +89,13 @@ _contiguous_format: Any = None
 
 
 def _bind(torch: Any) -> None:
-    global _Tensor, _is_compiling, _dispatch_depth, _grad_enabled, _increment_version
-    global _raw_stream, _empty_like, _contiguous_format
+    global _Tensor, _Parameter, _is_compiling, _dispatch_depth, _grad_enabled
+    global _increment_version, _raw_stream, _empty_like, _contiguous_format
     _is_compiling, _dispatch_depth = torch.compiler.is_compiling, torch._C._len_torch_dispatch_stack
     _grad_enabled, _increment_version = torch.is_grad_enabled, torch._C._increment_version
     _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # CUDA builds only
     _empty_like, _contiguous_format = torch.empty_like, torch.contiguous_format
+    _Parameter = torch.nn.Parameter  # a plain tensor's memory (norm weights are parameters)
     _Tensor = torch.Tensor  # last: the others are bound once this is
 
 
@@ -120,7 +122,7 @@ def classify(*args: Any) -> Any:
     grad = _grad_enabled()
     keys, pointers = [], []
     for arg in args:
-        if type(arg) is tensor:
+        if type(arg) is tensor or type(arg) is _Parameter:
             if grad and arg.requires_grad:
                 ensure_registered()
                 return DISPATCH
@@ -152,7 +154,7 @@ def layouts(*args: Any) -> tuple[tuple, list[int]]:
         return (None,) * len(args), [0] * len(args)
     keys, pointers = [], []
     for arg in args:
-        if type(arg) is _Tensor:
+        if type(arg) is _Tensor or type(arg) is _Parameter:
             pointer = arg.data_ptr()
             keys.append((arg.shape, arg.stride(), arg.dtype, arg.device, pointer & 15))
             pointers.append(pointer)
@@ -206,8 +208,9 @@ def rope(config: tuple, x: Any, position_ids: Any) -> Any:
 
 
 def rope_qk(config: tuple, *arguments: Any, in_place: bool = False) -> Any:
-    """The component's op on ``(q, k, offsets, offset, positions, inverse, decode)``: rotated
-    copies of q and k (``rope_qk``), or the rotation in place (``rope_qk_``)."""
+    """The component's op on ``(q, k, offsets, offset, positions, inverse, decode,
+    q_norm_weight, k_norm_weight)``: rotated copies of q and k (``rope_qk``), or the
+    rotation in place (``rope_qk_``)."""
     import torch
 
     op = torch.ops.tileops_cupy.rope_qk_ if in_place else torch.ops.tileops_cupy.rope_qk
@@ -263,42 +266,74 @@ def _rope_backward(ctx, grad):
     return (rope(flipped, grad, ctx.position_ids), None, *(None,) * len(ctx.config))
 
 
-def _rope_qk_impl(q, k, offsets, offset, positions, inverse, decode, *config):
+def _rope_qk_impl(q, k, offsets, offset, positions, inverse, decode, q_weight, k_weight, *config):
     from .rope import component
 
     position = _position(offsets, offset)
-    q_out, k_out = component(config).rotated(q, k, position, inverse, decode, positions)
+    rope = component(config)
+    q_out, k_out = rope.rotated(q, k, position, inverse, decode, positions, q_weight, k_weight)
     return q_out, (q.new_empty(0) if k_out is None else k_out)
 
 
-def _rope_qk_fake(q, k, offsets, offset, positions, inverse, decode, *config):
+def _rope_qk_fake(q, k, *arguments_and_config):
     return q.new_empty(q.shape), (q.new_empty(0) if k is None else k.new_empty(k.shape))
 
 
 def _rope_qk_setup(ctx, inputs, output):
-    q, k, offsets, offset, positions, inverse, decode, *config = inputs
+    q, k, offsets, offset, positions, inverse, decode, q_weight, k_weight, *config = inputs
     ctx.has_k, ctx.offsets, ctx.offset, ctx.positions, ctx.inverse, ctx.config = (
         k is not None, offsets, offset, positions, inverse, tuple(config)
     )  # fmt: skip
+    ctx.normed = q_weight is not None
+    if ctx.normed:  # the norm's backward reads the inputs
+        ctx.save_for_backward(q, k, q_weight, k_weight)
 
 
 def _rope_qk_backward(ctx, grad_q, grad_k):
     # the transpose rotation at the same positions; decode's T == 1 was checked forward
     grad_k = grad_k if ctx.has_k else None
     dq, dk = rope_qk(
-        ctx.config, grad_q, grad_k, ctx.offsets, ctx.offset, ctx.positions, not ctx.inverse, False
-    )
-    return (dq, dk if ctx.has_k else None, *(None,) * (5 + len(ctx.config)))
+        ctx.config, grad_q, grad_k, ctx.offsets, ctx.offset, ctx.positions, not ctx.inverse,
+        False, None, None,
+    )  # fmt: skip
+    dk = dk if ctx.has_k else None
+    dq_weight = dk_weight = None
+    if ctx.normed:  # then through the norm, to the data and the weights
+        q, k, q_weight, k_weight = ctx.saved_tensors
+        head_dim, eps, offset = ctx.config[4], *ctx.config[-2:]
+        dq, dq_weight = _rms_norm_backward(q, q_weight, dq, head_dim, eps, offset)
+        if ctx.has_k:
+            dk, dk_weight = _rms_norm_backward(k, k_weight, dk, head_dim, eps, offset)
+    return (dq, dk, None, None, None, None, None, dq_weight, dk_weight, *(None,) * len(ctx.config))
 
 
-def _rope_qk__impl(q, k, offsets, offset, positions, inverse, decode, *config):
+def _rms_norm_backward(x, weight, grad, head_dim, eps, offset):
+    """Gradients of ``n = x / sqrt(mean(x**2) + eps) * (weight + offset)`` per head row of
+    ``x`` (``[..., heads*head_dim]`` or ``[..., heads, head_dim]``) for the gradient ``grad``
+    of n: ``(grad_x, grad_weight)``, in float32 (float64 for float64 data)."""
+    import torch
+
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    rows = x.to(compute).unflatten(-1, (-1, head_dim))
+    grad_rows = grad.to(compute).unflatten(-1, (-1, head_dim))
+    inverse_rms = torch.rsqrt(rows.square().mean(-1, keepdim=True) + eps)
+    normed = rows * inverse_rms
+    weighted = grad_rows * (weight.to(compute) + offset)
+    grad_x = inverse_rms * (weighted - normed * (weighted * normed).mean(-1, keepdim=True))
+    grad_weight = (grad_rows * normed).reshape(-1, head_dim).sum(0)
+    return grad_x.flatten(-2).to(x.dtype), grad_weight.to(weight.dtype)
+
+
+def _rope_qk__impl(q, k, offsets, offset, positions, inverse, decode, q_weight, k_weight, *config):
     from .rope import component
 
     position = _position(offsets, offset)
-    component(config).rotate_in_place(q, k, position, inverse, decode, ids=positions)
+    component(config).rotate_in_place(
+        q, k, position, inverse, decode, None, positions, q_weight, k_weight
+    )
 
 
-def _rope_qk__fake(q, k, offsets, offset, positions, inverse, decode, *config):
+def _rope_qk__fake(q, k, *arguments_and_config):
     return None
 
 
