@@ -97,6 +97,17 @@ def _data(rng, shape, dtype, place):
     return to_framework(host, _framework(place)), host.astype(np.float64)
 
 
+def _randn(rng, place, *shape, around=0.0):
+    """Normal data around ``around``: float64 on the host, float32 on a device."""
+    dtype = torch.float64 if place == "cpu" else torch.float32
+    return torch.from_numpy(around + rng.standard_normal(shape)).to(place, dtype)
+
+
+def _fused_columns(head_dim: int) -> tuple[int, int, int]:
+    """(width, end of q, end of k) of a fused QKV row."""
+    return (HEADS + 2 * KV_HEADS) * head_dim, HEADS * head_dim, (HEADS + KV_HEADS) * head_dim
+
+
 def _rows(x64: np.ndarray, head_dim: int) -> np.ndarray:
     return x64.reshape(*x64.shape[:-1], -1, head_dim)
 
@@ -147,9 +158,8 @@ def test_fused_qkv_views_in_place_leave_v(rng, call, place):
     rope, head_dim, frequencies, neox = _rope("D128-partial64-neox")
     seq = 1 if call == "decode" else T
     tokens = (B * seq,) if call == "forward-packed" else (B, seq)
-    width = (HEADS + 2 * KV_HEADS) * head_dim
+    width, q_end, k_end = _fused_columns(head_dim)
     qkv, x64 = _data(rng, (*tokens, width), "bfloat16", place)
-    q_end, k_end = HEADS * head_dim, (HEADS + KV_HEADS) * head_dim
     q, k = qkv[..., :q_end], qkv[..., q_end:k_end]
     if call == "forward-BTHD":
         q, k = q.unflatten(-1, (HEADS, head_dim)), k.unflatten(-1, (KV_HEADS, head_dim))
@@ -331,21 +341,13 @@ def test_gradients_match_torch_autograd_of_the_math(rng, case, place):
     """apply_rope's gradients (to q, k and both weights: the rotation's transpose, then the
     norm's backward) equal autograd through the float64 torch math."""
     rope, head_dim, frequencies, neox = _rope(case, "gemma-float32")
-    dtype = torch.float64 if place == "cpu" else torch.float32
-
-    def leaf(*shape, around=0.0):
-        data = torch.from_numpy(around + rng.standard_normal(shape)).to(place, dtype)
-        return data.requires_grad_()
-
-    inputs = (
-        leaf(B, T, HEADS * head_dim), leaf(B, T, KV_HEADS * head_dim),
-        leaf(head_dim, around=0.1), leaf(head_dim, around=-0.2),
-    )  # fmt: skip
+    shapes = ((B, T, HEADS * head_dim), (B, T, KV_HEADS * head_dim), (head_dim,), (head_dim,))
+    inputs = [_randn(rng, place, *shape, around=0.1).requires_grad_() for shape in shapes]
     ids = rng.integers(0, 1 << 16, (B, T))
     positions = torch.from_numpy(ids).to(place)
     got = apply_rope(inputs[0], inputs[1], rope, positions=positions,
                      q_norm_weight=inputs[2], k_norm_weight=inputs[3])  # fmt: skip
-    grads = [torch.from_numpy(rng.standard_normal(t.shape)).to(place, dtype) for t in got]
+    grads = [_randn(rng, place, *t.shape) for t in got]
     ours = torch.autograd.grad(got, inputs, grads)
     references = [t.detach().double().requires_grad_() for t in inputs]
     expected = _torch_reference(*references, rope, ids, frequencies, neox)
@@ -379,15 +381,10 @@ def test_in_place_under_autograd_is_recorded(rng, place):
     """forward(q, k, ...) on views of a non-leaf with Parameter weights: the same gradients
     (to the projection and to both weights) as the out-of-place apply_rope."""
     rope, head_dim, _, _ = _rope("D64-neox")
-    dtype = torch.float64 if place == "cpu" else torch.float32
-    width = (HEADS + 2 * KV_HEADS) * head_dim
-    q_end, k_end = HEADS * head_dim, (HEADS + KV_HEADS) * head_dim
-
-    def tensor(*shape, around=0.0):
-        return torch.from_numpy(around + rng.standard_normal(shape)).to(place, dtype)
-
-    x, projection, upstream = tensor(B, T, 8), tensor(8, width), tensor(B, T, width)
-    weights = tensor(head_dim, around=1.0), tensor(head_dim, around=1.0)
+    width, q_end, k_end = _fused_columns(head_dim)
+    x, projection = _randn(rng, place, B, T, 8), _randn(rng, place, 8, width)
+    upstream = _randn(rng, place, B, T, width)
+    weights = [_randn(rng, place, head_dim, around=1.0) for _ in "qk"]
     positions = torch.from_numpy(rng.integers(0, 4096, (B, T))).to(place)
 
     def run(in_place: bool):
@@ -414,12 +411,7 @@ def test_in_place_under_autograd_is_recorded(rng, place):
 @pytest.mark.parametrize("place", PLACES)
 def test_compiles_fullgraph_without_recompiling(rng, place):
     rope, head_dim, frequencies, neox = _rope("D128-partial64-neox")
-    dtype = torch.float64 if place == "cpu" else torch.float32
-    width = (HEADS + 2 * KV_HEADS) * head_dim
-    q_end, k_end = HEADS * head_dim, (HEADS + KV_HEADS) * head_dim
-
-    def tensor(*shape, around=0.0):
-        return torch.from_numpy(around + rng.standard_normal(shape)).to(place, dtype)
+    width, q_end, k_end = _fused_columns(head_dim)
 
     def attention_inputs(x, w, positions, q_weight, k_weight):
         qkv = x @ w
@@ -430,8 +422,8 @@ def test_compiles_fullgraph_without_recompiling(rng, place):
     for backend in backends(place):
         compiled, counter = compile_counting(attention_inputs, dynamic=True, backend=backend)
         for seq in (5, 9, 7):
-            x, w = tensor(B, seq, 8), tensor(8, width)
-            weights = tensor(head_dim, around=1.0), tensor(head_dim, around=1.0)
+            x, w = _randn(rng, place, B, seq, 8), _randn(rng, place, 8, width)
+            weights = [_randn(rng, place, head_dim, around=1.0) for _ in "qk"]
             ids = rng.integers(0, 1 << 16, (B, seq))
             positions = torch.from_numpy(ids.astype(np.int32)).to(place)
             with torch.no_grad():  # in place, through rope_qk_
@@ -447,7 +439,7 @@ def test_compiles_fullgraph_without_recompiling(rng, place):
             actual = compiled(x, leaves[0][0], positions, *leaves[0][1:])
             expected = attention_inputs(x, leaves[1][0], positions, *leaves[1][1:])
             torch.testing.assert_close(actual, expected)
-            grad = tensor(*actual.shape)
+            grad = _randn(rng, place, *actual.shape)
             actual.backward(grad)
             expected.backward(grad)
             for mine, theirs in zip(leaves[0], leaves[1], strict=True):

@@ -733,16 +733,7 @@ class RoPE:
             arguments = (q, k, offsets, offset, ids, inverse, decode, *weights)
             torch_ops.rope_qk(self.config, *arguments, in_place=True)
 
-    def _record_in_place(
-        self,
-        q: Any,
-        k: Any,
-        position: Any,
-        inverse: bool,
-        decode: bool,
-        ids: Any = None,
-        weights: tuple[Any, Any] = (None, None),
-    ):
+    def _record_in_place(self, q, k, position, inverse, decode, ids, weights) -> None:
         """An in-place call on tensors autograd tracks, recorded as torch's own in-place ops
         are: the rotation out of place (its backward is the inverse rotation), copied back
         into q and k, so their grad_fn and version counters are right. A leaf that requires
