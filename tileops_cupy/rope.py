@@ -550,6 +550,8 @@ class RoPE:
         >>> _ = rope.decode(step[..., :256], step[..., 256:384], position=5)
         >>> packed = np.ones((3, 8 * 64), np.float32)  # 3 tokens of any sequences
         >>> _ = rope.forward(packed[:, :256], packed[:, 256:384], positions=np.array([7, 0, 2]))
+        >>> w = np.ones(64, np.float32)  # fused QK-RMSNorm (Qwen3's q_norm / k_norm weights)
+        >>> _ = rope.prefill(q, k, 5, q_norm_weight=w, k_norm_weight=w)
     """
 
     def __init__(
