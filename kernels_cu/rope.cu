@@ -84,7 +84,9 @@ struct Chunk {
 
   __device__ __forceinline__ void load(const T* in, Data& data) const {
 #pragma unroll
-    for (int l = 0; l < LOADS; ++l) data[l] = *reinterpret_cast<const Pack<T, VEC>*>(in + column[l]);
+    for (int l = 0; l < LOADS; ++l) {
+      data[l] = *reinterpret_cast<const Pack<T, VEC>*>(in + column[l]);
+    }
   }
 
   // Rotate `data` into `out`; NORM first scales each element by scale * (its column's weight),
@@ -183,7 +185,8 @@ struct RowNorm {
   // (every lane ends with the same sum: each step adds the same two values in either order).
   __device__ __forceinline__ float inverse_rms(float sum) const {
     const unsigned lanes = blockDim.x;
-    const unsigned lane = (threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z)) & 31;
+    const unsigned thread = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+    const unsigned lane = thread & 31;
     const unsigned mask =
         lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1) << (lane & ~(lanes - 1));
     for (unsigned offset = lanes / 2; offset > 0; offset /= 2) {
@@ -270,7 +273,9 @@ __device__ __forceinline__ void rotate_chunk(int chunk, int pairs, const float2*
         norm.write_others<T, NEOX, VEC>(row_in(h), row_out(h), is_k, scale[u], pairs, fine_row,
                                         coarse_row, sin_sign);
       }
-      if (active) c.template rotate_store<NORM>(data[u], row_out(h), scale[u], q_weight, k_weight, is_k);
+      if (active) {
+        c.template rotate_store<NORM>(data[u], row_out(h), scale[u], q_weight, k_weight, is_k);
+      }
     }
   }
 }

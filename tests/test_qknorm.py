@@ -279,6 +279,7 @@ def test_matches_hf_norm_then_rotary(rng, norm, dtype, place):
     """HF's module (weights in the data's dtype for Qwen3, float32 for Gemma) and HF's
     ``apply_rotary_pos_emb`` at small positions: float32 within float32 noise; bf16 within
     the two bf16 units that HF's intermediate roundings add."""
+    pytest.importorskip("transformers")
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
 
