@@ -333,6 +333,30 @@ class _LaunchPlan:
 _plans: dict[tuple, _LaunchPlan] = {}
 
 
+def _geometry(
+    neox: bool,
+    vec: int,
+    rotary_dim: int,
+    head_dim: int,
+    copy_tail: bool,
+    total_heads: int,
+    tokens: int,
+    norm: bool,
+) -> tuple[tuple[int, int, int], tuple[int, int, int], int]:
+    """(grid, block, tail_chunks) of a launch: x-lanes over a head row's chunks, y over the
+    heads (HEADS_IN_FLIGHT each), z over tokens. With the fused norm a row's x-lanes are a
+    power-of-two group of at most 32 (one warp's shuffles reduce it; rope.cu)."""
+    rotate_chunks = (rotary_dim // 2) // (vec if neox or vec == 1 else vec // 2)
+    tail_chunks = (head_dim - rotary_dim) // vec if copy_tail else 0
+    chunks = min(max(rotate_chunks, tail_chunks), _THREADS_PER_BLOCK)
+    if norm:
+        chunks = min(1 << (chunks - 1).bit_length(), 32)
+    head_lanes = max(1, min(-(-total_heads // _HEADS_IN_FLIGHT), _THREADS_PER_BLOCK // chunks))
+    tokens_per_block = max(1, _THREADS_PER_BLOCK // (chunks * head_lanes))
+    grid = (-(-tokens // tokens_per_block), 1, 1)
+    return grid, (chunks, head_lanes, tokens_per_block), tail_chunks
+
+
 def _plan(
     table: RotaryTable,
     neox: bool,
@@ -363,17 +387,11 @@ def _plan(
     vec = _vector_width(dtype, neox, rotary_dim, head_dim, copy_tail, rows, weights)
     spec, name = _kernel(dtype, neox, vec, rotary_dim, norm is not None)
     total_heads = q_heads + (rows[2].shape[2] if len(rows) > 2 else 0)
-    rotate_chunks = (rotary_dim // 2) // (vec if neox or vec == 1 else vec // 2)
-    tail_chunks = (head_dim - rotary_dim) // vec if copy_tail else 0
-    chunks = min(max(rotate_chunks, tail_chunks), _THREADS_PER_BLOCK)
-    if norm is not None:  # a row's lanes: a power-of-two group inside one warp (rope.cu)
-        chunks = min(1 << (chunks - 1).bit_length(), 32)
-    head_lanes = max(1, min(-(-total_heads // _HEADS_IN_FLIGHT), _THREADS_PER_BLOCK // chunks))
-    tokens_per_block = max(1, _THREADS_PER_BLOCK // (chunks * head_lanes))
+    grid, block, tail_chunks = _geometry(
+        neox, vec, rotary_dim, head_dim, copy_tail, total_heads, batch * seq, norm is not None
+    )
     kernel = _cuda.function(spec, name, device)
-    grid = (-(-(batch * seq) // tokens_per_block), 1, 1)
-    steps = (_cuda.Step(kernel, grid, (chunks, head_lanes, tokens_per_block)),)
-    plan = _LaunchPlan(steps=steps, tail_chunks=tail_chunks)
+    plan = _LaunchPlan(steps=(_cuda.Step(kernel, grid, block),), tail_chunks=tail_chunks)
     if len(_plans) > 4096:  # shapes churn (e.g. growing prefill chunks): start over
         _plans.clear()
     _plans[key] = plan
