@@ -801,6 +801,10 @@ class RoPE:
                 or k_ptr >= q_ptr + q_bytes
                 or q_ptr >= k_ptr + k_bytes
             )
+            # norm weights must lie outside what is written (else: the validated path)
+            for weight_ptr in (q_weight_ptr, k_weight_ptr) if q_weight_ptr else ():
+                for start, size in ((q_ptr, q_bytes), (k_ptr, k_bytes)):
+                    apart &= not (start - self.head_dim * 4 < weight_ptr < start + size)
             if apart and (not int_position or 0 <= position <= last_position):
                 self._flag.raise_if_set(self._flagged_message)
                 launch.relaunch(
@@ -1017,13 +1021,12 @@ class RoPE:
                 "k_norm_weight was given without q_norm_weight; expected both (q and k are "
                 "normalised together, as in HF Qwen3)"
             )
-        if (k_weight is None) != (k_rows is None):
+        if k_weight is not None and k_rows is None:
+            raise ValueError("k_norm_weight was given without k; expected None")
+        if k_weight is None and k_rows is not None:
             raise ValueError(
-                "k_norm_weight was given without k"
-                if k_rows is None
-                else "k_norm_weight is "
-                "None but k was given; expected both norm weights (q and k are normalised "
-                "together, as in HF Qwen3)"
+                "k_norm_weight is None but k was given; expected both norm weights (q and k "
+                "are normalised together, as in HF Qwen3)"
             )
         checked = []
         for name, weight in (("q_norm_weight", q_weight), ("k_norm_weight", k_weight)):
