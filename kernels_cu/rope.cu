@@ -4,8 +4,14 @@
 // Work layout: blockIdx.x covers `threadDim.z` tokens; threadIdx.x is a chunk of a head row
 // (VEC pairs of a neox row, or VEC interleaved elements), threadIdx.y strides over the heads
 // of q then k. cos/sin of a chunk are formed once per token and reused for every head.
-// Where cos/sin come from is the TABLE template argument (TABLE_* below): the existing
-// paths compile exactly as before, the MRoPE and cos_sin_cache modes are other instantiations.
+// Where cos/sin come from is the TABLE template argument (TABLE_* below): the two-level
+// tables, the same at a position row chosen per pair (MRoPE), or the caller's cos_sin_cache.
+//
+// Fused QK-RMSNorm (the NORM instantiations): each head row is first scaled, in float32, by
+// 1/sqrt(mean(x*x) + eps) over its whole head_dim and by (weight + offset) per column, then
+// rotated, then rounded once. The x-lanes of one (token, head) are a power-of-two group inside
+// a warp (the launch plan makes blockDim.x so): the sum of squares is reduced with shuffles in
+// that group before any of the row is written, so the rows may be rotated in place.
 //
 // The 16-bit float types and their conversions: common.cuh, prepended by the loader.
 
@@ -51,64 +57,226 @@ __device__ __forceinline__ long long token_position(const void* ids, int ids_is_
   return position;
 }
 
-// Rotate one chunk of every head row of a token: cos/sin formed once, heads loaded
-// HEADS_IN_FLIGHT at a time so that several 16-byte loads are in flight per thread.
-// cos_sin_of(pair) gives the pair's (cos, sin) at this token (the table mode's lookup).
-template <typename T, bool NEOX, int VEC, typename CosSinOf, typename RowIn, typename RowOut>
-__device__ __forceinline__ void rotate_chunk(int chunk, int pairs, CosSinOf cos_sin_of,
-                                             float sin_sign, int total_heads, RowIn row_in,
-                                             RowOut row_out) {
-  // Pairs this thread rotates: neox pairs (j, j + pairs); interleaved pairs (2j, 2j+1).
-  // SPLIT: the two members of each pair come from two loads (neox, or interleaved read one
-  // element at a time when the view is not pair-aligned); otherwise one load holds both.
-  constexpr bool SPLIT = NEOX || VEC == 1;
-  constexpr int PAIRS = SPLIT ? VEC : VEC / 2;
-  constexpr int LOADS = SPLIT ? 2 : 1;
-  const int first_pair = chunk * PAIRS;
+// The pairs of one chunk of a head row (VEC pairs of a neox row, or VEC interleaved elements):
+// their columns, cos/sin, and the rotation of loaded data. SPLIT: the two members of each pair
+// come from two loads (neox, or interleaved read one element at a time when the view is not
+// pair-aligned); otherwise one load holds both.
+template <typename T, bool NEOX, int VEC>
+struct Chunk {
+  static constexpr bool SPLIT = NEOX || VEC == 1;
+  static constexpr int PAIRS = SPLIT ? VEC : VEC / 2;
+  static constexpr int LOADS = SPLIT ? 2 : 1;
+  typedef Pack<T, VEC> Data[LOADS];
+  int column[LOADS];  // first column of each load
   float cos_v[PAIRS], sin_v[PAIRS];
+
+  // cos_sin_of(pair) gives the pair's (cos, sin) at this token (the table mode's lookup)
+  template <typename CosSinOf>
+  __device__ __forceinline__ Chunk(int chunk, int pairs, CosSinOf cos_sin_of, float sin_sign) {
+    const int first_pair = chunk * PAIRS;
 #pragma unroll
-  for (int i = 0; i < PAIRS; ++i) {
-    const float2 cs = cos_sin_of(first_pair + i);
-    cos_v[i] = cs.x;
-    sin_v[i] = cs.y * sin_sign;
+    for (int i = 0; i < PAIRS; ++i) {
+      const float2 cs = cos_sin_of(first_pair + i);
+      cos_v[i] = cs.x;
+      sin_v[i] = cs.y * sin_sign;
+    }
+    column[0] = NEOX ? chunk * VEC : 2 * first_pair;
+    if constexpr (SPLIT) column[1] = NEOX ? pairs + chunk * VEC : column[0] + 1;
   }
 
-  const int x1_col = NEOX ? chunk * VEC : 2 * first_pair;
-  const int x2_col = NEOX ? pairs + chunk * VEC : x1_col + 1;  // read only when SPLIT
+  __device__ __forceinline__ void load(const T* in, Data& data) const {
+#pragma unroll
+    for (int l = 0; l < LOADS; ++l) {
+      data[l] = *reinterpret_cast<const Pack<T, VEC>*>(in + column[l]);
+    }
+  }
+
+  // Rotate `data` into `out`; NORM first scales each element by scale * (its column's weight),
+  // the weight of k's rows when is_k, of q's otherwise.
+  template <bool NORM>
+  __device__ __forceinline__ void rotate_store(const Data& data, T* out, float scale,
+                                               const float (&q_weight)[LOADS][VEC],
+                                               const float (&k_weight)[LOADS][VEC],
+                                               bool is_k) const {
+    Pack<T, VEC> y[LOADS];
+#pragma unroll
+    for (int i = 0; i < PAIRS; ++i) {
+      const int e1 = SPLIT ? i : 2 * i;      // element of load 0 holding x1
+      const int e2 = SPLIT ? i : 2 * i + 1;  // element of load LOADS-1 holding x2
+      float x1 = to_float(data[0].v[e1]);
+      float x2 = to_float(data[LOADS - 1].v[e2]);
+      if constexpr (NORM) {
+        x1 *= scale * (is_k ? k_weight[0][e1] : q_weight[0][e1]);
+        x2 *= scale * (is_k ? k_weight[LOADS - 1][e2] : q_weight[LOADS - 1][e2]);
+      }
+      y[0].v[e1] = from_float<T>(fmaf(x1, cos_v[i], -x2 * sin_v[i]));
+      y[LOADS - 1].v[e2] = from_float<T>(fmaf(x2, cos_v[i], x1 * sin_v[i]));
+    }
+#pragma unroll
+    for (int l = 0; l < LOADS; ++l) *reinterpret_cast<Pack<T, VEC>*>(out + column[l]) = y[l];
+  }
+};
+
+// What the NORM instantiations need beyond the rotation (unused by the others).
+struct RowNorm {
+  const void* q_weight;
+  const void* k_weight;
+  int weight_is_float32;  // else the weights have the data's type
+  float eps;
+  float weight_offset;
+  int q_heads;        // rows below this are q's (q's weight), the rest k's
+  int rotate_chunks;  // chunks of pairs in a row
+  int tail_chunks;    // VEC-wide chunks past rotary_dim
+  int rotary_dim;
+  int head_dim;
+
+  // (weight + offset) of VEC columns from `column`, of k's weight when is_k
+  template <typename T, int VEC>
+  __device__ __forceinline__ void weights(bool is_k, int column, float (&w)[VEC]) const {
+    const void* weight = is_k ? k_weight : q_weight;
+    if (weight_is_float32) {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) w[i] = static_cast<const float*>(weight)[column + i];
+    } else {  // the launch plan checked these VEC-wide loads aligned
+      const Pack<T, VEC> packed =
+          *reinterpret_cast<const Pack<T, VEC>*>(static_cast<const T*>(weight) + column);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) w[i] = to_float(packed.v[i]);
+    }
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) w[i] += weight_offset;
+  }
+
+  template <typename T, bool NEOX, int VEC>
+  __device__ __forceinline__ void chunk_weights(const Chunk<T, NEOX, VEC>& c, bool is_k,
+                                                float (&w)[Chunk<T, NEOX, VEC>::LOADS][VEC]) const {
+#pragma unroll
+    for (int l = 0; l < Chunk<T, NEOX, VEC>::LOADS; ++l) weights<T, VEC>(is_k, c.column[l], w[l]);
+  }
+
+  template <typename T, int VEC>
+  __device__ __forceinline__ static float squares(const Pack<T, VEC>& x) {
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) sum = fmaf(to_float(x.v[i]), to_float(x.v[i]), sum);
+    return sum;
+  }
+
+  // Sum of squares of what this lane holds of row `in` beyond its first chunk (the chunks of
+  // later rounds, when a row has more chunks than the group has lanes, and the tail), read
+  // before anything of the row is written.
+  template <typename T, bool NEOX, int VEC, typename CosSinOf>
+  __device__ __forceinline__ float other_squares(const T* in, int pairs,
+                                                 CosSinOf cos_sin_of) const {
+    float sum = 0.f;
+    for (int chunk = threadIdx.x + blockDim.x; chunk < rotate_chunks; chunk += blockDim.x) {
+      const Chunk<T, NEOX, VEC> c(chunk, pairs, cos_sin_of, 1.f);  // (its columns only)
+      typename Chunk<T, NEOX, VEC>::Data data;
+      c.load(in, data);
+#pragma unroll
+      for (int l = 0; l < Chunk<T, NEOX, VEC>::LOADS; ++l) sum += squares<T, VEC>(data[l]);
+    }
+    for (int t = threadIdx.x; t < tail_chunks; t += blockDim.x) {
+      sum += squares<T, VEC>(*reinterpret_cast<const Pack<T, VEC>*>(in + rotary_dim + t * VEC));
+    }
+    return sum;
+  }
+
+  // 1/rms of a row from each lane's share of its sum of squares: a butterfly over the group
+  // (every lane ends with the same sum: each step adds the same two values in either order).
+  __device__ __forceinline__ float inverse_rms(float sum) const {
+    const unsigned lanes = blockDim.x;
+    const unsigned thread = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+    const unsigned lane = thread & 31;
+    const unsigned mask =
+        lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1) << (lane & ~(lanes - 1));
+    for (unsigned offset = lanes / 2; offset > 0; offset /= 2) {
+      sum += __shfl_xor_sync(mask, sum, offset, lanes);
+    }
+    return 1.f / sqrtf(sum / head_dim + eps);
+  }
+
+  // Write what this lane holds of the row beyond its first chunk: the later rounds' chunks
+  // (normalised and rotated) and the tail (normalised only).
+  template <typename T, bool NEOX, int VEC, typename CosSinOf>
+  __device__ __forceinline__ void write_others(const T* in, T* out, bool is_k, float scale,
+                                               int pairs, CosSinOf cos_sin_of,
+                                               float sin_sign) const {
+    typedef Chunk<T, NEOX, VEC> C;
+    for (int chunk = threadIdx.x + blockDim.x; chunk < rotate_chunks; chunk += blockDim.x) {
+      const C c(chunk, pairs, cos_sin_of, sin_sign);
+      float w[C::LOADS][VEC];
+      chunk_weights(c, is_k, w);
+      typename C::Data data;
+      c.load(in, data);
+      c.template rotate_store<true>(data, out, scale, w, w, false);
+    }
+    for (int t = threadIdx.x; t < tail_chunks; t += blockDim.x) {
+      const int column = rotary_dim + t * VEC;
+      float w[VEC];
+      weights<T, VEC>(is_k, column, w);
+      const Pack<T, VEC> x = *reinterpret_cast<const Pack<T, VEC>*>(in + column);
+      Pack<T, VEC> y;
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) y.v[i] = from_float<T>(to_float(x.v[i]) * (scale * w[i]));
+      *reinterpret_cast<Pack<T, VEC>*>(out + column) = y;
+    }
+  }
+};
+
+// Rotate one chunk of every head row of a token: cos/sin formed once, heads loaded
+// HEADS_IN_FLIGHT at a time so that several 16-byte loads are in flight per thread. NORM: the
+// chunk is this lane's first (threadIdx.x); the lane also handles the rest of its share of
+// each row (RowNorm), and a lane past the last chunk still joins the rows' reductions.
+template <typename T, bool NEOX, int VEC, bool NORM, typename CosSinOf, typename RowIn,
+          typename RowOut>
+__device__ __forceinline__ void rotate_chunk(int chunk, int pairs, CosSinOf cos_sin_of,
+                                             float sin_sign, int total_heads, RowIn row_in,
+                                             RowOut row_out, const RowNorm& norm) {
+  typedef Chunk<T, NEOX, VEC> C;
+  const bool active = !NORM || chunk < norm.rotate_chunks;
+  const C c(active ? chunk : 0, pairs, cos_sin_of, sin_sign);
+  float q_weight[C::LOADS][VEC], k_weight[C::LOADS][VEC];  // NORM only
+  if constexpr (NORM) {
+    norm.chunk_weights(c, false, q_weight);
+    norm.chunk_weights(c, true, k_weight);
+  }
 
   for (int h0 = threadIdx.y; h0 < total_heads; h0 += blockDim.y * HEADS_IN_FLIGHT) {
-    Pack<T, VEC> data[HEADS_IN_FLIGHT][LOADS];
+    typename C::Data data[HEADS_IN_FLIGHT];
 #pragma unroll
     for (int u = 0; u < HEADS_IN_FLIGHT; ++u) {
       const int h = h0 + u * blockDim.y;
-      if (h < total_heads) {
-        const T* in = row_in(h);
-        data[u][0] = *reinterpret_cast<const Pack<T, VEC>*>(in + x1_col);
-        if (SPLIT) data[u][LOADS - 1] = *reinterpret_cast<const Pack<T, VEC>*>(in + x2_col);
+      if (h < total_heads && active) c.load(row_in(h), data[u]);
+    }
+    float scale[HEADS_IN_FLIGHT];  // NORM: 1/rms of each row
+    if constexpr (NORM) {
+#pragma unroll
+      for (int u = 0; u < HEADS_IN_FLIGHT; ++u) {
+        const int h = h0 + u * blockDim.y;  // the same for every lane of the group
+        float sum = 0.f;
+        if (h < total_heads) {
+          if (active) {
+#pragma unroll
+            for (int l = 0; l < C::LOADS; ++l) sum += RowNorm::squares<T, VEC>(data[u][l]);
+          }
+          sum += norm.other_squares<T, NEOX, VEC>(row_in(h), pairs, cos_sin_of);
+        }
+        scale[u] = norm.inverse_rms(sum);
       }
     }
 #pragma unroll
     for (int u = 0; u < HEADS_IN_FLIGHT; ++u) {
       const int h = h0 + u * blockDim.y;
       if (h >= total_heads) break;
-      Pack<T, VEC> y1, y2;
-#pragma unroll
-      for (int i = 0; i < PAIRS; ++i) {
-        const float x1 = to_float(SPLIT ? data[u][0].v[i] : data[u][0].v[2 * i]);
-        const float x2 = to_float(SPLIT ? data[u][LOADS - 1].v[i] : data[u][0].v[2 * i + 1]);
-        const float r1 = fmaf(x1, cos_v[i], -x2 * sin_v[i]);
-        const float r2 = fmaf(x2, cos_v[i], x1 * sin_v[i]);
-        if (SPLIT) {
-          y1.v[i] = from_float<T>(r1);
-          y2.v[i] = from_float<T>(r2);
-        } else {
-          y1.v[2 * i] = from_float<T>(r1);
-          y1.v[2 * i + 1] = from_float<T>(r2);
-        }
+      const bool is_k = NORM && h >= norm.q_heads;
+      if constexpr (NORM) {
+        norm.write_others<T, NEOX, VEC>(row_in(h), row_out(h), is_k, scale[u], pairs,
+                                        cos_sin_of, sin_sign);
       }
-      T* out = row_out(h);
-      *reinterpret_cast<Pack<T, VEC>*>(out + x1_col) = y1;
-      if (SPLIT) *reinterpret_cast<Pack<T, VEC>*>(out + x2_col) = y2;
+      if (active) {
+        c.template rotate_store<NORM>(data[u], row_out(h), scale[u], q_weight, k_weight, is_k);
+      }
     }
   }
 }
@@ -156,9 +324,15 @@ struct RopeParams {
   // TABLE_COS_SIN_CACHE: the caller's float32 [position_limit, rotary_dim] table, cos of
   // pair j at column j, sin at column rotary_dim/2 + j
   const float* cos_sin_cache;
+  // fused QK-RMSNorm (NORM instantiations): [head_dim] weights, float32 or the data's type
+  const void* q_norm_weight;
+  const void* k_norm_weight;
+  float norm_eps;
+  float norm_weight_offset;
+  int norm_weight_is_float32;
 };
 
-static_assert(sizeof(RopeParams) == 248, "RopeParams changed size: update this number");
+static_assert(sizeof(RopeParams) == 280, "RopeParams changed size: update this number");
 
 // Where cos/sin of (token, pair) come from: the two-level tables at the token's position; the
 // same at one of three position rows chosen per pair (MRoPE); or the caller's cos_sin_cache.
@@ -195,7 +369,7 @@ struct TwoLevelRows {
   }
 };
 
-template <typename T, bool NEOX, int VEC, int ROTARY_DIM, int TABLE>
+template <typename T, bool NEOX, int VEC, int ROTARY_DIM, int TABLE, bool NORM = false>
 __global__ void rope_rotate(const RopeParams p) {
   const T* q_in = static_cast<const T*>(p.q_in);
   T* q_out = static_cast<T*>(p.q_out);
@@ -227,8 +401,9 @@ __global__ void rope_rotate(const RopeParams p) {
                              (h - q_heads) * p.k_out_stride[2];
   };
 
-  // Columns at or past rotary_dim are copied unchanged (out-of-place launches only).
-  for (int chunk = rotate_chunks + threadIdx.x; chunk < rotate_chunks + tail_chunks;
+  // Columns at or past rotary_dim are copied unchanged (out-of-place launches only; NORM
+  // writes them normalised).
+  for (int chunk = rotate_chunks + threadIdx.x; !NORM && chunk < rotate_chunks + tail_chunks;
        chunk += blockDim.x) {
     const int column = rotary_dim + (chunk - rotate_chunks) * VEC;
     for (int h = threadIdx.y; h < total_heads; h += blockDim.y) {
@@ -244,9 +419,17 @@ __global__ void rope_rotate(const RopeParams p) {
                           p.position_offset, b, s, id, p.position_limit, p.error_flag);
   };
   auto rotate_all = [&](auto cos_sin_of) {
-    for (int chunk = threadIdx.x; chunk < rotate_chunks; chunk += blockDim.x) {
-      rotate_chunk<T, NEOX, VEC>(chunk, pairs, cos_sin_of, p.sin_sign, total_heads, row_in,
-                                 row_out);
+    if constexpr (NORM) {  // each lane: its first chunk, the rest of its share of every row
+      const RowNorm norm{p.q_norm_weight, p.k_norm_weight, p.norm_weight_is_float32,
+                         p.norm_eps, p.norm_weight_offset, q_heads, rotate_chunks, tail_chunks,
+                         rotary_dim, rotary_dim + tail_chunks * VEC};
+      rotate_chunk<T, NEOX, VEC, true>(threadIdx.x, pairs, cos_sin_of, p.sin_sign, total_heads,
+                                       row_in, row_out, norm);
+    } else {
+      for (int chunk = threadIdx.x; chunk < rotate_chunks; chunk += blockDim.x) {
+        rotate_chunk<T, NEOX, VEC, false>(chunk, pairs, cos_sin_of, p.sin_sign, total_heads,
+                                          row_in, row_out, RowNorm{});
+      }
     }
   };
   const long long position = position_of_row(0);

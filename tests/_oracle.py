@@ -9,6 +9,7 @@ Three parts:
 
 - frequencies: ``inv_freq`` and the amplitude ``a`` of every scheme, in float64;
 - :func:`rope_reference`: the rotation of SPEC 2 in float64 (columns past rotary_dim copied);
+  :func:`rms_norm_reference`: the fused QK-RMSNorm of SPEC 9 that may precede it;
 - :func:`contract_tolerance` / :func:`assert_matches_oracle`: SPEC 5 as an element-wise
   bound, and a comparison that reports the worst element when it fails; the bounds on
   ``Bwd(Fwd(x))`` derived from it (:func:`roundtrip_tolerance`, and the tighter
@@ -207,6 +208,16 @@ def mrope_pair_positions(
     return out
 
 
+def rms_norm_reference(
+    x64: np.ndarray, weight: Any, eps: float, weight_offset: float = 0.0
+) -> np.ndarray:
+    """SPEC 9 fused QK-RMSNorm in float64, each row over its whole last dim (head_dim):
+    ``x / sqrt(mean(x**2) + eps) * (weight + weight_offset)``."""
+    x64 = np.asarray(x64, dtype=np.float64)
+    weight64 = np.asarray(weight, dtype=np.float64) + weight_offset
+    return x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps) * weight64
+
+
 def sequence_positions(shape: tuple[int, ...], input_layout: str) -> np.ndarray:
     """Positions of the head rows of an ``x`` of ``shape``: the seq index, shaped to
     broadcast against ``shape[:-1]`` ("1d": ``[seq]``; "2d": ``[1, seq, 1]``)."""
@@ -283,15 +294,18 @@ def assert_matches_oracle(
     inverse: bool = False,
     per_pair: bool = False,
     what: str = "output",
+    copied_tail: bool = True,
 ) -> np.ndarray:
     """Every element of ``y`` (any framework) within :func:`contract_tolerance` of the
-    float64 oracle, no NaN/inf, and the columns past rotary_dim copied exactly. Returns
-    ``y`` as float64. ``per_pair``: as in :func:`rope_reference`."""
+    float64 oracle, no NaN/inf, and the columns past rotary_dim copied exactly (unless
+    ``copied_tail`` is False: then they are held to the same bound). Returns ``y`` as
+    float64. ``per_pair``: as in :func:`rope_reference`."""
     y64 = rope_reference(x64, positions, frequencies, neox=neox, inverse=inverse, per_pair=per_pair)
     angle = max_angle(positions, frequencies)
     return assert_matches_reference(
-        y, y64, x64, frequencies.rotary_dim, dtype, frequencies.amplitude, angle, what
-    )
+        y, y64, x64, frequencies.rotary_dim, dtype, frequencies.amplitude, angle, what,
+        copied_tail,
+    )  # fmt: skip
 
 
 def assert_matches_reference(
@@ -303,19 +317,45 @@ def assert_matches_reference(
     amplitude: float = 1.0,
     angle: float = 0.0,
     what: str = "output",
+    copied_tail: bool = True,
 ) -> np.ndarray:
     """``y`` against a float64 rotation ``y64`` of ``x64`` (from :func:`rope_reference` or
-    :func:`rotate_reference`): finite, columns past rotary_dim exact, the rest within
+    :func:`rotate_reference`): finite, columns past rotary_dim exact (or, without
+    ``copied_tail``, held to the same bound as the rest), the rest within
     :func:`contract_tolerance`. Returns ``y`` as float64."""
     y = to_float64(y)
     assert y.shape == y64.shape, f"{what}: shape {y.shape}, expected {y64.shape}"
     assert np.isfinite(y).all(), f"{what}: {int((~np.isfinite(y)).sum())} non-finite elements"
-    np.testing.assert_array_equal(
-        y[..., rotary_dim:], x64[..., rotary_dim:], err_msg=f"{what}: columns past rotary_dim"
-    )
+    if copied_tail:
+        np.testing.assert_array_equal(
+            y[..., rotary_dim:], x64[..., rotary_dim:], err_msg=f"{what}: columns past rotary_dim"
+        )
     tolerance = contract_tolerance(y64, x64, dtype, amplitude, angle)
     assert_within(y, y64, tolerance, what=f"{what} ({dtype}) vs the float64 oracle")
     return y
+
+
+def assert_norm_rope_matches_oracle(
+    y: Any,
+    x64: np.ndarray,
+    weight: Any,
+    eps: float,
+    weight_offset: float,
+    positions: Any,
+    frequencies: Frequencies,
+    dtype: str,
+    *,
+    neox: bool = True,
+    what: str = "output",
+) -> np.ndarray:
+    """Fused QK-RMSNorm + RoPE (SPEC 9): every element of ``y`` within
+    :func:`contract_tolerance` of the float64 rotation of the float64 norm of ``x64``
+    (``[..., head_dim]``): one rounding of a float32 result, so within one output unit at
+    the normalised data's scale; the columns past rotary_dim normalised, not rotated."""
+    normed64 = rms_norm_reference(x64, weight, eps, weight_offset)
+    return assert_matches_oracle(
+        y, normed64, positions, frequencies, dtype, neox=neox, what=what, copied_tail=False
+    )
 
 
 def assert_within(y: np.ndarray, expected: np.ndarray, tolerance: np.ndarray, what: str) -> None:

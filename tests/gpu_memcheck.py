@@ -1,6 +1,7 @@
 """Every CUDA path once at small, awkward shapes, for ``compute-sanitizer --tool memcheck``
 (not collected by pytest): ``compute-sanitizer --tool memcheck python tests/gpu_memcheck.py``.
-Odd sizes, strided views, partial rotary, out-of-range device positions (clamped)."""
+Odd sizes, strided views, partial rotary, out-of-range device positions (clamped), MRoPE,
+the cos_sin_cache drop-in and the fused QK-norm (misaligned weights included)."""
 
 import contextlib
 
@@ -13,6 +14,8 @@ from tileops_cupy.rope import (
     RoPENeoxPositionIdsFwdOp,
     YaRNFwdOp,
     apply_rope,
+    apply_rope_with_cos_sin_cache,
+    apply_rope_with_cos_sin_cache_inplace,
 )
 from tileops_cupy.sequence_modeling import MHCPostBwdOp, MHCPostFwdOp, MHCPreBwdOp, MHCPreFwdOp
 
@@ -35,6 +38,18 @@ for dtype in (torch.bfloat16, torch.float32):
         rope.check()
     rope.forward(q, k, positions=torch.randint(0, 2048, (3, 5), device=cuda))
     apply_rope(q, k, rope, 11)
+    weights = torch.randn(2, 64 + 1, device=cuda, dtype=dtype)[:, 1:]  # misaligned rows
+    rope.prefill(q, k, 5, q_norm_weight=weights[0], k_norm_weight=weights[1])
+    apply_rope(q, k, rope, 9, q_norm_weight=weights[0], k_norm_weight=weights[1])
+    mrope = RoPE(64, 4, 2, rotary_dim=48, mrope_section=(8, 8, 8), mrope_interleaved=True)
+    mrope.forward(q, k, positions=torch.randint(0, 4096, (3, 3, 5), device=cuda))
+    mrope.forward(q, k, positions=torch.randint(0, 4096, (3, 3, 5), device=cuda),
+                  q_norm_weight=weights[0], k_norm_weight=weights[1])  # fmt: skip
+    cache = torch.randn(100, 40, device=cuda)
+    tokens = torch.randn(15, 4 * 64 + 1, device=cuda, dtype=dtype)[:, 1:]
+    token_ids = torch.tensor([0, 99, 100, -1, 7] * 3, device=cuda)  # two out of range: clamped
+    apply_rope_with_cos_sin_cache(token_ids, tokens, tokens[:, :128], 64, cache, False)
+    apply_rope_with_cos_sin_cache_inplace(token_ids, tokens[:, :128], tokens[:, 128:], 64, cache)
     torch.cuda.synchronize()
     for check in (ids_op.check, rope.check):
         with contextlib.suppress(ValueError):

@@ -79,11 +79,13 @@ def _rows(dtype: str, shape, strides, offset_elements: int = 0) -> _rotate.HeadR
     return _rotate.HeadRows(operand, tuple(shape), tuple(strides))
 
 
+@pytest.mark.parametrize("norm", (False, True), ids=("rope", "qk-norm"))
 @pytest.mark.parametrize("neox", (True, False), ids=("neox", "interleaved"))
 @pytest.mark.parametrize("dtype", ROTATE_DTYPES)
-def test_every_launch_picks_a_shipped_kernel(dtype, neox):
-    """For every (dtype, layout, rotary_dim, head_dim, alignment) a launch can meet, the
-    vector width and the (module, name expression) it selects are in the catalogue."""
+def test_every_launch_picks_a_shipped_kernel(dtype, neox, norm):
+    """For every (dtype, layout, rotary_dim, head_dim, alignment, fused norm or not) a launch
+    can meet, the vector width and the (module, name expression) it selects are in the
+    catalogue."""
     widths_seen = set()
     for head_dim in range(2, 258, 2):
         for rotary_dim in sorted({2, 16, 32, 64, 128, head_dim // 2 * 2, head_dim}):
@@ -98,9 +100,9 @@ def test_every_launch_picks_a_shipped_kernel(dtype, neox):
                     dtype, neox, rotary_dim, head_dim, copy_tail, [source, output]
                 )
                 widths_seen.add(vec)
-                for mode in _rotate.TABLE_MODES:
-                    spec, name = _rotate._kernel(dtype, neox, vec, rotary_dim, mode)
-                    assert spec in CATALOGUE, (dtype, neox, rotary_dim, vec, mode)
+                for mode in _rotate.NORM_TABLE_MODES if norm else _rotate.TABLE_MODES:
+                    spec, name = _rotate._kernel(dtype, neox, vec, rotary_dim, mode, norm)
+                    assert spec in CATALOGUE, (dtype, neox, rotary_dim, vec, mode, norm)
                     assert name in spec.name_expressions, (name, spec.name_expressions)
     wide = 16 // ITEMSIZE[dtype]
     assert widths_seen == {wide, 1}, widths_seen

@@ -1,5 +1,6 @@
-"""Bench rows of the in-place Q/K component (issue 4): prefill, decode and graph replay;
-and its serving calls (issue 11): MRoPE and the cos_sin_cache drop-in."""
+"""Bench rows of the in-place Q/K component: prefill, decode and graph replay; per-token
+positions for every scheme; its serving calls: MRoPE, the cos_sin_cache drop-in, and the
+fused QK-RMSNorm + RoPE beside ``torch.compile`` of the unfused HF math."""
 
 from __future__ import annotations
 
@@ -89,7 +90,9 @@ def component_rows(ceiling: float, with_compile: bool = True) -> list[dict]:
         )
     )
     rope.check()
-    return rows + per_token_rows(ceiling) + serving_rows(ceiling)
+    return (
+        rows + per_token_rows(ceiling) + serving_rows(ceiling) + qk_norm_rows(ceiling, with_compile)
+    )
 
 
 def per_token_rows(ceiling: float) -> list[dict]:
@@ -177,4 +180,55 @@ def serving_rows(ceiling: float) -> list[dict]:
                 ceiling,
             )
         )
+    return rows
+
+
+def qk_norm_rows(ceiling: float, with_compile: bool = True) -> list[dict]:
+    """Fused QK-RMSNorm + RoPE on packed tokens at random per-token positions, q and k as
+    views of one fused QKV buffer, beside the HF math unfused (``Qwen3RMSNorm``: float32
+    variance, rounded to the data's dtype, times the weight; then ``apply_rotary_pos_emb``
+    with cos/sin gathered per token), eager and compiled."""
+    from .rope import RoPE
+
+    torch = torch_module()
+    q_heads, kv_heads, head_dim, eps = 32, 8, 128, 1e-6
+    rope = RoPE(head_dim, q_heads, kv_heads, norm_eps=eps)
+    q_weight = (1 + 0.1 * torch.randn(head_dim, device="cuda")).bfloat16()
+    k_weight = (1 + 0.1 * torch.randn(head_dim, device="cuda")).bfloat16()
+    rows = []
+    for tokens in (8192, 32768):
+        width = (q_heads + 2 * kv_heads) * head_dim
+        qkv = torch.randn(tokens, width, device="cuda").bfloat16()
+        q = qkv[:, : q_heads * head_dim]
+        k = qkv[:, q_heads * head_dim : (q_heads + kv_heads) * head_dim]
+        positions = torch.randint(0, 1 << 16, (tokens,), device="cuda")
+        cos, sin = rope_tables(rope.scheme, tokens, head_dim, positions.cpu().numpy())
+        # HF's tables: (cos, cos) and (sin, sin) over the whole head, in the data's dtype
+        cos, sin = (torch.cat([t, t], -1)[:, None].bfloat16() for t in (cos, sin))
+
+        def hf_unfused(q=q, k=k, cos=cos, sin=sin):
+            for x, weight in ((q, q_weight), (k, k_weight)):
+                head_rows = x.unflatten(-1, (-1, head_dim))
+                variance = head_rows.float().pow(2).mean(-1, keepdim=True)
+                normed = weight * (head_rows.float() * torch.rsqrt(variance + eps)).bfloat16()
+                x1, x2 = normed.chunk(2, dim=-1)
+                rotated = normed * cos + torch.cat([-x2, x1], -1) * sin
+                x.copy_(rotated.flatten(-2))
+
+        def fused(q=q, k=k, positions=positions):
+            rope.forward(q, k, positions=positions, q_norm_weight=q_weight, k_norm_weight=k_weight)
+
+        moved = 2 * (q.numel() + k.numel()) * 2
+        rows.append(
+            measure_row(
+                f"qk-norm+rope N{tokens} {q_heads}q/{kv_heads}kv D128 bf16 (positions [N])",
+                fused,
+                hf_unfused,
+                moved,
+                ceiling,
+                with_compile=with_compile,
+                note="torch columns: HF RMSNorm then rotary, unfused",
+            )
+        )
+    rope.check()
     return rows

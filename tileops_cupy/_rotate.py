@@ -4,8 +4,10 @@
 each output goes (a new array, or the input itself for in-place), where the positions come
 from (an offset, a per-sequence offsets tensor, per-token ids) and the shared table of the
 op's scheme, and runs either the numpy body (host memory) or the CUDA body (one launch of
-``kernels_cu/rope.cu`` for q and k together). Validation belongs to the callers; this module
-only checks what the kernels need of the memory layout.
+``kernels_cu/rope.cu`` for q and k together). With a :class:`RowNorm`, each head row is
+first RMS-normalised over its whole head_dim and scaled by ``weight + offset`` (fused
+QK-RMSNorm), in the same pass and with one rounding. Validation belongs to the callers; this
+module only checks what the kernels need of the memory layout.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from ._arrays import ITEMSIZE, Operand, cupy, stream_handle
 from ._cache import build_once
 from ._tables import RotaryTable
 
-__all__ = ["HeadRows", "Positions", "CosSinCache", "rotate", "ErrorFlag", "error_flag"]
+__all__ = ["HeadRows", "Positions", "CosSinCache", "RowNorm", "rotate", "ErrorFlag", "error_flag"]
 
 SHIPPED_ROTARY_DIMS = (64, 128)  # compiled with rotary_dim as a constant; others use 0 (runtime)
 # Measured on an H200 (bf16/fp32, B8 S4096 H32 D128): 128 threads and 4 heads per thread
@@ -37,6 +39,7 @@ ROPE_PARAMS = _cuda.ParamStruct.declared("rope", "RopeParams")
 # cos_sin_cache. One module per mode, so a process compiles only the modes it uses.
 TWO_LEVEL, MROPE, COS_SIN_CACHE = 0, 1, 2
 TABLE_MODES = (TWO_LEVEL, MROPE, COS_SIN_CACHE)
+NORM_TABLE_MODES = (TWO_LEVEL, MROPE)  # the cos_sin_cache calls take no fused norm
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +125,23 @@ class CosSinCache:
         return rows[..., :pairs], rows[..., pairs:]
 
 
+@dataclass(frozen=True, slots=True)
+class RowNorm:
+    """Fused RMSNorm of each head row before the rotation:
+    ``x / sqrt(mean(x*x over head_dim) + eps) * (weight + weight_offset)`` in float32
+    (float64 for float64 data), q's rows with ``q_weight``, k's with ``k_weight``
+    (``[head_dim]``, float32 or the data's dtype, contiguous, where the data lives)."""
+
+    q_weight: Operand
+    k_weight: Operand | None
+    eps: float
+    weight_offset: float
+
+    @property
+    def weight_dtype(self) -> str:
+        return self.q_weight.dtype
+
+
 class ErrorFlag:
     """A host-mapped int32 per device that kernels set when they meet an out-of-range
     position. Reading it costs no device synchronisation; it is exact once the stream
@@ -201,21 +221,22 @@ def rotate(
     positions: Positions,
     flag: ErrorFlag | None = None,
     stream=None,
+    norm: RowNorm | None = None,
 ) -> _cuda.Launch | None:
     """Rotate ``q = (source, destination)`` and ``k`` (same form, or None) at ``positions``.
 
     The destination may be the source itself (in place). Columns past ``table.rotary_dim``
-    are copied when the destination is another array. ``inverse`` negates sin (backward).
-    ``table``: the scheme's shared two-level table, or a caller's :class:`CosSinCache`
-    (whose capacity then bounds the positions).
-    Returns the CUDA launch (None on the host), which a caller may re-run for another call
-    of the same layout, patching the fields that differ (addresses, offsets).
+    are copied when the destination is another array (normalised, with ``norm``).
+    ``inverse`` negates sin (backward). ``table``: the scheme's shared two-level table, or a
+    caller's :class:`CosSinCache` (whose capacity then bounds the positions). Returns the
+    CUDA launch (None on the host), which a caller may re-run for another call of the same
+    layout, patching the fields that differ (addresses, offsets).
     """
     if q[0].operand.is_cuda:
-        return _rotate_cuda(table, neox, inverse, q, k, positions, flag or _ANY_FLAG, stream)
-    for pair in (q, k):
+        return _rotate_cuda(table, neox, inverse, q, k, positions, flag or _ANY_FLAG, stream, norm)
+    for pair, weight in ((q, norm and norm.q_weight), (k, norm and norm.k_weight)):
         if pair is not None:
-            _rotate_host(table, neox, inverse, pair, positions)
+            _rotate_host(table, neox, inverse, pair, positions, norm, weight)
     return None
 
 
@@ -223,7 +244,13 @@ def rotate(
 
 
 def _rotate_host(
-    table: RotaryTable, neox: bool, inverse: bool, pair: tuple[HeadRows, HeadRows], positions
+    table: RotaryTable,
+    neox: bool,
+    inverse: bool,
+    pair: tuple[HeadRows, HeadRows],
+    positions: Positions,
+    norm: RowNorm | None = None,
+    weight: Operand | None = None,
 ) -> None:
     source, destination = pair
     batch, seq, _, head_dim = source.shape
@@ -239,71 +266,96 @@ def _rotate_host(
     sin = (-sin if inverse else sin).astype(compute)[:, :, None, :]
 
     x = source.host_view()
+    y = destination.host_view()
+    dtype = y.dtype
+    tail = np.s_[..., rotary_dim:]
+    if norm is not None:  # every column normalised (and rounded once, below) before rotation
+        x = x.astype(compute)
+        squares = np.mean(np.square(x), axis=-1, keepdims=True)
+        scale = compute(1) / np.sqrt(squares + compute(norm.eps))
+        x = x * scale * (weight.host.astype(compute) + compute(norm.weight_offset))
     first = np.s_[..., :pairs] if neox else np.s_[..., 0:rotary_dim:2]
     second = np.s_[..., pairs:rotary_dim] if neox else np.s_[..., 1:rotary_dim:2]
     x1 = x[first].astype(compute)
     x2 = x[second].astype(compute)
-    y = destination.host_view()
-    dtype = y.dtype
-    # both halves are computed before either is written, so in place is safe
+    # everything is computed before anything is written, so in place is safe
     y1 = (x1 * cos - x2 * sin).astype(dtype)
     y2 = (x2 * cos + x1 * sin).astype(dtype)
+    y_tail = x[tail].astype(dtype) if norm is not None else None
     y[first] = y1
     y[second] = y2
-    if rotary_dim < head_dim and destination.operand.host is not source.operand.host:
-        y[..., rotary_dim:] = x[..., rotary_dim:]
+    if y_tail is not None:
+        y[tail] = y_tail
+    elif rotary_dim < head_dim and destination.operand.host is not source.operand.host:
+        y[tail] = x[tail]
 
 
 # --------------------------------------------------------------------------- CUDA body
 
 
-def _name(dtype: str, neox: bool, vec: int, rotary_dim: int, mode: int) -> str:
-    layout = "true" if neox else "false"
-    return f"rope_rotate<{_cuda.CUDA_TYPES[dtype]}, {layout}, {vec}, {rotary_dim}, {mode}>"
+def _name(dtype: str, neox: bool, vec: int, rotary_dim: int, mode: int, norm: bool) -> str:
+    """The name expression of one instantiation (norm: the fused QK-RMSNorm kernel)."""
+    flags = f"{'true' if neox else 'false'}, {vec}, {rotary_dim}, {mode}{', true' if norm else ''}"
+    return f"rope_rotate<{_cuda.CUDA_TYPES[dtype]}, {flags}>"
 
 
-def module_spec(dtype: str, rotary_dim: int, mode: int = TWO_LEVEL) -> _cuda.ModuleSpec:
+def module_spec(
+    dtype: str, rotary_dim: int, mode: int = TWO_LEVEL, norm: bool = False
+) -> _cuda.ModuleSpec:
     """The module holding every (layout, vector width) instantiation of one dtype, rotary_dim
-    (0 = rotary_dim passed at run time) and table mode."""
+    (0 = rotary_dim passed at run time), table mode and norm flag: a process compiles only
+    the modes it uses."""
     wide = 16 // ITEMSIZE[dtype]
     names = tuple(
-        _name(dtype, neox, vec, rotary_dim, mode) for neox in (True, False) for vec in (wide, 1)
+        _name(dtype, neox, vec, rotary_dim, mode, norm)
+        for neox in (True, False)
+        for vec in (wide, 1)
     )
     return _cuda.ModuleSpec("rope", names, _DEFINES)
 
 
 @cache
 def _kernel(
-    dtype: str, neox: bool, vec: int, rotary_dim: int, mode: int = TWO_LEVEL
+    dtype: str, neox: bool, vec: int, rotary_dim: int, mode: int = TWO_LEVEL, norm: bool = False
 ) -> tuple[_cuda.ModuleSpec, str]:
     """(module, name expression) of one instantiation; rotary dims outside the shipped set
     use the run-time rotary_dim instantiation."""
     compiled_rotary_dim = rotary_dim if rotary_dim in SHIPPED_ROTARY_DIMS else 0
-    spec = module_spec(dtype, compiled_rotary_dim, mode)
-    return spec, _name(dtype, neox, vec, compiled_rotary_dim, mode)
+    spec = module_spec(dtype, compiled_rotary_dim, mode, norm)
+    return spec, _name(dtype, neox, vec, compiled_rotary_dim, mode, norm)
 
 
 def module_specs() -> list[_cuda.ModuleSpec]:
     """Every module this primitive may launch: each dtype and table mode at the shipped
-    rotary dims and at the run-time one (0)."""
+    rotary dims and at the run-time one (0), with and without the fused norm."""
     return [
-        module_spec(dtype, rotary_dim, mode)
-        for mode in TABLE_MODES
+        module_spec(dtype, rotary_dim, mode, norm)
+        for norm in (False, True)
+        for mode in (NORM_TABLE_MODES if norm else TABLE_MODES)
         for dtype in _cuda.CUDA_TYPES
         for rotary_dim in (*SHIPPED_ROTARY_DIMS, 0)
     ]
 
 
 def _vector_width(
-    dtype: str, neox: bool, rotary_dim: int, head_dim: int, copy_tail: bool, rows: list[HeadRows]
+    dtype: str,
+    neox: bool,
+    rotary_dim: int,
+    head_dim: int,
+    copy_tail: bool,
+    rows: list[HeadRows],
+    weights: tuple[int, ...] = (),
 ) -> int:
     """16-byte accesses where every row, stride and column boundary allows; else one
-    element per access (any view whose last dimension is contiguous)."""
+    element per access (any view whose last dimension is contiguous). ``weights``: addresses
+    of norm weights read in the data's type, with the same accesses."""
     itemsize = ITEMSIZE[dtype]
     # OR-ing every byte offset that must be a multiple of the access size: one test per width
     offsets = (rotary_dim // 2 if neox else rotary_dim) * itemsize
     if copy_tail:
         offsets |= (head_dim - rotary_dim) * itemsize
+    for pointer in weights:
+        offsets |= pointer
     for r in rows:
         offsets |= r.operand.ptr
         for stride, size in zip(r.strides[:3], r.shape[:3], strict=True):
@@ -325,34 +377,65 @@ class _LaunchPlan:
 _plans: dict[tuple, _LaunchPlan] = {}
 
 
+def _geometry(
+    neox: bool,
+    vec: int,
+    rotary_dim: int,
+    head_dim: int,
+    copy_tail: bool,
+    total_heads: int,
+    tokens: int,
+    norm: bool,
+) -> tuple[tuple[int, int, int], tuple[int, int, int], int]:
+    """(grid, block, tail_chunks) of a launch: x-lanes over a head row's chunks, y over the
+    heads (HEADS_IN_FLIGHT each), z over tokens. With the fused norm a row's x-lanes are a
+    power-of-two group of at most 32 (one warp's shuffles reduce it; rope.cu)."""
+    rotate_chunks = (rotary_dim // 2) // (vec if neox or vec == 1 else vec // 2)
+    tail_chunks = (head_dim - rotary_dim) // vec if copy_tail else 0
+    chunks = min(max(rotate_chunks, tail_chunks), _THREADS_PER_BLOCK)
+    if norm:
+        chunks = min(1 << (chunks - 1).bit_length(), 32)
+    head_lanes = max(1, min(-(-total_heads // _HEADS_IN_FLIGHT), _THREADS_PER_BLOCK // chunks))
+    tokens_per_block = max(1, _THREADS_PER_BLOCK // (chunks * head_lanes))
+    grid = (-(-tokens // tokens_per_block), 1, 1)
+    return grid, (chunks, head_lanes, tokens_per_block), tail_chunks
+
+
 def _plan(
-    rotary_dim: int, mode: int, neox: bool, rows: list[HeadRows], copy_tail: bool
+    rotary_dim: int,
+    mode: int,
+    neox: bool,
+    rows: list[HeadRows],
+    copy_tail: bool,
+    norm: RowNorm | None = None,
 ) -> _LaunchPlan:
     q_in = rows[0]
     dtype, device = q_in.operand.dtype, q_in.operand.device
+    # norm weights in the data's type are read with the data's accesses: their alignment counts
+    weights = ()
+    if norm is not None and norm.weight_dtype == dtype:
+        weights = tuple(w.ptr for w in (norm.q_weight, norm.k_weight) if w is not None)
     alignment = 0
-    for r in rows:
-        alignment |= r.operand.ptr & 15
+    for pointer in (*(r.operand.ptr for r in rows), *weights):
+        alignment |= pointer & 15
+    norm_key = None if norm is None else norm.weight_dtype
     key = (
-        dtype, neox, rotary_dim, mode, device, copy_tail, alignment,
+        dtype, neox, rotary_dim, mode, device, copy_tail, alignment, norm_key,
         tuple((r.shape, r.strides) for r in rows),
     )  # fmt: skip
     plan = _plans.get(key)
     if plan is not None:
         return plan
     batch, seq, q_heads, head_dim = q_in.shape
-    vec = _vector_width(dtype, neox, rotary_dim, head_dim, copy_tail, rows)
-    spec, name = _kernel(dtype, neox, vec, rotary_dim, mode)
+    copy_tail = copy_tail or norm is not None  # a normed tail is always written
+    vec = _vector_width(dtype, neox, rotary_dim, head_dim, copy_tail, rows, weights)
+    spec, name = _kernel(dtype, neox, vec, rotary_dim, mode, norm is not None)
     total_heads = q_heads + (rows[2].shape[2] if len(rows) > 2 else 0)
-    rotate_chunks = (rotary_dim // 2) // (vec if neox or vec == 1 else vec // 2)
-    tail_chunks = (head_dim - rotary_dim) // vec if copy_tail else 0
-    chunks = min(max(rotate_chunks, tail_chunks), _THREADS_PER_BLOCK)
-    head_lanes = max(1, min(-(-total_heads // _HEADS_IN_FLIGHT), _THREADS_PER_BLOCK // chunks))
-    tokens_per_block = max(1, _THREADS_PER_BLOCK // (chunks * head_lanes))
+    grid, block, tail_chunks = _geometry(
+        neox, vec, rotary_dim, head_dim, copy_tail, total_heads, batch * seq, norm is not None
+    )
     kernel = _cuda.function(spec, name, device)
-    grid = (-(-(batch * seq) // tokens_per_block), 1, 1)
-    steps = (_cuda.Step(kernel, grid, (chunks, head_lanes, tokens_per_block)),)
-    plan = _LaunchPlan(steps=steps, tail_chunks=tail_chunks)
+    plan = _LaunchPlan(steps=(_cuda.Step(kernel, grid, block),), tail_chunks=tail_chunks)
     if len(_plans) > 4096:  # shapes churn (e.g. growing prefill chunks): start over
         _plans.clear()
     _plans[key] = plan
@@ -360,7 +443,7 @@ def _plan(
 
 
 def _rotate_cuda(
-    table, neox, inverse, q, k, positions: Positions, flag: ErrorFlag, stream
+    table, neox, inverse, q, k, positions: Positions, flag: ErrorFlag, stream, norm=None
 ) -> _cuda.Launch:
     q_in, q_out = q
     batch, seq, q_heads, head_dim = q_in.shape
@@ -373,7 +456,8 @@ def _rotate_cuda(
     else:
         mode = TWO_LEVEL if positions.mrope_section is None else MROPE
         fine_ptr, coarse_ptr, capacity = table.device_tables(device, positions.cover)
-    plan = _plan(rotary_dim, mode, neox, rows, copy_tail)
+    plan = _plan(rotary_dim, mode, neox, rows, copy_tail, norm)
+    k_weight = None if norm is None else norm.k_weight
 
     k_in, k_out = (None, None) if k is None else k  # k_heads = 0: the kernel never reads k
     ids, offsets = positions.ids, positions.offsets
@@ -394,6 +478,11 @@ def _rotate_cuda(
         mrope_section=positions.mrope_section or (0, 0, 0),
         mrope_interleaved=positions.mrope_interleaved,
         cos_sin_cache=table.operand.ptr if mode == COS_SIN_CACHE else 0,
+        q_norm_weight=0 if norm is None else norm.q_weight.ptr,
+        k_norm_weight=0 if k_weight is None else k_weight.ptr,
+        norm_eps=0.0 if norm is None else norm.eps,
+        norm_weight_offset=0.0 if norm is None else norm.weight_offset,
+        norm_weight_is_float32=norm is not None and norm.weight_dtype != q_in.operand.dtype,
     )  # fmt: skip
     if stream is None:
         stream = stream_handle(q_in.operand)

@@ -29,12 +29,12 @@ NAMESPACE = "tileops_cupy"
 #               input_layout, max_position (0 = none), target ("" = none), flag
 #   component:  scheme, scheme_args, rotary_dim, neox, head_dim, num_heads,
 #               num_kv_heads, max_position (0 = none), target ("" = none), flag,
-#               mrope_section ([] = none), mrope_interleaved
+#               mrope_section ([] = none), mrope_interleaved, norm_eps, norm_weight_offset
 # where flag keys the op's device error flag (_rotate.error_flag), so the op rebuilt
 # behind the dispatcher raises its caller's flag. The component's calls take a position as
 # offsets (a [B] tensor) or offset (an int), or per-token positions ([B, T] or [N], with
-# offset 0; [3, ...] under MRoPE), and optionally a caller's cos_sin_cache in place of the
-# scheme's table.
+# offset 0; [3, ...] under MRoPE), optionally a caller's cos_sin_cache in place of the
+# scheme's table, and the fused QK-RMSNorm's weights (None without the norm).
 _SEED_CONFIG = (
     "str scheme, float[] scheme_args, int rotary_dim, bool neox, bool inverse, "
     "str input_layout, int max_position, str target, int flag"
@@ -42,7 +42,11 @@ _SEED_CONFIG = (
 _COMPONENT_CONFIG = (
     "str scheme, float[] scheme_args, int rotary_dim, bool neox, int head_dim, "
     "int num_heads, int num_kv_heads, int max_position, str target, int flag, "
-    "int[] mrope_section, bool mrope_interleaved"
+    "int[] mrope_section, bool mrope_interleaved, float norm_eps, float norm_weight_offset"
+)
+_COMPONENT_CALL = (
+    "Tensor? offsets, SymInt offset, Tensor? positions, Tensor? cos_sin_cache, bool inverse, "
+    "bool decode, Tensor? q_norm_weight, Tensor? k_norm_weight"
 )
 _MHC_PRE_CONFIG = (
     "float alpha_pre, float alpha_post, float alpha_res, int sinkhorn_repeat, "
@@ -50,15 +54,8 @@ _MHC_PRE_CONFIG = (
 )
 SCHEMAS = {
     "rope": f"(Tensor x, Tensor? position_ids, {_SEED_CONFIG}) -> Tensor",
-    "rope_qk": (
-        f"(Tensor q, Tensor? k, Tensor? offsets, SymInt offset, Tensor? positions, "
-        f"Tensor? cos_sin_cache, bool inverse, bool decode, {_COMPONENT_CONFIG}) "
-        "-> (Tensor, Tensor)"
-    ),
-    "rope_qk_": (
-        f"(Tensor(a!) q, Tensor(b!)? k, Tensor? offsets, SymInt offset, Tensor? positions, "
-        f"Tensor? cos_sin_cache, bool inverse, bool decode, {_COMPONENT_CONFIG}) -> ()"
-    ),
+    "rope_qk": f"(Tensor q, Tensor? k, {_COMPONENT_CALL}, {_COMPONENT_CONFIG}) -> (Tensor, Tensor)",
+    "rope_qk_": f"(Tensor(a!) q, Tensor(b!)? k, {_COMPONENT_CALL}, {_COMPONENT_CONFIG}) -> ()",
     "mhc_pre": f"(Tensor phi, Tensor x, Tensor b, {_MHC_PRE_CONFIG}) -> (Tensor, Tensor, Tensor)",
     "mhc_post": "(Tensor x_layer_out, Tensor h_post, Tensor x_res, str target) -> Tensor",
     "mhc_pre_bwd": (
@@ -82,6 +79,7 @@ DISPATCH = "dispatch"
 # torch's per-call entry points, bound once torch is imported: attribute chains such as
 # torch._C._len_torch_dispatch_stack cost a visible share of a decode call
 _Tensor: Any = None
+_Parameter: Any = None
 _is_compiling: Any = None
 _dispatch_depth: Any = None
 _grad_enabled: Any = None
@@ -92,12 +90,13 @@ _contiguous_format: Any = None
 
 
 def _bind(torch: Any) -> None:
-    global _Tensor, _is_compiling, _dispatch_depth, _grad_enabled, _increment_version
-    global _raw_stream, _empty_like, _contiguous_format
+    global _Tensor, _Parameter, _is_compiling, _dispatch_depth, _grad_enabled
+    global _increment_version, _raw_stream, _empty_like, _contiguous_format
     _is_compiling, _dispatch_depth = torch.compiler.is_compiling, torch._C._len_torch_dispatch_stack
     _grad_enabled, _increment_version = torch.is_grad_enabled, torch._C._increment_version
     _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # CUDA builds only
     _empty_like, _contiguous_format = torch.empty_like, torch.contiguous_format
+    _Parameter = torch.nn.Parameter  # a plain tensor's memory (norm weights are parameters)
     _Tensor = torch.Tensor  # last: the others are bound once this is
 
 
@@ -125,7 +124,7 @@ def classify(*args: Any) -> Any:
     keys, pointers = [], []
     for arg in args:
         kind = type(arg)
-        if kind is tensor:
+        if kind is tensor or kind is _Parameter:
             if grad and arg.requires_grad:
                 ensure_registered()
                 return DISPATCH
@@ -135,7 +134,7 @@ def classify(*args: Any) -> Any:
         elif arg is None or kind is int:  # (isinstance on torch.Tensor is slow for these)
             keys.append(None)
             pointers.append(0)
-        elif isinstance(arg, tensor):  # a subclass: FakeTensor, functional, Parameter...
+        elif isinstance(arg, tensor):  # a subclass: FakeTensor, functional...
             ensure_registered()
             return DISPATCH
         else:
@@ -160,7 +159,7 @@ def layouts(*args: Any) -> tuple[tuple, list[int]]:
         return (None,) * len(args), [0] * len(args)
     keys, pointers = [], []
     for arg in args:
-        if type(arg) is _Tensor:
+        if type(arg) is _Tensor or type(arg) is _Parameter:
             pointer = arg.data_ptr()
             keys.append((arg.shape, arg.stride(), arg.dtype, arg.device, pointer & 15))
             pointers.append(pointer)
@@ -220,8 +219,8 @@ def rope(config: tuple, x: Any, position_ids: Any) -> Any:
 
 def rope_qk(config: tuple, *arguments: Any, in_place: bool = False) -> Any:
     """The component's op on ``(q, k, offsets, offset, positions, cos_sin_cache, inverse,
-    decode)``: rotated
-    copies of q and k (``rope_qk``), or the rotation in place (``rope_qk_``)."""
+    decode, q_norm_weight, k_norm_weight)``: rotated copies of q and k (``rope_qk``), or the
+    rotation in place (``rope_qk_``)."""
     import torch
 
     op = torch.ops.tileops_cupy.rope_qk_ if in_place else torch.ops.tileops_cupy.rope_qk
@@ -280,26 +279,32 @@ def _rope_backward(ctx, grad):
     return (rope(flipped, grad, ctx.position_ids), None, *(None,) * len(ctx.config))
 
 
-def _rope_qk_impl(q, k, offsets, offset, positions, cache, inverse, decode, *config):
+def _rope_qk_impl(
+    q, k, offsets, offset, positions, cache, inverse, decode, q_weight, k_weight, *config
+):
     from .rope import component
 
     position = _position(offsets, offset)
     q_out, k_out = component(config).rotated(
-        q, k, position, inverse, decode, ids=positions, cache=cache
-    )
+        q, k, position, inverse, decode, ids=positions, cache=cache, q_norm_weight=q_weight,
+        k_norm_weight=k_weight,
+    )  # fmt: skip
     return q_out, (q.new_empty(0) if k_out is None else k_out)
 
 
-def _rope_qk_fake(q, k, offsets, offset, positions, cache, inverse, decode, *config):
+def _rope_qk_fake(q, k, *arguments_and_config):
     return q.new_empty(q.shape), (q.new_empty(0) if k is None else k.new_empty(k.shape))
 
 
 def _rope_qk_setup(ctx, inputs, output):
-    q, k, offsets, offset, positions, cache, inverse, decode, *config = inputs
+    q, k, offsets, offset, positions, cache, inverse, decode, q_weight, k_weight, *config = inputs
     ctx.has_k, ctx.offsets, ctx.offset, ctx.positions, ctx.inverse, ctx.config = (
         k is not None, offsets, offset, positions, inverse, tuple(config)
     )  # fmt: skip
     ctx.cache = cache
+    ctx.normed = q_weight is not None
+    if ctx.normed:  # the norm's backward reads the inputs
+        ctx.save_for_backward(q, k, q_weight, k_weight)
 
 
 def _rope_qk_backward(ctx, grad_q, grad_k):
@@ -308,19 +313,50 @@ def _rope_qk_backward(ctx, grad_q, grad_k):
     grad_k = grad_k if ctx.has_k else None
     dq, dk = rope_qk(
         ctx.config, grad_q, grad_k, ctx.offsets, ctx.offset, ctx.positions, ctx.cache,
-        not ctx.inverse, False,
+        not ctx.inverse, False, None, None,
     )  # fmt: skip
-    return (dq, dk if ctx.has_k else None, *(None,) * (6 + len(ctx.config)))
+    dk = dk if ctx.has_k else None
+    dq_weight = dk_weight = None
+    if ctx.normed:  # then through the norm, to the data and the weights
+        q, k, q_weight, k_weight = ctx.saved_tensors
+        head_dim, eps, offset = ctx.config[4], *ctx.config[-2:]
+        dq, dq_weight = _rms_norm_backward(q, q_weight, dq, head_dim, eps, offset)
+        if ctx.has_k:
+            dk, dk_weight = _rms_norm_backward(k, k_weight, dk, head_dim, eps, offset)
+    no_grads = (None,) * 6  # offsets, offset, positions, cache, inverse, decode
+    return (dq, dk, *no_grads, dq_weight, dk_weight, *(None,) * len(ctx.config))
 
 
-def _rope_qk__impl(q, k, offsets, offset, positions, cache, inverse, decode, *config):
+def _rms_norm_backward(x, weight, grad, head_dim, eps, offset):
+    """Gradients of ``n = x / sqrt(mean(x**2) + eps) * (weight + offset)`` per head row of
+    ``x`` (``[..., heads*head_dim]`` or ``[..., heads, head_dim]``) for the gradient ``grad``
+    of n: ``(grad_x, grad_weight)``, in float32 (float64 for float64 data)."""
+    import torch
+
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    rows = x.to(compute).unflatten(-1, (-1, head_dim))
+    grad_rows = grad.to(compute).unflatten(-1, (-1, head_dim))
+    inverse_rms = torch.rsqrt(rows.square().mean(-1, keepdim=True) + eps)
+    normed = rows * inverse_rms
+    weighted = grad_rows * (weight.to(compute) + offset)
+    grad_x = inverse_rms * (weighted - normed * (weighted * normed).mean(-1, keepdim=True))
+    grad_weight = (grad_rows * normed).reshape(-1, head_dim).sum(0)
+    return grad_x.flatten(-2).to(x.dtype), grad_weight.to(weight.dtype)
+
+
+def _rope_qk__impl(
+    q, k, offsets, offset, positions, cache, inverse, decode, q_weight, k_weight, *config
+):
     from .rope import component
 
     position = _position(offsets, offset)
-    component(config).rotate_in_place(q, k, position, inverse, decode, ids=positions, cache=cache)
+    component(config).rotate_in_place(
+        q, k, position, inverse, decode, ids=positions, cache=cache, q_norm_weight=q_weight,
+        k_norm_weight=k_weight,
+    )  # fmt: skip
 
 
-def _rope_qk__fake(q, k, offsets, offset, positions, cache, inverse, decode, *config):
+def _rope_qk__fake(q, k, *arguments_and_config):
     return None
 
 

@@ -33,11 +33,20 @@ from ._arrays import (
     contiguous,
     contiguous_strides,
     empty_like,
+    overlapping,
     select_place,
     to_caller,
     upload,
 )
-from ._rotate import ROPE_PARAMS, CosSinCache, HeadRows, Positions, error_flag, rotate
+from ._rotate import (
+    ROPE_PARAMS,
+    CosSinCache,
+    HeadRows,
+    Positions,
+    RowNorm,
+    error_flag,
+    rotate,
+)
 from ._tables import shared_table, table_bytes, table_cache_info
 from ._validate import (
     MAX_POSITIONS,
@@ -51,6 +60,7 @@ from ._validate import (
     check_mrope_section,
     check_position_ids,
     check_positive_int,
+    check_real,
     check_rotary_dim,
     check_target,
     is_dense,
@@ -85,7 +95,16 @@ ROPE_LAYOUTS = ("neox", "interleaved")
 RELAUNCH_X = ROPE_PARAMS.field_writer("q_in", "q_out")
 RELAUNCH_IDS = ROPE_PARAMS.field_writer("q_in", "q_out", "k_in", "k_out", "ids")
 RELAUNCH_QK = ROPE_PARAMS.field_writer(
-    "q_in", "q_out", "k_in", "k_out", "ids", "offsets", "position_offset", "cos_sin_cache"
+    "q_in",
+    "q_out",
+    "k_in",
+    "k_out",
+    "ids",
+    "offsets",
+    "position_offset",
+    "cos_sin_cache",
+    "q_norm_weight",
+    "k_norm_weight",
 )
 INPUT_LAYOUTS = ("1d", "2d")
 
@@ -509,6 +528,21 @@ class RoPE:
             ``prefill``/``decode`` offsets give all three rows the same position (text
             tokens), where MRoPE is the plain rotation.
         mrope_interleaved: see mrope_section.
+        norm_eps: epsilon of the fused QK-RMSNorm (>= 0; used only by calls that pass
+            ``q_norm_weight``).
+        norm_weight_offset: added to the norm weights: 0 for Qwen3 (``Qwen3RMSNorm``), 1
+            for Gemma (``Gemma3RMSNorm``, which scales by ``1 + weight``).
+
+    Fused QK-RMSNorm (Qwen3, Gemma 3): ``forward``, ``prefill``, ``decode`` and
+    :func:`apply_rope` take ``q_norm_weight`` and ``k_norm_weight`` (``[head_dim]``, of the
+    data's dtype or float32, contiguous, where the data lives). With them, each head row of
+    q (and k) is first normalised over its whole head_dim, ``x / sqrt(mean(x**2) + eps) *
+    (weight + norm_weight_offset)`` in float32, then rotated, and rounded once; the
+    columns past rotary_dim are written normalised but not rotated. Still one launch for q
+    and k, in place on fused-QKV views. As in HF Qwen3 both norms always come together: a
+    call with k needs both weights, a call without k only ``q_norm_weight``. ``backward``
+    takes no weights (it is the transpose rotation alone); under autograd (torch) the
+    gradient flows through the norm too, to the data and to both weights.
 
     Positions: ``position_offset``/``position`` is a Python int or an integer tensor
     ``[B]`` (one per sequence). ``forward(q, k, positions=...)`` (and ``backward``,
@@ -538,6 +572,8 @@ class RoPE:
         >>> _ = rope.decode(step[..., :256], step[..., 256:384], position=5)
         >>> packed = np.ones((3, 8 * 64), np.float32)  # 3 tokens of any sequences
         >>> _ = rope.forward(packed[:, :256], packed[:, 256:384], positions=np.array([7, 0, 2]))
+        >>> w = np.ones(64, np.float32)  # fused QK-RMSNorm (Qwen3's q_norm / k_norm weights)
+        >>> _ = rope.prefill(q, k, 5, q_norm_weight=w, k_norm_weight=w)
     """
 
     def __init__(
@@ -553,6 +589,8 @@ class RoPE:
         target: Any = None,
         mrope_section: Any = None,
         mrope_interleaved: bool = False,
+        norm_eps: float = 1e-6,
+        norm_weight_offset: float = 0.0,
     ) -> None:
         head_dim = check_positive_int("head_dim", head_dim, even=True)
         num_heads = check_positive_int("num_heads", num_heads)
@@ -574,6 +612,10 @@ class RoPE:
         if mrope_interleaved and self.mrope_section is None:
             raise ValueError("mrope_interleaved=True needs an mrope_section (t, h, w)")
         self.mrope_interleaved = mrope_interleaved
+        self.norm_eps = check_real("norm_eps", norm_eps)
+        if self.norm_eps < 0:
+            raise ValueError(f"norm_eps must be >= 0, got {norm_eps!r}")
+        self.norm_weight_offset = check_real("norm_weight_offset", norm_weight_offset)
         self.table = shared_table(self.scheme, self.rotary_dim)
         self._adopt_flag(None)
         self._relaunches: dict[tuple, Any] = {}  # see rotate_in_place
@@ -581,25 +623,45 @@ class RoPE:
 
     # ---- public calls: all in place, all one launch for q and k
 
-    def forward(self, q: Any, k: Any = None, *, positions: Any = None) -> tuple[Any, Any]:
+    def forward(
+        self,
+        q: Any,
+        k: Any = None,
+        *,
+        positions: Any = None,
+        q_norm_weight: Any = None,
+        k_norm_weight: Any = None,
+    ) -> tuple[Any, Any]:
         """Rotate at positions 0..T-1 (a training forward), or at ``positions``: one
         int32/int64 position per token, ``[B, T]`` for q ``[B, T, ...]`` or ``[N]`` for
         packed q ``[N, num_heads*head_dim]`` or ``[N, num_heads, head_dim]`` (k likewise
-        with num_kv_heads); with an mrope_section, ``[3, B, T]`` or ``[3, N]``. Returns
-        (q, k), the same objects."""
-        if positions is None:
-            return self.prefill(q, k, 0)
-        self._in_place(q, k, 0, inverse=False, decode=False, ids=positions)
+        with num_kv_heads); with an mrope_section, ``[3, B, T]`` or ``[3, N]``. With
+        ``q_norm_weight``/``k_norm_weight`` (``[head_dim]``), each head row is RMS-normalised
+        first (see the class). Returns (q, k), the same objects."""
+        weights = (q_norm_weight, k_norm_weight)
+        self._in_place(q, k, 0, False, False, positions, weights)
         return q, k
 
-    def prefill(self, q: Any, k: Any, position_offset: Any) -> tuple[Any, Any]:
-        """Rotate a chunk at positions ``position_offset .. position_offset+T-1``."""
-        self._in_place(q, k, position_offset, inverse=False, decode=False)
+    def prefill(
+        self,
+        q: Any,
+        k: Any,
+        position_offset: Any,
+        *,
+        q_norm_weight: Any = None,
+        k_norm_weight: Any = None,
+    ) -> tuple[Any, Any]:
+        """Rotate a chunk at positions ``position_offset .. position_offset+T-1`` (norm
+        weights as in :meth:`forward`)."""
+        self._in_place(q, k, position_offset, False, False, None, (q_norm_weight, k_norm_weight))
         return q, k
 
-    def decode(self, q: Any, k: Any, position: Any) -> tuple[Any, Any]:
-        """Rotate one token per sequence (T must be 1) at ``position`` (int or ``[B]``)."""
-        self._in_place(q, k, position, inverse=False, decode=True)
+    def decode(
+        self, q: Any, k: Any, position: Any, *, q_norm_weight: Any = None, k_norm_weight: Any = None
+    ) -> tuple[Any, Any]:
+        """Rotate one token per sequence (T must be 1) at ``position`` (int or ``[B]``; norm
+        weights as in :meth:`forward`)."""
+        self._in_place(q, k, position, False, True, None, (q_norm_weight, k_norm_weight))
         return q, k
 
     def backward(
@@ -676,6 +738,7 @@ class RoPE:
             scheme_args(self.scheme), self.rotary_dim, self.rope_layout == "neox",
             self.head_dim, self.num_heads, self.num_kv_heads, self.max_position or 0,
             self.target or "", flag, self.mrope_section or (), self.mrope_interleaved,
+            self.norm_eps, self.norm_weight_offset,
         )  # fmt: skip
 
     def _flagged_message(self) -> str:
@@ -685,9 +748,18 @@ class RoPE:
             "earlier call (the kernel clamped it; that call's output is not valid)"
         )
 
-    def _in_place(self, q: Any, k: Any, position: Any, inverse: bool, decode: bool, ids=None):
+    def _in_place(
+        self,
+        q: Any,
+        k: Any,
+        position: Any,
+        inverse: bool,
+        decode: bool,
+        ids: Any = None,
+        weights: tuple[Any, Any] = (None, None),
+    ) -> None:
         """The in-place calls' one entry (see :func:`_in_place_call`)."""
-        _in_place_call(self.config, q, k, position, inverse, decode, ids, None, self)
+        _in_place_call(self.config, q, k, position, inverse, decode, ids, None, self, weights)
 
     def _direct(
         self,
@@ -701,27 +773,30 @@ class RoPE:
         cache: Any = None,
         *,
         in_place: bool,
+        q_norm_weight: Any = None,
+        k_norm_weight: Any = None,
     ) -> tuple[Any, Any] | None:
         """The rotation without the torch dispatcher (what the custom ops run): in place
         (:meth:`rotate_in_place`, returns None) or into new copies (:meth:`rotated`, returns
         them; k None gives None). ``layout``: ``_torch_ops.layouts(q, k, position, ids,
-        cache)`` when the caller has it; ``ids``: per-token positions (see :meth:`forward`)
-        or None; ``cache``: a cos_sin_cache (see :func:`apply_rope_with_cos_sin_cache`) or
-        None.
+        cache, q_norm_weight, k_norm_weight)`` when the caller has it; ``ids``: per-token
+        positions (see :meth:`forward`) or None; ``cache``: a cos_sin_cache (see
+        :func:`apply_rope_with_cos_sin_cache`) or None; the norm weights as in
+        :meth:`forward`.
 
         An in-place call whose torch layouts (q, k, the position's kind, the per-token
-        positions, the cache, the direction) an earlier call validated and planned re-runs
-        that launch with the new addresses and offset: at decode sizes the bookkeeping would
-        otherwise cost more than the kernel."""
+        positions, the cache, the norm weights, the direction) an earlier call validated and
+        planned re-runs that launch with the new addresses and offset: at decode sizes the
+        bookkeeping would otherwise cost more than the kernel."""
+        weights = (q_norm_weight, k_norm_weight)
         if not in_place:
             q_out = empty_like(as_operand(q, "q"), tuple(q.shape))
             k_out = None if k is None else empty_like(as_operand(k, "k"), tuple(k.shape))
             out = (q_out, k_out)
-            self._apply(q, k, position, inverse, decode, out=out, ids=ids, cache=cache)
+            self._apply(q, k, position, inverse, decode, out, ids, weights, cache)
             return to_caller(q_out), None if k_out is None else to_caller(k_out)
-        keys, (q_ptr, k_ptr, offsets_ptr, ids_ptr, cache_ptr) = layout or torch_ops.layouts(
-            q, k, position, ids, cache
-        )
+        keys, pointers = layout or torch_ops.layouts(q, k, position, ids, cache, *weights)
+        q_ptr, k_ptr, offsets_ptr, ids_ptr, cache_ptr, q_weight_ptr, k_weight_ptr = pointers
         int_position = type(position) is int
         key = (keys, inverse, decode, int_position)
         fast = self._relaunches.get(key)
@@ -735,18 +810,27 @@ class RoPE:
                 or k_ptr >= q_ptr + q_bytes
                 or q_ptr >= k_ptr + k_bytes
             )
+            # norm weights must lie outside what is written (else: the validated path)
+            for weight_ptr in (q_weight_ptr, k_weight_ptr) if q_weight_ptr else ():
+                for start, size in ((q_ptr, q_bytes), (k_ptr, k_bytes)):
+                    apart &= not (start - self.head_dim * 4 < weight_ptr < start + size)
             if apart and (not int_position or 0 <= position <= last_position):
                 self._flag.raise_if_set(self._flagged_message)
                 launch.relaunch(
                     torch_ops.current_stream(launch.device), RELAUNCH_QK, q_ptr, q_ptr, k_ptr,
                     k_ptr, ids_ptr, offsets_ptr, position if int_position else 0, cache_ptr,
+                    q_weight_ptr, k_weight_ptr,
                 )  # fmt: skip
                 torch_ops.bump_torch_versions((q,) if k is None else (q, k))
                 return
-        launch = self._apply(q, k, position, inverse, decode, ids=ids, cache=cache)
+        launch = self._apply(q, k, position, inverse, decode, None, ids, weights, cache)
         # torch q (and k) only; device positions or ints: host ones are uploaded per call
         device_position = int_position or (keys[2] is not None and keys[2][3].type == "cuda")
         torch_operands = keys[0] is not None and (k is None or keys[1] is not None)
+        # norm weights: torch tensors too (the launch reads them in place: never copied)
+        torch_operands &= all(
+            w is None or key is not None for w, key in zip(weights, keys[5:], strict=True)
+        )
         # per-token positions: only when the launch reads the caller's tensor itself (host
         # ones are uploaded, non-contiguous ones copied: a new address every call)
         own_ids = ids is None or (
@@ -864,12 +948,14 @@ class RoPE:
         decode: bool = False,
         out: tuple[Any, Any] | None = None,
         ids: Any = None,
+        weights: tuple[Any, Any] = (None, None),
         cache: Any = None,
     ) -> Any:
         """Rotate (q, k) at ``position`` (or at per-token positions ``ids``, ``position``
-        then 0): in place, or into ``out`` (same shapes, contiguous), with the scheme's table
-        or a caller's cos_sin_cache ``cache`` (per-token positions only). Returns the CUDA
-        launch (None on the host or for an empty call)."""
+        then 0), each head row first normalised when norm ``weights`` (of q, of k) are given:
+        in place, or into ``out`` (same shapes, contiguous), with the scheme's table or a
+        caller's cos_sin_cache ``cache`` (per-token positions only). Returns the CUDA launch
+        (None on the host or for an empty call)."""
         self._flag.raise_if_set(self._flagged_message)
         in_place = out is None
         if ids is not None and not (_is_int(position) and position == 0):
@@ -919,6 +1005,11 @@ class RoPE:
             check_in_place(operands)
         if cache is not None:
             operands["cos_sin_cache"] = table.operand
+        norm = self._norm(weights, q_rows.operand, k_rows, inverse, in_place)
+        if norm is not None:
+            operands["q_norm_weight"] = norm.q_weight
+            if norm.k_weight is not None:
+                operands["k_norm_weight"] = norm.k_weight
         place = select_place(self.target, operands)
         name = "position" if decode else "position_offset"
         if decode and q_rows.shape[1] != 1:
@@ -938,30 +1029,95 @@ class RoPE:
             k_pair = (k_rows, k_out)
         q_pair = (q_rows, q_out)
         return rotate(
-            table, self.rope_layout == "neox", inverse, q_pair, k_pair, positions, self._flag
-        )
+            table, self.rope_layout == "neox", inverse, q_pair, k_pair, positions, self._flag,
+            norm=norm,
+        )  # fmt: skip
+
+    def _norm(
+        self,
+        weights: tuple[Any, Any],
+        q: Operand,
+        k_rows: HeadRows | None,
+        inverse: bool,
+        in_place: bool,
+    ) -> RowNorm | None:
+        """The fused norm of a call with norm ``weights`` (of q, of k; None without),
+        validated: both or neither (k's only with k), ``[head_dim]``, q's dtype or float32,
+        contiguous, apart from what an in-place call writes. The place is checked with the
+        data's."""
+        q_weight, k_weight = weights
+        if q_weight is None and k_weight is None:
+            return None
+        if inverse:
+            raise ValueError(
+                "q_norm_weight/k_norm_weight apply to the forward rotation only; the backward "
+                "(transpose) rotation takes no norm weights"
+            )
+        if q_weight is None:
+            raise ValueError(
+                "k_norm_weight was given without q_norm_weight; expected both (q and k are "
+                "normalised together, as in HF Qwen3)"
+            )
+        if k_weight is not None and k_rows is None:
+            raise ValueError("k_norm_weight was given without k; expected None")
+        if k_weight is None and k_rows is not None:
+            raise ValueError(
+                "k_norm_weight is None but k was given; expected both norm weights (q and k "
+                "are normalised together, as in HF Qwen3)"
+            )
+        checked = []
+        for name, weight in (("q_norm_weight", q_weight), ("k_norm_weight", k_weight)):
+            if weight is None:
+                checked.append(None)
+                continue
+            operand = as_operand(weight, name)
+            if operand.dtype not in (q.dtype, "float32"):
+                raise TypeError(
+                    f"{name} must be float32 or the data's dtype {q.dtype}, got {operand.dtype}"
+                )
+            if operand.shape != (self.head_dim,):
+                raise ValueError(
+                    f"{name} must have shape [head_dim] = ({self.head_dim},), got {operand.shape}"
+                )
+            if operand.strides != (1,) and self.head_dim > 1:
+                raise ValueError(f"{name} must be contiguous, got strides {operand.strides}")
+            written = {"q": q, "k": None if k_rows is None else k_rows.operand}
+            for target_name, target in written.items() if in_place else ():
+                if target is not None and overlapping(operand, target):
+                    raise ValueError(
+                        f"{name} overlaps {target_name} in memory, which this call writes; "
+                        "expected a weight apart from the data"
+                    )
+            checked.append(operand)
+        return RowNorm(checked[0], checked[1], self.norm_eps, self.norm_weight_offset)
 
 
-def _in_place_call(config, q, k, position, inverse, decode, ids=None, cache=None, rope=None):
+def _in_place_call(
+    config, q, k, position, inverse, decode, ids=None, cache=None, rope=None, weights=(None, None)
+):
     """Every in-place call's one entry, for the component ``config`` describes (``rope``:
     that component, when the caller has it; else it is rebuilt, once, from ``config``):
     the direct path, or torch's dispatcher when autograd or a tracer must see the call.
     ``ids``: per-token positions (or None); ``cache``: a caller's cos_sin_cache in place of
-    the table (or None).
+    the table (or None); ``weights``: the fused norm's weights of q and k (or None).
 
     Through the dispatcher: the in-place custom op, or, on tensors autograd tracks, the
     call recorded as torch's own in-place ops are: the rotation out of place (its backward
     is the inverse rotation), copied back into q and k, so their grad_fn and version
     counters are right. A leaf that requires grad cannot change in place; torch refuses,
-    and so do we, before any write."""
-    layout = torch_ops.classify(q, k, position, ids, cache)
+    and so do we, before any write. With norm weights the backward needs q and k as they
+    were: the op then reads copies of them (the copy_ below overwrites the originals)."""
+    layout = torch_ops.classify(q, k, position, ids, cache, *weights)
     if layout is not torch_ops.DISPATCH:  # (no component is built while a tracer watches)
         rope = rope or component(config)
-        rope.rotate_in_place(q, k, position, inverse, decode, layout, ids, cache)
+        rope.rotate_in_place(
+            q, k, position, inverse, decode, layout, ids, cache, q_norm_weight=weights[0],
+            k_norm_weight=weights[1],
+        )  # fmt: skip
         return
     offsets, offset = _split_position(position)
-    arguments = (q, k, offsets, offset, ids, cache, inverse, decode)
-    if not torch_ops.requires_grad(q, k):
+    if not torch_ops.requires_grad(q, k, *weights):
+        arguments = (q, k, offsets, offset, ids, cache, inverse, decode, *weights)
         torch_ops.rope_qk(config, *arguments, in_place=True)
         return
     for name, tensor in (("q", q), ("k", k)):
@@ -976,6 +1132,10 @@ def _in_place_call(config, q, k, position, inverse, decode, ids=None, cache=None
         if k is not None:
             operands["k"] = as_operand(k, "k")
         check_in_place(operands)  # before the first copy_ writes
+    q_in, k_in = q, k
+    if weights[0] is not None or weights[1] is not None:
+        q_in, k_in = q.clone(), None if k is None else k.clone()
+    arguments = (q_in, k_in, offsets, offset, ids, cache, inverse, decode, *weights)
     q_rot, k_rot = torch_ops.rope_qk(config, *arguments)
     q.copy_(q_rot)
     if k is not None:
@@ -983,13 +1143,22 @@ def _in_place_call(config, q, k, position, inverse, decode, ids=None, cache=None
 
 
 def apply_rope(
-    q: Any, k: Any, rope: RoPE, position_offset: Any = 0, *, positions: Any = None
+    q: Any,
+    k: Any,
+    rope: RoPE,
+    position_offset: Any = 0,
+    *,
+    positions: Any = None,
+    q_norm_weight: Any = None,
+    k_norm_weight: Any = None,
 ) -> tuple[Any, Any]:
     """Out-of-place RoPE: new rotated ``(q, k)`` (k may be None, giving None) at
     ``position_offset`` (int or ``[B]``) or at per-token ``positions`` (``[B, T]``, or
     ``[N]`` for packed q ``[N, num_heads*head_dim]``; see :meth:`RoPE.forward`), q and k
-    untouched. On torch tensors that require grad the results carry a ``grad_fn``; the
-    gradient is the inverse rotation (the Bwd kernels) at the same positions. Any
+    untouched; with ``q_norm_weight``/``k_norm_weight`` each head row is RMS-normalised
+    first (fused QK-RMSNorm, see :class:`RoPE`). On torch tensors that require grad the
+    results carry a ``grad_fn``; the gradient is the inverse rotation (the Bwd kernels) at
+    the same positions, then through the norm (to the data and both weights). Any
     framework works; this is the form to use inside autograd.
 
     Example::
@@ -1001,10 +1170,14 @@ def apply_rope(
         >>> q_rot.sum().backward()
         >>> q_rot, _ = apply_rope(q, None, rope, positions=torch.tensor([[40, 2, 9]]))
     """
-    if torch_ops.classify(q, k, position_offset, positions) is not torch_ops.DISPATCH:
-        return rope.rotated(q, k, position_offset, ids=positions)
+    weights = (q_norm_weight, k_norm_weight)
+    if torch_ops.classify(q, k, position_offset, positions, *weights) is not torch_ops.DISPATCH:
+        return rope.rotated(
+            q, k, position_offset, ids=positions, q_norm_weight=q_norm_weight,
+            k_norm_weight=k_norm_weight,
+        )  # fmt: skip
     offsets, offset = _split_position(position_offset)
-    arguments = (q, k, offsets, offset, positions, None, False, False)
+    arguments = (q, k, offsets, offset, positions, None, False, False, *weights)
     q_rot, k_rot = torch_ops.rope_qk(rope.config, *arguments)
     return q_rot, None if k is None else k_rot
 
@@ -1044,7 +1217,7 @@ def apply_rope_with_cos_sin_cache(
     config = _cache_config(query, key, head_size, cos_sin_cache, is_neox)
     if torch_ops.classify(query, key, positions, cos_sin_cache) is not torch_ops.DISPATCH:
         return component(config).rotated(query, key, 0, ids=positions, cache=cos_sin_cache)
-    arguments = (query, key, None, 0, positions, cos_sin_cache, False, False)
+    arguments = (query, key, None, 0, positions, cos_sin_cache, False, False, None, None)
     q_rot, k_rot = torch_ops.rope_qk(config, *arguments)
     return q_rot, None if key is None else k_rot
 
@@ -1086,7 +1259,7 @@ def _cache_config(query: Any, key: Any, head_size: Any, cache: Any, is_neox: Any
         )
     return _component_config(
         _STANDARD_ARGS, int(shape[1]), is_neox, head_size, heads, kv_heads, 0, "", _CACHE_FLAG,
-        (), False,
+        (), False, 0.0, 0.0,  # (no fused norm in the cos_sin_cache calls)
     )  # fmt: skip
 
 
@@ -1160,12 +1333,14 @@ def _component_config(
     flag: int,
     mrope_section: tuple[int, ...],
     mrope_interleaved: bool,
+    norm_eps: float,
+    norm_weight_offset: float,
 ) -> tuple:
     """A component by value, in the order of the custom ops' schema (_torch_ops
     ``_COMPONENT_CONFIG``); ``scheme``: ``scheme_args`` of its scheme."""
     return (
         *scheme, rotary_dim, neox, head_dim, num_heads, num_kv_heads, max_position, target,
-        flag, mrope_section, mrope_interleaved,
+        flag, mrope_section, mrope_interleaved, norm_eps, norm_weight_offset,
     )  # fmt: skip
 
 
@@ -1173,13 +1348,14 @@ def _component_config(
 def _component(config: tuple) -> RoPE:
     (
         scheme, numbers, rotary_dim, neox, head_dim, heads, kv_heads, max_position, target,
-        flag, mrope_section, mrope_interleaved,
+        flag, mrope_section, mrope_interleaved, norm_eps, norm_weight_offset,
     ) = config  # fmt: skip
     twin = RoPE(
         head_dim, heads, kv_heads, scheme=scheme_from_args(scheme, numbers),
         rotary_dim=rotary_dim, rope_layout="neox" if neox else "interleaved",
         max_position=max_position or None, target=target or None,
         mrope_section=mrope_section or None, mrope_interleaved=mrope_interleaved,
+        norm_eps=norm_eps, norm_weight_offset=norm_weight_offset,
     )  # fmt: skip
     twin._adopt_flag(flag)
     return twin

@@ -1,0 +1,228 @@
+"""The CUDA rotation kernel (``kernels_cu/rope.cu``), fused QK-RMSNorm included, executed on
+the host: compiled by the C++ compiler against ``cuda_on_host.h`` (one thread per CUDA
+thread, warp shuffles through barriers), launched with the geometry, vector width and
+parameter struct the package computes (``_rotate._geometry``, ``_vector_width``,
+``ROPE_PARAMS``), and compared with the float64 oracle.
+
+What this adds to the GPU tests: every lane layout of the norm's reduction (groups of 1 to
+32 lanes, rows with more chunks than lanes, tails, one-element accesses) checked on any
+machine with g++ (C++20); the shuffle emulation refuses a width or mask that does not
+describe the calling group. Not covered: timing, memory ordering, the PTX conversions.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _oracle import (
+    assert_matches_oracle,
+    assert_norm_rope_matches_oracle,
+    numpy_dtype,
+    random_data,
+    standard_frequencies,
+)
+
+import kernels_cu
+from tileops_cupy import _rotate
+from tileops_cupy._arrays import ITEMSIZE, Operand
+from tileops_cupy._tables import shared_table
+from tileops_cupy.schemes import Standard
+
+SHAPES = ((128, 128), (128, 64), (64, 48), (256, 256), (64, 16))  # (head_dim, rotary_dim)
+WEIGHTS = (None, ("data", 0.0), ("float32", 1.0))  # (weight dtype, norm_weight_offset)
+HEADS, KV_HEADS, BATCH, SEQ, POSITION = 4, 2, 1, 3, 1000
+EPS = 1e-6
+HEADER = Path(__file__).with_name("cuda_on_host.h")
+
+_SHIM = """
+#include "cuda_on_host.h"
+#define HEADS_IN_FLIGHT {heads_in_flight}
+{rope}
+
+template <typename T, bool NEOX, int VEC, int RD, int TABLE, bool NORM = false>
+void run(const RopeParams& p, unsigned grid, unsigned bx, unsigned by, unsigned bz) {{
+  blockDim = dim3{{bx, by, bz}};
+  for (unsigned block = 0; block < grid; ++block) {{
+    std::vector<std::unique_ptr<Group>> groups;
+    for (unsigned g = 0; g < by * bz; ++g) groups.emplace_back(new Group(bx));
+    std::vector<std::thread> threads;
+    for (unsigned z = 0; z < bz; ++z)
+      for (unsigned y = 0; y < by; ++y)
+        for (unsigned x = 0; x < bx; ++x)
+          threads.emplace_back([&, x, y, z, block] {{
+            threadIdx = dim3{{x, y, z}};
+            blockIdx = dim3{{block, 0, 0}};
+            my_group = groups[z * by + y].get();
+            my_lane = x;
+            rope_rotate<T, NEOX, VEC, RD, TABLE, NORM>(p);
+          }});
+    for (auto& thread : threads) thread.join();
+  }}
+}}
+
+typedef void (*Runner)(const RopeParams&, unsigned, unsigned, unsigned, unsigned);
+extern "C" Runner runners[] = {{{runners}}};
+"""
+
+
+def _cases():
+    for dtype, neox, shape, misaligned, weights, in_place in itertools.product(
+        ("float32", "bfloat16", "float16"), (True, False), SHAPES, (False, True), WEIGHTS,
+        (True, False),
+    ):  # fmt: skip
+        yield dtype, neox, *shape, misaligned, weights, in_place
+
+
+def _name_expressions() -> list[str]:
+    """Every instantiation the cases may pick (both vector widths)."""
+    names = []
+    for dtype, neox, _, rotary_dim, _, weights, _ in _cases():
+        for vec in (16 // ITEMSIZE[dtype], 1):
+            norm = weights is not None
+            name = _rotate._kernel(dtype, neox, vec, rotary_dim, _rotate.TWO_LEVEL, norm)[1]
+            if name not in names:
+                names.append(name)
+    return names
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory):
+    """{name expression: the host runner of that instantiation}."""
+    compiler = shutil.which("g++")
+    if compiler is None:
+        pytest.skip("needs g++ (C++20) to run the kernel source on the host")
+    names = _name_expressions()
+    runners = ", ".join(re.sub(r"^rope_rotate", "&run", name) for name in names)
+    folder = tmp_path_factory.mktemp("rope_on_host")
+    source = folder / "rope_on_host.cpp"
+    source.write_text(
+        _SHIM.format(
+            heads_in_flight=_rotate._HEADS_IN_FLIGHT, rope=kernels_cu.source("rope"),
+            runners=runners,
+        )
+    )  # fmt: skip
+    shutil.copy(HEADER, folder / HEADER.name)
+    library = folder / "rope_on_host.so"
+    build = subprocess.run(
+        [compiler, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-o", str(library),
+         str(source)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    if build.returncode:
+        pytest.skip(f"g++ could not build the host kernels:\n{build.stderr[-2000:]}")
+    handle = ctypes.CDLL(str(library))
+    table = (ctypes.c_void_p * len(names)).in_dll(handle, "runners")
+    runner_type = ctypes.CFUNCTYPE(
+        None, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint
+    )
+    return {name: runner_type(table[i]) for i, name in enumerate(names)}
+
+
+def _rows(dtype: str, pointer: int, heads: int, head_dim: int, strides) -> _rotate.HeadRows:
+    shape = (BATCH, SEQ, heads, head_dim)
+    operand = Operand(None, "numpy", 0, dtype, shape, (*strides, 1), pointer)
+    return _rotate.HeadRows(operand, shape, (*strides, 1))
+
+
+def _run_case(kernels, rng, dtype, neox, head_dim, rotary_dim, misaligned, weights, in_place):
+    """Rotate q and k (GQA) of one fused QKV buffer (starting one element in when
+    ``misaligned``), in place or into new arrays, with or without the norm; check every
+    element, v and the buffer's other bytes. Returns the vector width the launch used."""
+    item = ITEMSIZE[dtype]
+    width = misaligned + (HEADS + 2 * KV_HEADS) * head_dim
+    host = random_data(rng, (BATCH, SEQ, width), dtype)
+    buffer = host.copy()
+    q_col, k_col = int(misaligned), int(misaligned) + HEADS * head_dim
+    outputs = {
+        h: np.zeros((BATCH, SEQ, h * head_dim), numpy_dtype(dtype)) for h in (HEADS, KV_HEADS)
+    }
+    strides = (SEQ * width, width, head_dim)
+    rows = []
+    for col, heads in ((q_col, HEADS), (k_col, KV_HEADS)):
+        source = _rows(dtype, buffer.ctypes.data + col * item, heads, head_dim, strides)
+        out_strides = (SEQ * heads * head_dim, heads * head_dim, head_dim)
+        out = _rows(dtype, outputs[heads].ctypes.data, heads, head_dim, out_strides)
+        target = source if in_place else out
+        rows += [source, target]
+    norm = weights is not None
+    norm_weights, pointers = {}, ()
+    if norm:
+        weight_dtype = dtype if weights[0] == "data" else "float32"
+        for heads in (HEADS, KV_HEADS):
+            values = rng.uniform(0.5, 1.5, head_dim) - weights[1]
+            norm_weights[heads] = values.astype(numpy_dtype(weight_dtype))
+        if weight_dtype == dtype:
+            pointers = tuple(w.ctypes.data for w in norm_weights.values())
+    copy_tail = (rotary_dim < head_dim and not in_place) or norm
+    vec = _rotate._vector_width(dtype, neox, rotary_dim, head_dim, copy_tail, rows, pointers)
+    grid, block, tail_chunks = _rotate._geometry(
+        neox, vec, rotary_dim, head_dim, copy_tail, HEADS + KV_HEADS, BATCH * SEQ, norm
+    )
+    table = shared_table(Standard(), rotary_dim)
+    table.ensure(POSITION + SEQ)
+    fine, coarse = (np.ascontiguousarray(t) for t in (table.fine32, table.coarse32))
+    flag = np.zeros(1, np.int32)
+    params = _rotate.ROPE_PARAMS.pack(
+        q_in=rows[0].operand.ptr, q_out=rows[1].operand.ptr, q_in_stride=rows[0].strides[:3],
+        q_out_stride=rows[1].strides[:3], k_in=rows[2].operand.ptr, k_out=rows[3].operand.ptr,
+        k_in_stride=rows[2].strides[:3], k_out_stride=rows[3].strides[:3], ids=0, offsets=0,
+        error_flag=flag.ctypes.data, fine=fine.ctypes.data, coarse=coarse.ctypes.data,
+        position_offset=POSITION, position_limit=table.capacity, q_heads=HEADS,
+        k_heads=KV_HEADS, batch=BATCH, seq=SEQ, rotary_dim=rotary_dim, tail_chunks=tail_chunks,
+        ids_is_int64=0, offsets_is_int64=0, sin_sign=1.0, mrope_section=(0, 0, 0),
+        mrope_interleaved=0, cos_sin_cache=0,
+        q_norm_weight=norm_weights[HEADS].ctypes.data if norm else 0,
+        k_norm_weight=norm_weights[KV_HEADS].ctypes.data if norm else 0,
+        norm_eps=EPS, norm_weight_offset=weights[1] if norm else 0.0,
+        norm_weight_is_float32=norm and weights[0] == "float32" and dtype != "float32",
+    )  # fmt: skip
+    name = _rotate._kernel(dtype, neox, vec, rotary_dim, _rotate.TWO_LEVEL, norm)[1]
+    kernels[name](ctypes.create_string_buffer(params), grid[0], *block)
+    assert flag[0] == 0
+
+    x64 = host.astype(np.float64)
+    positions = (POSITION + np.arange(SEQ))[None, :, None]
+    frequencies = standard_frequencies(rotary_dim)
+    case = f"{dtype} neox={neox} D{head_dim}/{rotary_dim} vec={vec} block={block}"
+    for col, heads in ((q_col, HEADS), (k_col, KV_HEADS)):
+        shape = (BATCH, SEQ, heads, head_dim)
+        x = x64[..., col : col + heads * head_dim].reshape(shape)
+        y = buffer[..., col : col + heads * head_dim] if in_place else outputs[heads]
+        y = y.astype(np.float64).reshape(shape)
+        what = f"{case} heads={heads}"
+        if norm:
+            weight = norm_weights[heads].astype(np.float64)
+            assert_norm_rope_matches_oracle(
+                y, x, weight, EPS, weights[1], positions, frequencies, dtype, neox=neox, what=what
+            )
+        else:
+            assert_matches_oracle(y, x, positions, frequencies, dtype, neox=neox, what=what)
+    v_col = k_col + KV_HEADS * head_dim
+    np.testing.assert_array_equal(buffer[..., v_col:], host[..., v_col:], err_msg=f"{case}: v")
+    np.testing.assert_array_equal(buffer[..., :q_col], host[..., :q_col], err_msg=case)
+    if not in_place:
+        np.testing.assert_array_equal(buffer, host, err_msg=f"{case}: the source changed")
+    return vec, block
+
+
+@pytest.mark.parametrize("neox", (True, False), ids=("neox", "interleaved"))
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16", "float16"))
+def test_kernel_on_host_threads_matches_oracle(kernels, rng, dtype, neox):
+    """Every shape, alignment, norm weight kind and direction of output of one dtype and
+    layout; the cases must reach both vector widths and norm groups of 32 lanes and fewer."""
+    widths, norm_lanes = set(), set()
+    for case in _cases():
+        if case[:2] == (dtype, neox):
+            vec, block = _run_case(kernels, rng, *case)
+            widths.add(vec)
+            if case[5] is not None:
+                norm_lanes.add(block[0])
+    assert widths == {16 // ITEMSIZE[dtype], 1}
+    assert 32 in norm_lanes and len(norm_lanes) > 1, norm_lanes
