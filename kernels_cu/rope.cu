@@ -239,7 +239,7 @@ __device__ __forceinline__ void rotate_chunk(int chunk, int pairs, CosSinOf cos_
   float q_weight[C::LOADS][VEC], k_weight[C::LOADS][VEC];  // NORM only
   if constexpr (NORM) {
     norm.chunk_weights(c, false, q_weight);
-    norm.chunk_weights(c, true, k_weight);
+    if (total_heads > norm.q_heads) norm.chunk_weights(c, true, k_weight);  // (k may be absent)
   }
 
   for (int h0 = threadIdx.y; h0 < total_heads; h0 += blockDim.y * HEADS_IN_FLIGHT) {
