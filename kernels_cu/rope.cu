@@ -121,7 +121,8 @@ struct Chunk {
 struct RowNorm {
   const void* q_weight;
   const void* k_weight;
-  int weight_is_float32;  // else the weights have the data's type
+  int q_weight_is_float32;  // else q's weight has the data's type
+  int k_weight_is_float32;  // the same of k's
   float eps;
   float weight_offset;
   int q_heads;        // rows below this are q's (q's weight), the rest k's
@@ -134,7 +135,7 @@ struct RowNorm {
   template <typename T, int VEC>
   __device__ __forceinline__ void weights(bool is_k, int column, float (&w)[VEC]) const {
     const void* weight = is_k ? k_weight : q_weight;
-    if (weight_is_float32) {
+    if (is_k ? k_weight_is_float32 : q_weight_is_float32) {
 #pragma unroll
       for (int i = 0; i < VEC; ++i) w[i] = static_cast<const float*>(weight)[column + i];
     } else {  // the launch plan checked these VEC-wide loads aligned
@@ -324,12 +325,13 @@ struct RopeParams {
   // TABLE_COS_SIN_CACHE: the caller's float32 [position_limit, rotary_dim] table, cos of
   // pair j at column j, sin at column rotary_dim/2 + j
   const float* cos_sin_cache;
-  // fused QK-RMSNorm (NORM instantiations): [head_dim] weights, float32 or the data's type
+  // fused QK-RMSNorm (NORM instantiations): [head_dim] weights, each float32 or the data's type
   const void* q_norm_weight;
   const void* k_norm_weight;
   float norm_eps;
   float norm_weight_offset;
-  int norm_weight_is_float32;
+  int q_norm_weight_is_float32;
+  int k_norm_weight_is_float32;
 };
 
 static_assert(sizeof(RopeParams) == 280, "RopeParams changed size: update this number");
@@ -420,8 +422,8 @@ __global__ void rope_rotate(const RopeParams p) {
   };
   auto rotate_all = [&](auto cos_sin_of) {
     if constexpr (NORM) {  // each lane: its first chunk, the rest of its share of every row
-      const RowNorm norm{p.q_norm_weight, p.k_norm_weight, p.norm_weight_is_float32,
-                         p.norm_eps, p.norm_weight_offset, q_heads, rotate_chunks, tail_chunks,
+      const RowNorm norm{p.q_norm_weight, p.k_norm_weight, p.q_norm_weight_is_float32,
+                         p.k_norm_weight_is_float32, p.norm_eps, p.norm_weight_offset, q_heads, rotate_chunks, tail_chunks,
                          rotary_dim, rotary_dim + tail_chunks * VEC};
       rotate_chunk<T, NEOX, VEC, true>(threadIdx.x, pairs, cos_sin_of, p.sin_sign, total_heads,
                                        row_in, row_out, norm);

@@ -36,7 +36,7 @@ from tileops_cupy._tables import shared_table
 from tileops_cupy.schemes import Standard
 
 SHAPES = ((128, 128), (128, 64), (64, 48), (256, 256), (64, 16))  # (head_dim, rotary_dim)
-WEIGHTS = (None, ("data", 0.0), ("float32", 1.0))  # (weight dtype, norm_weight_offset)
+WEIGHTS = (None, ("data", 0.0), ("float32", 1.0), ("mixed", 1.0))  # (kind, norm_weight_offset)
 HEADS, KV_HEADS, BATCH, SEQ, POSITION = 4, 2, 1, 3, 1000
 EPS = 1e-6
 HEADER = Path(__file__).with_name("cuda_on_host.h")
@@ -152,14 +152,16 @@ def _run_case(kernels, rng, dtype, neox, head_dim, rotary_dim, misaligned, weigh
         target = source if in_place else out
         rows += [source, target]
     norm = weights is not None
-    norm_weights, pointers = {}, ()
-    if norm:
-        weight_dtype = dtype if weights[0] == "data" else "float32"
+    norm_weights, pointers, weight_is_float32 = {}, (), {}
+    if norm:  # "mixed": q's weight in the data's type, k's float32
         for heads in (HEADS, KV_HEADS):
+            data_typed = weights[0] == "data" or (weights[0] == "mixed" and heads == HEADS)
+            weight_dtype = dtype if data_typed else "float32"
             values = rng.uniform(0.5, 1.5, head_dim) - weights[1]
             norm_weights[heads] = values.astype(numpy_dtype(weight_dtype))
-        if weight_dtype == dtype:
-            pointers = tuple(w.ctypes.data for w in norm_weights.values())
+            weight_is_float32[heads] = weight_dtype != dtype
+            if weight_dtype == dtype:
+                pointers += (norm_weights[heads].ctypes.data,)
     copy_tail = (rotary_dim < head_dim and not in_place) or norm
     vec = _rotate._vector_width(dtype, neox, rotary_dim, head_dim, copy_tail, rows, pointers)
     grid, block, tail_chunks = _rotate._geometry(
@@ -181,7 +183,8 @@ def _run_case(kernels, rng, dtype, neox, head_dim, rotary_dim, misaligned, weigh
         q_norm_weight=norm_weights[HEADS].ctypes.data if norm else 0,
         k_norm_weight=norm_weights[KV_HEADS].ctypes.data if norm else 0,
         norm_eps=EPS, norm_weight_offset=weights[1] if norm else 0.0,
-        norm_weight_is_float32=norm and weights[0] == "float32" and dtype != "float32",
+        q_norm_weight_is_float32=norm and weight_is_float32[HEADS],
+        k_norm_weight_is_float32=norm and weight_is_float32[KV_HEADS],
     )  # fmt: skip
     name = _rotate._kernel(dtype, neox, vec, rotary_dim, _rotate.TWO_LEVEL, norm)[1]
     kernels[name](ctypes.create_string_buffer(params), grid[0], *block)

@@ -138,8 +138,8 @@ class RowNorm:
     weight_offset: float
 
     @property
-    def weight_dtype(self) -> str:
-        return self.q_weight.dtype
+    def weights(self) -> tuple[Operand, ...]:
+        return (self.q_weight,) if self.k_weight is None else (self.q_weight, self.k_weight)
 
 
 class ErrorFlag:
@@ -412,13 +412,11 @@ def _plan(
     q_in = rows[0]
     dtype, device = q_in.operand.dtype, q_in.operand.device
     # norm weights in the data's type are read with the data's accesses: their alignment counts
-    weights = ()
-    if norm is not None and norm.weight_dtype == dtype:
-        weights = tuple(w.ptr for w in (norm.q_weight, norm.k_weight) if w is not None)
+    weights = () if norm is None else tuple(w.ptr for w in norm.weights if w.dtype == dtype)
     alignment = 0
     for pointer in (*(r.operand.ptr for r in rows), *weights):
         alignment |= pointer & 15
-    norm_key = None if norm is None else norm.weight_dtype
+    norm_key = None if norm is None else tuple(w.dtype for w in norm.weights)
     key = (
         dtype, neox, rotary_dim, mode, device, copy_tail, alignment, norm_key,
         tuple((r.shape, r.strides) for r in rows),
@@ -482,7 +480,8 @@ def _rotate_cuda(
         k_norm_weight=0 if k_weight is None else k_weight.ptr,
         norm_eps=0.0 if norm is None else norm.eps,
         norm_weight_offset=0.0 if norm is None else norm.weight_offset,
-        norm_weight_is_float32=norm is not None and norm.weight_dtype != q_in.operand.dtype,
+        q_norm_weight_is_float32=norm is not None and norm.q_weight.dtype != q_in.operand.dtype,
+        k_norm_weight_is_float32=k_weight is not None and k_weight.dtype != q_in.operand.dtype,
     )  # fmt: skip
     if stream is None:
         stream = stream_handle(q_in.operand)
