@@ -91,13 +91,10 @@ struct Chunk {
     }
   }
 
-  // Rotate `data` into `out`; NORM first scales each element by scale * (its column's weight),
-  // the weight of k's rows when is_k, of q's otherwise.
+  // Rotate `data` into `out`; NORM first scales each element by scale * (its column's weight).
   template <bool NORM>
   __device__ __forceinline__ void rotate_store(const Data& data, T* out, float scale,
-                                               const float (&q_weight)[LOADS][VEC],
-                                               const float (&k_weight)[LOADS][VEC],
-                                               bool is_k) const {
+                                               const float (&weight)[LOADS][VEC]) const {
     Pack<T, VEC> y[LOADS];
 #pragma unroll
     for (int i = 0; i < PAIRS; ++i) {
@@ -106,8 +103,8 @@ struct Chunk {
       float x1 = to_float(data[0].v[e1]);
       float x2 = to_float(data[LOADS - 1].v[e2]);
       if constexpr (NORM) {
-        x1 *= scale * (is_k ? k_weight[0][e1] : q_weight[0][e1]);
-        x2 *= scale * (is_k ? k_weight[LOADS - 1][e2] : q_weight[LOADS - 1][e2]);
+        x1 *= scale * weight[0][e1];
+        x2 *= scale * weight[LOADS - 1][e2];
       }
       y[0].v[e1] = from_float<T>(fmaf(x1, cos_v[i], -x2 * sin_v[i]));
       y[LOADS - 1].v[e2] = from_float<T>(fmaf(x2, cos_v[i], x1 * sin_v[i]));
@@ -210,7 +207,7 @@ struct RowNorm {
       chunk_weights(c, is_k, w);
       typename C::Data data;
       c.load(in, data);
-      c.template rotate_store<true>(data, out, scale, w, w, false);
+      c.template rotate_store<true>(data, out, scale, w);
     }
     for (int t = threadIdx.x; t < tail_chunks; t += blockDim.x) {
       const int column = rotary_dim + t * VEC;
@@ -237,11 +234,6 @@ __device__ __forceinline__ void rotate_chunk(int chunk, int pairs, CosSinOf cos_
   typedef Chunk<T, NEOX, VEC> C;
   const bool active = !NORM || chunk < norm.rotate_chunks;
   const C c(active ? chunk : 0, pairs, cos_sin_of, sin_sign);
-  float q_weight[C::LOADS][VEC], k_weight[C::LOADS][VEC];  // NORM only
-  if constexpr (NORM) {
-    norm.chunk_weights(c, false, q_weight);
-    if (total_heads > norm.q_heads) norm.chunk_weights(c, true, k_weight);  // (k may be absent)
-  }
 
   for (int h0 = threadIdx.y; h0 < total_heads; h0 += blockDim.y * HEADS_IN_FLIGHT) {
     typename C::Data data[HEADS_IN_FLIGHT];
@@ -276,7 +268,11 @@ __device__ __forceinline__ void rotate_chunk(int chunk, int pairs, CosSinOf cos_
                                         cos_sin_of, sin_sign);
       }
       if (active) {
-        c.template rotate_store<NORM>(data[u], row_out(h), scale[u], q_weight, k_weight, is_k);
+        // NORM: the row's weights, read here (L1-resident) rather than held for q and k from
+        // the start: holding both cost 70 registers a thread, half the kernel's occupancy
+        float weight[C::LOADS][VEC];
+        if constexpr (NORM) norm.chunk_weights(c, is_k, weight);
+        c.template rotate_store<NORM>(data[u], row_out(h), scale[u], weight);
       }
     }
   }
@@ -371,8 +367,11 @@ struct TwoLevelRows {
   }
 };
 
+// Blocks of ROPE_THREADS (a define from tileops_cupy._rotate, which sizes the launch); the
+// minimum blocks per SM cap the registers: 5 (<= 96 a thread) is what the plain rotation uses
+// anyway; the norm's 4 (<= 128) keeps its occupancy from falling to 3 blocks without spilling.
 template <typename T, bool NEOX, int VEC, int ROTARY_DIM, int TABLE, bool NORM = false>
-__global__ void rope_rotate(const RopeParams p) {
+__global__ void __launch_bounds__(ROPE_THREADS, NORM ? 4 : 5) rope_rotate(const RopeParams p) {
   const T* q_in = static_cast<const T*>(p.q_in);
   T* q_out = static_cast<T*>(p.q_out);
   const T* k_in = static_cast<const T*>(p.k_in);

@@ -16,6 +16,7 @@
 #define __device__
 #define __forceinline__ inline
 #define __global__
+#define __launch_bounds__(...)
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
 thread_local dim3 threadIdx, blockIdx;
 dim3 blockDim;

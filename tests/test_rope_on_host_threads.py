@@ -44,6 +44,7 @@ HEADER = Path(__file__).with_name("cuda_on_host.h")
 _SHIM = """
 #include "cuda_on_host.h"
 #define HEADS_IN_FLIGHT {heads_in_flight}
+#define ROPE_THREADS {threads}
 {rope}
 
 template <typename T, bool NEOX, int VEC, int RD, int TABLE, bool NORM = false>
@@ -104,8 +105,8 @@ def kernels(tmp_path_factory):
     source = folder / "rope_on_host.cpp"
     source.write_text(
         _SHIM.format(
-            heads_in_flight=_rotate._HEADS_IN_FLIGHT, rope=kernels_cu.source("rope"),
-            runners=runners,
+            heads_in_flight=_rotate._HEADS_IN_FLIGHT, threads=_rotate._THREADS_PER_BLOCK,
+            rope=kernels_cu.source("rope"), runners=runners,
         )
     )  # fmt: skip
     shutil.copy(HEADER, folder / HEADER.name)

@@ -32,7 +32,7 @@ SHIPPED_ROTARY_DIMS = (64, 128)  # compiled with rotary_dim as a constant; other
 # reach 95% of the copy ceiling; 256+ threads with 2 heads per thread lose up to 30%.
 _THREADS_PER_BLOCK = 128
 _HEADS_IN_FLIGHT = 4  # loads of this many heads per thread in flight: rope.cu's define
-_DEFINES = (f"HEADS_IN_FLIGHT={_HEADS_IN_FLIGHT}",)
+_DEFINES = (f"HEADS_IN_FLIGHT={_HEADS_IN_FLIGHT}", f"ROPE_THREADS={_THREADS_PER_BLOCK}")
 ROPE_PARAMS = _cuda.ParamStruct.declared("rope", "RopeParams")
 # Where the kernel finds cos/sin (rope.cu's TABLE template argument): the two-level tables at
 # the token's position, the same at a position row chosen per pair (MRoPE), or a caller's
