@@ -618,7 +618,7 @@ class RoPE:
         self.norm_weight_offset = check_real("norm_weight_offset", norm_weight_offset)
         self.table = shared_table(self.scheme, self.rotary_dim)
         self._adopt_flag(None)
-        self._relaunches: dict[tuple, Any] = {}  # see rotate_in_place
+        self._relaunches: dict[tuple, Any] = {}  # see _direct
         torch_ops.register_if_torch_imported()
 
     # ---- public calls: all in place, all one launch for q and k
@@ -639,7 +639,7 @@ class RoPE:
         ``q_norm_weight``/``k_norm_weight`` (``[head_dim]``), each head row is RMS-normalised
         first (see the class). Returns (q, k), the same objects."""
         weights = (q_norm_weight, k_norm_weight)
-        self._in_place(q, k, 0, False, False, positions, weights)
+        _in_place_call(self.config, q, k, 0, False, False, positions, None, self, weights)
         return q, k
 
     def prefill(
@@ -653,7 +653,8 @@ class RoPE:
     ) -> tuple[Any, Any]:
         """Rotate a chunk at positions ``position_offset .. position_offset+T-1`` (norm
         weights as in :meth:`forward`)."""
-        self._in_place(q, k, position_offset, False, False, None, (q_norm_weight, k_norm_weight))
+        weights = (q_norm_weight, k_norm_weight)
+        _in_place_call(self.config, q, k, position_offset, False, False, None, None, self, weights)
         return q, k
 
     def decode(
@@ -661,7 +662,8 @@ class RoPE:
     ) -> tuple[Any, Any]:
         """Rotate one token per sequence (T must be 1) at ``position`` (int or ``[B]``; norm
         weights as in :meth:`forward`)."""
-        self._in_place(q, k, position, False, True, None, (q_norm_weight, k_norm_weight))
+        weights = (q_norm_weight, k_norm_weight)
+        _in_place_call(self.config, q, k, position, False, True, None, None, self, weights)
         return q, k
 
     def backward(
@@ -670,7 +672,9 @@ class RoPE:
         """Transpose rotation of the incoming gradients, in place, at the forward's positions
         (``position_offset``, or per-token ``positions`` as in :meth:`forward`; amplitude
         included: ``backward(forward(x)) == a*a*x``)."""
-        self._in_place(grad_q, grad_k, position_offset, True, False, positions)
+        _in_place_call(
+            self.config, grad_q, grad_k, position_offset, True, False, positions, None, self
+        )
         return grad_q, grad_k
 
     __call__ = forward
@@ -747,19 +751,6 @@ class RoPE:
             f"{self.max_position or MAX_POSITIONS}) (or past the cos_sin_cache's rows) in an "
             "earlier call (the kernel clamped it; that call's output is not valid)"
         )
-
-    def _in_place(
-        self,
-        q: Any,
-        k: Any,
-        position: Any,
-        inverse: bool,
-        decode: bool,
-        ids: Any = None,
-        weights: tuple[Any, Any] = (None, None),
-    ) -> None:
-        """The in-place calls' one entry (see :func:`_in_place_call`)."""
-        _in_place_call(self.config, q, k, position, inverse, decode, ids, None, self, weights)
 
     def _direct(
         self,
@@ -847,9 +838,13 @@ class RoPE:
             self._relaunches[key] = (launch, last_position, k_ptr - q_ptr, *spans)
         torch_ops.bump_versions(q, k)
 
-    # the custom ops' two entries: one signature, the copy or in-place choice by name
-    rotate_in_place = functools.partialmethod(_direct, in_place=True)
-    rotated = functools.partialmethod(_direct, in_place=False)
+    # the custom ops' two entries: one signature, the copy or in-place choice by name (plain
+    # methods: a functools.partialmethod costs a microsecond a call building its partial)
+    def rotate_in_place(self, *arguments: Any, **weights: Any) -> None:
+        self._direct(*arguments, in_place=True, **weights)
+
+    def rotated(self, *arguments: Any, **weights: Any) -> tuple[Any, Any]:
+        return self._direct(*arguments, in_place=False, **weights)
 
     def _rows(self, operand: Operand, name: str, heads: int, packed: bool = False) -> HeadRows:
         """``operand`` as [B, T, heads, head_dim] rows; ``packed`` (per-token positions of
@@ -1109,10 +1104,9 @@ def _in_place_call(
     were: the op then reads copies of them (the copy_ below overwrites the originals)."""
     layout = torch_ops.classify(q, k, position, ids, cache, *weights)
     if layout is not torch_ops.DISPATCH:  # (no component is built while a tracer watches)
-        rope = rope or component(config)
-        rope.rotate_in_place(
-            q, k, position, inverse, decode, layout, ids, cache, q_norm_weight=weights[0],
-            k_norm_weight=weights[1],
+        (rope or component(config))._direct(
+            q, k, position, inverse, decode, layout, ids, cache, in_place=True,
+            q_norm_weight=weights[0], k_norm_weight=weights[1],
         )  # fmt: skip
         return
     offsets, offset = _split_position(position)
