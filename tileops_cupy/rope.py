@@ -639,7 +639,7 @@ class RoPE:
         ``q_norm_weight``/``k_norm_weight`` (``[head_dim]``), each head row is RMS-normalised
         first (see the class). Returns (q, k), the same objects."""
         weights = (q_norm_weight, k_norm_weight)
-        _in_place_call(self.config, q, k, 0, False, False, positions, None, self, weights)
+        self._in_place(q, k, 0, False, False, positions, weights)
         return q, k
 
     def prefill(
@@ -653,8 +653,7 @@ class RoPE:
     ) -> tuple[Any, Any]:
         """Rotate a chunk at positions ``position_offset .. position_offset+T-1`` (norm
         weights as in :meth:`forward`)."""
-        weights = (q_norm_weight, k_norm_weight)
-        _in_place_call(self.config, q, k, position_offset, False, False, None, None, self, weights)
+        self._in_place(q, k, position_offset, False, False, None, (q_norm_weight, k_norm_weight))
         return q, k
 
     def decode(
@@ -662,8 +661,7 @@ class RoPE:
     ) -> tuple[Any, Any]:
         """Rotate one token per sequence (T must be 1) at ``position`` (int or ``[B]``; norm
         weights as in :meth:`forward`)."""
-        weights = (q_norm_weight, k_norm_weight)
-        _in_place_call(self.config, q, k, position, False, True, None, None, self, weights)
+        self._in_place(q, k, position, False, True, None, (q_norm_weight, k_norm_weight))
         return q, k
 
     def backward(
@@ -672,9 +670,7 @@ class RoPE:
         """Transpose rotation of the incoming gradients, in place, at the forward's positions
         (``position_offset``, or per-token ``positions`` as in :meth:`forward`; amplitude
         included: ``backward(forward(x)) == a*a*x``)."""
-        _in_place_call(
-            self.config, grad_q, grad_k, position_offset, True, False, positions, None, self
-        )
+        self._in_place(grad_q, grad_k, position_offset, True, False, positions)
         return grad_q, grad_k
 
     __call__ = forward
@@ -751,6 +747,19 @@ class RoPE:
             f"{self.max_position or MAX_POSITIONS}) (or past the cos_sin_cache's rows) in an "
             "earlier call (the kernel clamped it; that call's output is not valid)"
         )
+
+    def _in_place(
+        self,
+        q: Any,
+        k: Any,
+        position: Any,
+        inverse: bool,
+        decode: bool,
+        ids: Any = None,
+        weights: tuple[Any, Any] = (None, None),
+    ) -> None:
+        """The in-place calls' one entry (see :func:`_in_place_call`)."""
+        _in_place_call(self.config, q, k, position, inverse, decode, ids, None, self, weights)
 
     def _direct(
         self,
