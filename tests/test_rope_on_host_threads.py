@@ -78,13 +78,15 @@ def _cases():
         ("float32", "bfloat16", "float16"), (True, False), SHAPES, (False, True), WEIGHTS,
         (True, False),
     ):  # fmt: skip
-        yield dtype, neox, *shape, misaligned, weights, in_place
+        yield dtype, neox, *shape, misaligned, weights, in_place, True
+        if in_place and not misaligned:  # q alone (k_heads 0: nothing of k may be read)
+            yield dtype, neox, *shape, misaligned, weights, in_place, False
 
 
 def _name_expressions() -> list[str]:
     """Every instantiation the cases may pick (both vector widths)."""
     names = []
-    for dtype, neox, _, rotary_dim, _, weights, _ in _cases():
+    for dtype, neox, _, rotary_dim, _, weights, *_ in _cases():
         for vec in (16 // ITEMSIZE[dtype], 1):
             norm = weights is not None
             name = _rotate._kernel(dtype, neox, vec, rotary_dim, _rotate.TWO_LEVEL, norm)[1]
@@ -132,10 +134,14 @@ def _rows(dtype: str, pointer: int, heads: int, head_dim: int, strides) -> _rota
     return _rotate.HeadRows(operand, shape, (*strides, 1))
 
 
-def _run_case(kernels, rng, dtype, neox, head_dim, rotary_dim, misaligned, weights, in_place):
-    """Rotate q and k (GQA) of one fused QKV buffer (starting one element in when
-    ``misaligned``), in place or into new arrays, with or without the norm; check every
-    element, v and the buffer's other bytes. Returns the vector width the launch used."""
+def _run_case(
+    kernels, rng, dtype, neox, head_dim, rotary_dim, misaligned, weights, in_place, with_k
+):
+    """Rotate q and k (GQA; q alone without ``with_k``) of one fused QKV buffer (starting
+    one element in when ``misaligned``), in place or into new arrays, with or without the
+    norm; check every element, v and the buffer's other bytes. Returns the vector width and
+    block the launch used."""
+    rotated_heads = (HEADS, KV_HEADS) if with_k else (HEADS,)
     item = ITEMSIZE[dtype]
     width = misaligned + (HEADS + 2 * KV_HEADS) * head_dim
     host = random_data(rng, (BATCH, SEQ, width), dtype)
@@ -152,10 +158,11 @@ def _run_case(kernels, rng, dtype, neox, head_dim, rotary_dim, misaligned, weigh
         out = _rows(dtype, outputs[heads].ctypes.data, heads, head_dim, out_strides)
         target = source if in_place else out
         rows += [source, target]
+    rows = rows[: 2 * len(rotated_heads)]
     norm = weights is not None
     norm_weights, pointers, weight_is_float32 = {}, (), {}
     if norm:  # "mixed": q's weight in the data's type, k's float32
-        for heads in (HEADS, KV_HEADS):
+        for heads in rotated_heads:
             data_typed = weights[0] == "data" or (weights[0] == "mixed" and heads == HEADS)
             weight_dtype = dtype if data_typed else "float32"
             values = rng.uniform(0.5, 1.5, head_dim) - weights[1]
@@ -166,26 +173,28 @@ def _run_case(kernels, rng, dtype, neox, head_dim, rotary_dim, misaligned, weigh
     copy_tail = (rotary_dim < head_dim and not in_place) or norm
     vec = _rotate._vector_width(dtype, neox, rotary_dim, head_dim, copy_tail, rows, pointers)
     grid, block, tail_chunks = _rotate._geometry(
-        neox, vec, rotary_dim, head_dim, copy_tail, HEADS + KV_HEADS, BATCH * SEQ, norm
+        neox, vec, rotary_dim, head_dim, copy_tail, sum(rotated_heads), BATCH * SEQ, norm
     )
+    k_rows = rows[2:] or [_rows(dtype, 0, 0, head_dim, (0, 0, 0))] * 2  # (k_heads 0: unread)
     table = shared_table(Standard(), rotary_dim)
     table.ensure(POSITION + SEQ)
     fine, coarse = (np.ascontiguousarray(t) for t in (table.fine32, table.coarse32))
     flag = np.zeros(1, np.int32)
     params = _rotate.ROPE_PARAMS.pack(
         q_in=rows[0].operand.ptr, q_out=rows[1].operand.ptr, q_in_stride=rows[0].strides[:3],
-        q_out_stride=rows[1].strides[:3], k_in=rows[2].operand.ptr, k_out=rows[3].operand.ptr,
-        k_in_stride=rows[2].strides[:3], k_out_stride=rows[3].strides[:3], ids=0, offsets=0,
+        q_out_stride=rows[1].strides[:3], k_in=k_rows[0].operand.ptr, k_out=k_rows[1].operand.ptr,
+        k_in_stride=k_rows[0].strides[:3], k_out_stride=k_rows[1].strides[:3], ids=0, offsets=0,
         error_flag=flag.ctypes.data, fine=fine.ctypes.data, coarse=coarse.ctypes.data,
         position_offset=POSITION, position_limit=table.capacity, q_heads=HEADS,
-        k_heads=KV_HEADS, batch=BATCH, seq=SEQ, rotary_dim=rotary_dim, tail_chunks=tail_chunks,
+        k_heads=KV_HEADS if with_k else 0, batch=BATCH, seq=SEQ, rotary_dim=rotary_dim,
+        tail_chunks=tail_chunks,
         ids_is_int64=0, offsets_is_int64=0, sin_sign=1.0, mrope_section=(0, 0, 0),
         mrope_interleaved=0, cos_sin_cache=0,
         q_norm_weight=norm_weights[HEADS].ctypes.data if norm else 0,
-        k_norm_weight=norm_weights[KV_HEADS].ctypes.data if norm else 0,
+        k_norm_weight=norm_weights[KV_HEADS].ctypes.data if norm and with_k else 0,
         norm_eps=EPS, norm_weight_offset=weights[1] if norm else 0.0,
         q_norm_weight_is_float32=norm and weight_is_float32[HEADS],
-        k_norm_weight_is_float32=norm and weight_is_float32[KV_HEADS],
+        k_norm_weight_is_float32=norm and with_k and weight_is_float32[KV_HEADS],
     )  # fmt: skip
     name = _rotate._kernel(dtype, neox, vec, rotary_dim, _rotate.TWO_LEVEL, norm)[1]
     kernels[name](ctypes.create_string_buffer(params), grid[0], *block)
@@ -194,8 +203,8 @@ def _run_case(kernels, rng, dtype, neox, head_dim, rotary_dim, misaligned, weigh
     x64 = host.astype(np.float64)
     positions = (POSITION + np.arange(SEQ))[None, :, None]
     frequencies = standard_frequencies(rotary_dim)
-    case = f"{dtype} neox={neox} D{head_dim}/{rotary_dim} vec={vec} block={block}"
-    for col, heads in ((q_col, HEADS), (k_col, KV_HEADS)):
+    case = f"{dtype} neox={neox} D{head_dim}/{rotary_dim} vec={vec} block={block} k={with_k}"
+    for col, heads in ((q_col, HEADS), (k_col, KV_HEADS))[: len(rotated_heads)]:
         shape = (BATCH, SEQ, heads, head_dim)
         x = x64[..., col : col + heads * head_dim].reshape(shape)
         y = buffer[..., col : col + heads * head_dim] if in_place else outputs[heads]
@@ -208,7 +217,7 @@ def _run_case(kernels, rng, dtype, neox, head_dim, rotary_dim, misaligned, weigh
             )
         else:
             assert_matches_oracle(y, x, positions, frequencies, dtype, neox=neox, what=what)
-    v_col = k_col + KV_HEADS * head_dim
+    v_col = k_col + KV_HEADS * head_dim if with_k else k_col  # (without k: k and v unchanged)
     np.testing.assert_array_equal(buffer[..., v_col:], host[..., v_col:], err_msg=f"{case}: v")
     np.testing.assert_array_equal(buffer[..., :q_col], host[..., :q_col], err_msg=case)
     if not in_place:
