@@ -466,3 +466,21 @@ def test_bench_without_json_prints_the_table_on_stdout(monkeypatch, capsys):
     bench.main(["--only", "rope"])
     out, err = capsys.readouterr()
     assert "| rope fake" in out and "fake device" in out and err == ""
+
+
+def test_bench_host_group_runs_without_a_gpu(monkeypatch, capsys):
+    """``--only host`` measures the NumPy path beside torch's CPU eager with no device (one
+    timed call each here, to keep the test short)."""
+    from tileops_cupy import _bench_host
+
+    timed_once = _bench_host.wall_us
+    monkeypatch.setattr(_bench_host, "wall_us", lambda fn, runs=1: timed_once(fn, 1))
+    bench.main(["--json", "--only", "host"])
+    out, err = capsys.readouterr()
+    result = json.loads(out)
+    assert result["copy_ceiling_gbs"] is None  # (no device ceiling: the host measures its own)
+    names = [row["name"] for row in result["rows"]]
+    assert names == [f"host rope neox B1 S4096 H32 D128 {d}" for d in ("bfloat16", "float32")]
+    for row in result["rows"]:
+        assert row["ours_us"] > 0 and row["eager_us"] > 0 and "torch CPU eager" in row["note"]
+    assert "host:" in err and "device:" not in err

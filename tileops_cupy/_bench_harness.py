@@ -127,14 +127,14 @@ def torch_rope(cos, sin, neox: bool, inverse: bool = False):
     return rope
 
 
-def rope_tables(scheme, seq: int, head_dim: int, positions=None):
+def rope_tables(scheme, seq: int, head_dim: int, positions=None, device: str = "cuda"):
     torch = torch_module()
     inv = scheme.inv_freq(head_dim)
     pos = np.arange(seq) if positions is None else positions
     angles = pos[:, None].astype(np.float64) * inv
     a = scheme.amplitude(head_dim)
-    cos = torch.tensor(a * np.cos(angles), dtype=torch.float32, device="cuda")
-    sin = torch.tensor(a * np.sin(angles), dtype=torch.float32, device="cuda")
+    cos = torch.tensor(a * np.cos(angles), dtype=torch.float32, device=device)
+    sin = torch.tensor(a * np.sin(angles), dtype=torch.float32, device=device)
     return cos, sin
 
 

@@ -1,9 +1,10 @@
-"""Benchmark: ``python -m tileops_cupy.bench [--json] [--only rope|component|mhc|dispatch|peers]``.
+"""Benchmark: ``python -m tileops_cupy.bench [--json] [--only GROUP]... [--no-compile]``.
 
 The method and the columns: ``_bench_harness``. Rows: ``_bench_rope`` (the seed ops),
 ``_bench_component`` (the in-place Q/K component), ``_bench_mhc`` (mHC pre/post and their
 backward), ``_bench_dispatch`` (host cost per call as a ratio to a torch launch),
-``_bench_peers`` (TileOPs, Liger and FlashInfer beside us, when they import).
+``_bench_peers`` (TileOPs, Liger and FlashInfer beside us, when they import), ``_bench_host``
+(the NumPy path beside torch on the CPU; the only group that needs no GPU).
 """
 
 from __future__ import annotations
@@ -16,16 +17,18 @@ import sys
 from ._bench_harness import HEADER, copy_ceiling_gbs, format_row, torch_module
 from ._bench_rope import cold_start, rope_rows
 
-_GROUPS = ("rope", "component", "mhc", "dispatch", "peers")
+_GROUPS = ("rope", "component", "mhc", "dispatch", "peers", "host")
 
 
-def _run(args: argparse.Namespace) -> tuple[float, list[dict], dict]:
+def _run(args: argparse.Namespace) -> tuple[float | None, list[dict], dict]:
     """Measure the rows ``args`` asks for, printing the table as they come."""
     torch = torch_module()
-    ceiling = copy_ceiling_gbs()
-    print(f"device: {torch.cuda.get_device_name()}  copy ceiling: {ceiling:.0f} GB/s")
-    print(HEADER, flush=True)
     only = set(args.only or _GROUPS)
+    ceiling = None  # the device's copy ceiling; the host rows measure their own
+    if only - {"host"}:
+        ceiling = copy_ceiling_gbs()
+        print(f"device: {torch.cuda.get_device_name()}  copy ceiling: {ceiling:.0f} GB/s")
+    print(HEADER, flush=True)
     rows = []
     extra = {}
     if "rope" in only:
@@ -49,6 +52,10 @@ def _run(args: argparse.Namespace) -> tuple[float, list[dict], dict]:
         from ._bench_peers import peer_rows
 
         rows += peer_rows(ceiling)
+    if "host" in only:
+        from ._bench_host import host_rows
+
+        rows += host_rows()
     return ceiling, rows, extra
 
 
