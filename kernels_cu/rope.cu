@@ -369,7 +369,8 @@ struct TwoLevelRows {
 
 // Blocks of ROPE_THREADS (a define from tileops_cupy._rotate, which sizes the launch); the
 // minimum blocks per SM cap the registers: 5 (<= 96 a thread) is what the plain rotation uses
-// anyway; the norm's 4 (<= 128) keeps its occupancy from falling to 3 blocks without spilling.
+// anyway (the run-time rotary_dim 16-bit neox kernels spill 4 bytes for it); the norm's 4
+// (<= 128) keeps its occupancy from falling to 3 blocks (ptxas -v, sm_90).
 template <typename T, bool NEOX, int VEC, int ROTARY_DIM, int TABLE, bool NORM = false>
 __global__ void __launch_bounds__(ROPE_THREADS, NORM ? 4 : 5) rope_rotate(const RopeParams p) {
   const T* q_in = static_cast<const T*>(p.q_in);
@@ -422,8 +423,9 @@ __global__ void __launch_bounds__(ROPE_THREADS, NORM ? 4 : 5) rope_rotate(const 
   auto rotate_all = [&](auto cos_sin_of) {
     if constexpr (NORM) {  // each lane: its first chunk, the rest of its share of every row
       const RowNorm norm{p.q_norm_weight, p.k_norm_weight, p.q_norm_weight_is_float32,
-                         p.k_norm_weight_is_float32, p.norm_eps, p.norm_weight_offset, q_heads, rotate_chunks, tail_chunks,
-                         rotary_dim, rotary_dim + tail_chunks * VEC};
+                         p.k_norm_weight_is_float32, p.norm_eps, p.norm_weight_offset,
+                         q_heads, rotate_chunks, tail_chunks, rotary_dim,
+                         rotary_dim + tail_chunks * VEC};
       rotate_chunk<T, NEOX, VEC, true>(threadIdx.x, pairs, cos_sin_of, p.sin_sign, total_heads,
                                        row_in, row_out, norm);
     } else {

@@ -29,9 +29,9 @@ def host_us(fn: Callable[[], object], calls: int = _CALLS) -> float:
 
 
 def host_ratio(fn: Callable[[], object], reference: Callable[[], object]) -> tuple[float, float]:
-    """(µs of ``fn``, µs of ``reference``): medians over 5 rounds, each timing both back to
-    back, so that a change of host speed during the run moves both (the ratio is what
-    compares across runs)."""
+    """(µs of ``fn``, µs of ``reference``) of the round, of 5, with the median ratio; each
+    round times both back to back, so that a change of host speed during the run moves
+    both (the ratio is what compares across runs)."""
     for _ in range(200):
         fn()
         reference()
