@@ -5,9 +5,10 @@ parameter struct the package computes (``_rotate._geometry``, ``_vector_width``,
 ``ROPE_PARAMS``), and compared with the float64 oracle.
 
 What this adds to the GPU tests: every lane layout of the norm's reduction (groups of 1 to
-32 lanes, rows with more chunks than lanes, tails, one-element accesses) checked on any
-machine with g++ (C++20); the shuffle emulation refuses a width or mask that does not
-describe the calling group. Not covered: timing, memory ordering, the PTX conversions.
+32 lanes, rows with more chunks than lanes, tails, one-element accesses), q-only launches,
+and the MRoPE and cos_sin_cache table modes, checked on any machine with g++ (C++20); the
+shuffle emulation refuses a width or mask that does not describe the calling group. Not
+covered: timing, memory ordering, the PTX conversions.
 """
 
 from __future__ import annotations
@@ -23,9 +24,13 @@ import numpy as np
 import pytest
 from _oracle import (
     assert_matches_oracle,
+    assert_matches_reference,
     assert_norm_rope_matches_oracle,
+    mrope_pair_positions,
     numpy_dtype,
     random_data,
+    rms_norm_reference,
+    rotate_reference,
     standard_frequencies,
 )
 
@@ -83,13 +88,28 @@ def _cases():
             yield dtype, neox, *shape, misaligned, weights, in_place, False
 
 
+# the other table modes (MRoPE's per-pair position rows, a caller's cos_sin_cache): in
+# place, q and k of their own arrays, head_dim 80 with rotary_dim 64 (an untouched tail)
+TABLE_CASES = ((_rotate.MROPE, False), (_rotate.MROPE, True), (_rotate.COS_SIN_CACHE, False))
+TABLE_HEAD_DIM, TABLE_ROTARY_DIM, SECTION, CACHE_ROWS = 80, 64, (8, 12, 12), 100
+
+
 def _name_expressions() -> list[str]:
     """Every instantiation the cases may pick (both vector widths)."""
+    launches = [
+        (dtype, neox, rotary_dim, _rotate.TWO_LEVEL, weights is not None)
+        for dtype, neox, _, rotary_dim, _, weights, *_ in _cases()
+    ]
+    launches += [
+        (dtype, neox, TABLE_ROTARY_DIM, mode, norm)
+        for dtype, neox, (mode, norm) in itertools.product(
+            ("float32", "bfloat16"), (True, False), TABLE_CASES
+        )
+    ]
     names = []
-    for dtype, neox, _, rotary_dim, _, weights, *_ in _cases():
+    for dtype, neox, rotary_dim, mode, norm in launches:
         for vec in (16 // ITEMSIZE[dtype], 1):
-            norm = weights is not None
-            name = _rotate._kernel(dtype, neox, vec, rotary_dim, _rotate.TWO_LEVEL, norm)[1]
+            name = _rotate._kernel(dtype, neox, vec, rotary_dim, mode, norm)[1]
             if name not in names:
                 names.append(name)
     return names
@@ -239,3 +259,72 @@ def test_kernel_on_host_threads_matches_oracle(kernels, rng, dtype, neox):
                 norm_lanes.add(block[0])
     assert widths == {16 // ITEMSIZE[dtype], 1}
     assert 32 in norm_lanes and len(norm_lanes) > 1, norm_lanes
+
+
+@pytest.mark.parametrize(("mode", "norm"), TABLE_CASES, ids=("mrope", "mrope-norm", "cache"))
+@pytest.mark.parametrize("neox", (True, False), ids=("neox", "interleaved"))
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
+def test_table_modes_on_host_threads_match_oracle(kernels, rng, dtype, neox, mode, norm):
+    """MRoPE (interleaved rows; with and without the norm) and the cos_sin_cache table at
+    per-token positions, in place, every element against the float64 oracle."""
+    head_dim, rotary_dim, pairs = TABLE_HEAD_DIM, TABLE_ROTARY_DIM, TABLE_ROTARY_DIM // 2
+    tokens = BATCH * SEQ
+    data = {h: random_data(rng, (BATCH, SEQ, h, head_dim), dtype) for h in (HEADS, KV_HEADS)}
+    x64 = {heads: array.astype(np.float64) for heads, array in data.items()}
+    rows = []
+    for heads, array in data.items():
+        strides = tuple(stride // array.itemsize for stride in array.strides[:3])
+        rows += [_rows(dtype, array.ctypes.data, heads, head_dim, strides)] * 2
+    weights = {h: rng.uniform(0.5, 1.5, head_dim).astype(np.float32) for h in data} if norm else {}
+    fine = coarse = cache = None
+    if mode == _rotate.MROPE:
+        table = shared_table(Standard(), rotary_dim)
+        table.ensure(1 << 16)
+        fine, coarse = (np.ascontiguousarray(t) for t in (table.fine32, table.coarse32))
+        ids = rng.integers(0, 1 << 16, (3, tokens))
+        limit = table.capacity
+    else:
+        cache = rng.uniform(-1.5, 1.5, (CACHE_ROWS, rotary_dim)).astype(np.float32)
+        ids = rng.integers(0, CACHE_ROWS, tokens)
+        limit = CACHE_ROWS
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    vec = _rotate._vector_width(dtype, neox, rotary_dim, head_dim, norm, rows)
+    grid, block, tail_chunks = _rotate._geometry(
+        neox, vec, rotary_dim, head_dim, norm, HEADS + KV_HEADS, tokens, norm
+    )
+    flag = np.zeros(1, np.int32)
+    params = _rotate.ROPE_PARAMS.pack(
+        q_in=rows[0].operand.ptr, q_out=rows[1].operand.ptr, q_in_stride=rows[0].strides[:3],
+        q_out_stride=rows[1].strides[:3], k_in=rows[2].operand.ptr, k_out=rows[3].operand.ptr,
+        k_in_stride=rows[2].strides[:3], k_out_stride=rows[3].strides[:3],
+        ids=ids.ctypes.data, offsets=0, error_flag=flag.ctypes.data,
+        fine=0 if fine is None else fine.ctypes.data,
+        coarse=0 if coarse is None else coarse.ctypes.data, position_offset=0,
+        position_limit=limit, q_heads=HEADS, k_heads=KV_HEADS, batch=BATCH, seq=SEQ,
+        rotary_dim=rotary_dim, tail_chunks=tail_chunks, ids_is_int64=1, offsets_is_int64=0,
+        sin_sign=1.0, mrope_section=SECTION, mrope_interleaved=1,
+        cos_sin_cache=0 if cache is None else cache.ctypes.data,
+        q_norm_weight=weights[HEADS].ctypes.data if norm else 0,
+        k_norm_weight=weights[KV_HEADS].ctypes.data if norm else 0,
+        norm_eps=EPS, norm_weight_offset=0.0, q_norm_weight_is_float32=norm and dtype != "float32",
+        k_norm_weight_is_float32=norm and dtype != "float32",
+    )  # fmt: skip
+    name = _rotate._kernel(dtype, neox, vec, rotary_dim, mode, norm)[1]
+    kernels[name](ctypes.create_string_buffer(params), grid[0], *block)
+    assert flag[0] == 0
+    for heads, array in data.items():
+        x = x64[heads]
+        what = f"{dtype} neox={neox} vec={vec} block={block} heads={heads}"
+        if mode == _rotate.MROPE:
+            if norm:
+                x = rms_norm_reference(x, weights[heads].astype(np.float64), EPS)
+            positions = mrope_pair_positions(ids.reshape(3, BATCH, SEQ), SECTION, True)
+            assert_matches_oracle(
+                array.astype(np.float64), x, positions[..., None, :],
+                standard_frequencies(rotary_dim), dtype, neox=neox, per_pair=True, what=what,
+                copied_tail=not norm,
+            )  # fmt: skip
+        else:
+            row = cache[ids.reshape(BATCH, SEQ)][..., None, :].astype(np.float64)
+            y64 = rotate_reference(x, row[..., :pairs], row[..., pairs:], neox=neox)
+            assert_matches_reference(array.astype(np.float64), y64, x, rotary_dim, dtype, what=what)
