@@ -11,7 +11,11 @@ test data there.
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,6 +23,7 @@ import pytest
 from _oracle import DEVICE_DTYPES, HOST_DTYPES, to_framework
 
 GPU = pytest.mark.gpu
+REPO = Path(__file__).resolve().parents[1]
 PLACES = ("cpu", pytest.param("cuda", marks=GPU))
 FRAMEWORKS = {"cpu": ("numpy", "torch"), "cuda": ("torch", "cupy")}
 """The arrays each place takes: host arrays (numpy, torch CPU) or device arrays (torch CUDA,
@@ -94,3 +99,16 @@ def synchronize(place: str) -> None:
         import cupy
 
         cupy.cuda.runtime.deviceSynchronize()
+
+
+def assert_runs_in_own_process(script: str, *argv: str) -> None:
+    """Run ``script`` (Python source) with ``argv`` in a fresh interpreter that imports the
+    package from this checkout, and assert it exits 0 (its output in the failure message).
+    CUDA-graph captures run this way: a failed capture poisons its process's CUDA context,
+    which would hide the tests after it."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run(
+        [sys.executable, "-c", script, *argv],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -596,3 +596,39 @@ def assert_like(y: Any, x: Any, shape: tuple[int, ...] | None = None) -> None:
         assert y.data.ptr != x.data.ptr
     elif framework_name(x) == "numpy":
         assert not np.shares_memory(y, x)
+
+
+def random_tensor(
+    rng: np.random.Generator, shape: tuple[int, ...], place: str, requires_grad=False
+):
+    """Standard-normal torch data on ``place``: float64 on the host (for gradcheck), float32
+    on the device."""
+    import torch
+
+    dtype = torch.float64 if place == "cpu" else torch.float32
+    data = torch.from_numpy(rng.standard_normal(shape)).to(place, dtype)
+    return data.requires_grad_(requires_grad)
+
+
+def assert_positions_gradients(
+    rng: np.random.Generator, rope: Any, q: Any, k: Any, positions: Any, place: str
+) -> None:
+    """``apply_rope`` at per-token ``positions`` under autograd: q and k (leaves that
+    require grad) get exactly ``rope.backward`` of the upstream gradients at the same
+    positions; on the host, ``torch.autograd.gradcheck`` in float64 as well."""
+    import torch
+
+    from tileops_cupy.rope import apply_rope
+
+    q_rot, k_rot = apply_rope(q, k, rope, positions=positions)
+    assert q_rot.grad_fn is not None and k_rot.grad_fn is not None
+    gq, gk = random_tensor(rng, q.shape, place), random_tensor(rng, k.shape, place)
+    torch.autograd.backward((q_rot, k_rot), (gq, gk))
+    expected = rope.backward(gq.clone(), gk.clone(), positions=positions)
+    torch.testing.assert_close(q.grad, expected[0], rtol=0, atol=0)
+    torch.testing.assert_close(k.grad, expected[1], rtol=0, atol=0)
+    if place == "cpu":
+        inputs = (q.detach().requires_grad_(), k.detach().requires_grad_())
+        assert torch.autograd.gradcheck(
+            lambda a, b: apply_rope(a, b, rope, positions=positions), inputs
+        )

@@ -8,15 +8,12 @@ rotation by the cache's own values (``_oracle.rotate_reference``).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from _cases import assert_runs_in_own_process
 from _compile import compile_counting
 from _oracle import (
     assert_matches_reference,
@@ -28,7 +25,6 @@ from _oracle import (
 
 from tileops_cupy.rope import apply_rope_with_cos_sin_cache, apply_rope_with_cos_sin_cache_inplace
 
-REPO = Path(__file__).resolve().parents[1]
 PLACES = ("cpu", pytest.param("cuda", marks=pytest.mark.gpu))
 N, HEADS, KV_HEADS, HEAD_SIZE = 11, 4, 2, 32
 MAX_POSITION = 3000
@@ -359,9 +355,4 @@ _CAPTURE = textwrap.dedent(
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ("inplace", "copy"))
 def test_gpu_cos_sin_cache_cuda_graph_replays_with_new_positions(mode):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    result = subprocess.run(
-        [sys.executable, "-c", _CAPTURE, mode, "17"],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert_runs_in_own_process(_CAPTURE, mode, "17")

@@ -9,20 +9,19 @@ small positions and against the float64 oracle (``_oracle``) at positions up to 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from _cases import assert_runs_in_own_process
 from _compile import compile_counting
 from _oracle import (
     assert_matches_oracle,
+    assert_positions_gradients,
     mrope_pair_positions,
     random_data,
+    random_tensor,
     standard_frequencies,
     to_float64,
     to_framework,
@@ -30,7 +29,6 @@ from _oracle import (
 
 from tileops_cupy.rope import RoPE, apply_rope
 
-REPO = Path(__file__).resolve().parents[1]
 PLACES = ("cpu", pytest.param("cuda", marks=pytest.mark.gpu))
 B, T, HEADS, KV_HEADS, HEAD_DIM = 2, 5, 4, 2, 32
 LIMIT = 1 << 24
@@ -213,32 +211,15 @@ def test_mrope_with_one_position_for_all_rows_is_the_plain_rotation(rng, place):
 # --------------------------------------------------------------------------- torch
 
 
-def _randn(rng, shape, place, requires_grad=False):
-    dtype = torch.float64 if place == "cpu" else torch.float32
-    data = torch.from_numpy(rng.standard_normal(shape)).to(place, dtype)
-    return data.requires_grad_(requires_grad)
-
-
 @pytest.mark.parametrize("place", PLACES)
 @pytest.mark.parametrize("case", ("sectioned", "interleaved-partial-empty-row"))
 def test_mrope_gradients(rng, case, place):
     rope, *_ = _rope(case)
     tokens = _token_shape("packed", seq=2)
-    q = _randn(rng, (*tokens, HEADS * HEAD_DIM), place, requires_grad=True)
-    k = _randn(rng, (*tokens, KV_HEADS * HEAD_DIM), place, requires_grad=True)
+    q = random_tensor(rng, (*tokens, HEADS * HEAD_DIM), place, requires_grad=True)
+    k = random_tensor(rng, (*tokens, KV_HEADS * HEAD_DIM), place, requires_grad=True)
     positions, _ = _thw(rng, "packed", place, seq=2, limit=1 << 20)
-    q_rot, k_rot = apply_rope(q, k, rope, positions=positions)
-    assert q_rot.grad_fn is not None and k_rot.grad_fn is not None
-    gq, gk = _randn(rng, q.shape, place), _randn(rng, k.shape, place)
-    torch.autograd.backward((q_rot, k_rot), (gq, gk))
-    expected = rope.backward(gq.clone(), gk.clone(), positions=positions)
-    torch.testing.assert_close(q.grad, expected[0], rtol=0, atol=0)
-    torch.testing.assert_close(k.grad, expected[1], rtol=0, atol=0)
-    if place == "cpu":
-        inputs = (q.detach().requires_grad_(), k.detach().requires_grad_())
-        assert torch.autograd.gradcheck(
-            lambda a, b: apply_rope(a, b, rope, positions=positions), inputs
-        )
+    assert_positions_gradients(rng, rope, q, k, positions, place)
 
 
 @pytest.mark.parametrize("place", PLACES)
@@ -255,14 +236,14 @@ def test_mrope_compiles_fullgraph_without_recompiling(rng, place):
     compiled, counter = compile_counting(attention_inputs, dynamic=True)
     for seq in (5, 9, 7):
         tokens = _token_shape("packed", seq)
-        x, w = _randn(rng, (*tokens, 8), place), _randn(rng, (8, width), place)
+        x, w = random_tensor(rng, (*tokens, 8), place), random_tensor(rng, (8, width), place)
         positions, _ = _thw(rng, "packed", place, "int32", seq=seq)
         with torch.no_grad():  # in place, through rope_qk_
             torch.testing.assert_close(compiled(x, w, positions), attention_inputs(x, w, positions))
         w1, w2 = w.clone().requires_grad_(), w.clone().requires_grad_()
         actual, expected = compiled(x, w1, positions), attention_inputs(x, w2, positions)
         torch.testing.assert_close(actual, expected)
-        grad = _randn(rng, actual.shape, place)
+        grad = random_tensor(rng, actual.shape, place)
         actual.backward(grad)
         expected.backward(grad)
         torch.testing.assert_close(w1.grad, w2.grad)
@@ -394,12 +375,7 @@ _CAPTURE = textwrap.dedent(
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ("sectioned", "interleaved"))
 def test_gpu_mrope_cuda_graph_replays_with_new_positions(mode):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    result = subprocess.run(
-        [sys.executable, "-c", _CAPTURE, mode, "13"],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert_runs_in_own_process(_CAPTURE, mode, "13")
 
 
 def test_mrope_positions_broadcast_helper_matches_the_row_map():

@@ -11,16 +11,12 @@ id) and compares every output element.
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from _cases import PLACES
+from _cases import PLACES, assert_runs_in_own_process
 from _compile import backends, compile_counting
 from _oracle import (
     assert_norm_rope_matches_oracle,
@@ -34,7 +30,6 @@ from _oracle import (
 
 from tileops_cupy.rope import RoPE, Standard, apply_rope
 
-REPO = Path(__file__).resolve().parents[1]
 B, T, HEADS, KV_HEADS = 2, 5, 4, 2
 BASE = 10000.0
 
@@ -592,9 +587,4 @@ _CAPTURE = textwrap.dedent(
 @pytest.mark.gpu
 @pytest.mark.parametrize("call", ("prefill", "decode"))
 def test_gpu_cuda_graph_capture_and_replay(call):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    result = subprocess.run(
-        [sys.executable, "-c", _CAPTURE, call, "13"],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert_runs_in_own_process(_CAPTURE, call, "13")

@@ -17,7 +17,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,6 +25,7 @@ from _cases import (
     DTYPES,
     FRAMEWORKS,
     GPU,
+    REPO,
     frameworks_and_dtypes,
     per_place,
     require,
@@ -73,7 +73,6 @@ from tileops_cupy.rope import (
     YaRNFwdOp,
 )
 
-REPO = Path(__file__).resolve().parents[1]
 DIRECTIONS = ("Fwd", "Bwd")
 
 

@@ -10,15 +10,12 @@ seeded per test id) and compares every output element.
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from _cases import assert_runs_in_own_process
 from _compile import backends, compile_counting
 from _oracle import (
     LLAMA31_PARAMS,
@@ -27,9 +24,11 @@ from _oracle import (
     SEQUENCE_OPS,
     YARN_PARAMS,
     assert_matches_oracle,
+    assert_positions_gradients,
     llama31_frequencies,
     longrope_frequencies,
     random_data,
+    random_tensor,
     sequence_positions,
     standard_frequencies,
     to_float64,
@@ -48,7 +47,6 @@ from tileops_cupy.rope import (
     apply_rope,
 )
 
-REPO = Path(__file__).resolve().parents[1]
 PLACES = ("cpu", pytest.param("cuda", marks=pytest.mark.gpu))
 B, T, HEADS, KV_HEADS, HEAD_DIM = 2, 5, 4, 2, 32
 LIMIT = 1 << 24  # positions without max_position lie below 2**24
@@ -474,32 +472,15 @@ def test_rotary_dim_errors(make, error, match):
 # --------------------------------------------------------------------------- autograd
 
 
-def _randn(rng, shape, place, requires_grad=False):
-    dtype = torch.float64 if place == "cpu" else torch.float32
-    data = torch.from_numpy(rng.standard_normal(shape)).to(place, dtype)
-    return data.requires_grad_(requires_grad)
-
-
 @pytest.mark.parametrize("place", PLACES)
 @pytest.mark.parametrize("layout", ("BT", "packed"))
 def test_apply_rope_with_positions_gradients(rng, layout, place):
     rope, _, _ = _rope("longrope-partial", max_position=1 << 16)
     tokens = _token_shape(layout, seq=2)  # gradcheck's Jacobian is built column by column
-    q = _randn(rng, (*tokens, HEADS * HEAD_DIM), place, requires_grad=True)
-    k = _randn(rng, (*tokens, KV_HEADS * HEAD_DIM), place, requires_grad=True)
+    q = random_tensor(rng, (*tokens, HEADS * HEAD_DIM), place, requires_grad=True)
+    k = random_tensor(rng, (*tokens, KV_HEADS * HEAD_DIM), place, requires_grad=True)
     positions, _ = _positions(rng, layout, place, "int32", limit=1 << 16, seq=2)
-    q_rot, k_rot = apply_rope(q, k, rope, positions=positions)
-    assert q_rot.grad_fn is not None and k_rot.grad_fn is not None
-    gq, gk = _randn(rng, q.shape, place), _randn(rng, k.shape, place)
-    torch.autograd.backward((q_rot, k_rot), (gq, gk))
-    expected = rope.backward(gq.clone(), gk.clone(), positions=positions)
-    torch.testing.assert_close(q.grad, expected[0], rtol=0, atol=0)
-    torch.testing.assert_close(k.grad, expected[1], rtol=0, atol=0)
-    if place == "cpu":
-        inputs = (q.detach().requires_grad_(), k.detach().requires_grad_())
-        assert torch.autograd.gradcheck(
-            lambda a, b: apply_rope(a, b, rope, positions=positions), inputs
-        )
+    assert_positions_gradients(rng, rope, q, k, positions, place)
 
 
 @pytest.mark.parametrize("place", PLACES)
@@ -508,10 +489,10 @@ def test_in_place_forward_with_positions_is_recorded_by_autograd(rng, place):
     out-of-place apply_rope."""
     rope, _, _ = _rope("yarn-partial")
     width = (HEADS + 2 * KV_HEADS) * HEAD_DIM
-    x = _randn(rng, (B, T, 8), place)
-    w = _randn(rng, (8, width), place, requires_grad=True)
+    x = random_tensor(rng, (B, T, 8), place)
+    w = random_tensor(rng, (8, width), place, requires_grad=True)
     positions, _ = _positions(rng, "BT", place)
-    weights = _randn(rng, (B, T, width), place)
+    weights = random_tensor(rng, (B, T, width), place)
 
     qkv = x @ w
     rope.forward(qkv[..., : HEADS * HEAD_DIM], qkv[..., HEADS * HEAD_DIM : 6 * HEAD_DIM],
@@ -559,8 +540,8 @@ def test_forward_with_positions_compiles_without_recompiling(rng, layout, place)
         compiled_inputs, counter = compile_counting(attention_inputs, dynamic=True, backend=backend)
         for seq in (5, 9, 7):  # new lengths: no recompile
             tokens = _token_shape(layout, seq=seq)
-            x = _randn(rng, (*tokens, 8), place)
-            w = _randn(rng, (8, width), place)
+            x = random_tensor(rng, (*tokens, 8), place)
+            w = random_tensor(rng, (8, width), place)
             positions, ids = _positions(rng, layout, place, "int32", seq=seq)
             with torch.no_grad():  # in place, through rope_qk_
                 actual = compiled_inputs(x, w, positions)
@@ -577,7 +558,7 @@ def test_forward_with_positions_compiles_without_recompiling(rng, layout, place)
             actual = compiled_inputs(x, w1, positions)
             expected = attention_inputs(x, w2, positions)
             torch.testing.assert_close(actual, expected)
-            grad = _randn(rng, actual.shape, place)
+            grad = random_tensor(rng, actual.shape, place)
             actual.backward(grad)
             expected.backward(grad)
             torch.testing.assert_close(w1.grad, w2.grad)
@@ -653,9 +634,4 @@ _CAPTURE = textwrap.dedent(
 @pytest.mark.parametrize("max_position", ("8192", "none"))
 @pytest.mark.parametrize("layout", ("BT", "packed"))
 def test_gpu_cuda_graph_replays_forward_with_new_positions(layout, max_position):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    result = subprocess.run(
-        [sys.executable, "-c", _CAPTURE, layout, max_position, "11"],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert_runs_in_own_process(_CAPTURE, layout, max_position, "11")

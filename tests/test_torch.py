@@ -9,15 +9,12 @@ the recorded gradient must equal the Bwd op applied to the upstream gradient, bi
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from _cases import assert_runs_in_own_process
 from _compile import backends, compile_counting
 from _oracle import SEQUENCE_OP_IDS, SEQUENCE_OPS, random_position_ids
 
@@ -31,7 +28,6 @@ from tileops_cupy.rope import (
 )
 from tileops_cupy.sequence_modeling import MHCPostBwdOp, MHCPostFwdOp, MHCPreBwdOp, MHCPreFwdOp
 
-REPO = Path(__file__).resolve().parents[1]
 PLACES = ("cpu", pytest.param("cuda", marks=pytest.mark.gpu))
 SHAPES = {"1d": (37, 16), "2d": (2, 19, 3, 16)}
 GRADCHECK_SHAPES = {"1d": (6, 16), "2d": (2, 3, 2, 16)}  # the Jacobian is checked column by column
@@ -420,8 +416,7 @@ def test_torch_is_not_imported_by_the_host_path():
         assert "torch" not in sys.modules, "the numpy path imported torch"
         """
     )
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=REPO)
+    assert_runs_in_own_process(script)
 
 
 # --------------------------------------------------------------------------- CUDA graphs
@@ -542,9 +537,4 @@ _CAPTURED = (
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", _CAPTURED)
 def test_gpu_cuda_graph_capture_and_replay(name):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    result = subprocess.run(
-        [sys.executable, "-c", _CAPTURE, name, "7"],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert_runs_in_own_process(_CAPTURE, name, "7")
