@@ -360,6 +360,14 @@ def _tail_bytes(x, heads: int, head_dim: int, rotary_dim: int) -> np.ndarray:
     return raw_bytes(x).reshape(*x.shape[:2], heads, head_dim, -1)[..., rotary_dim:, :]
 
 
+def _partial_rope(case, head_dim: int, rotary_dim: int, layout: str) -> RoPE:
+    """The component of ``case``'s scheme rotating the first rotary_dim columns of a head."""
+    return RoPE(
+        head_dim, NUM_HEADS, NUM_KV_HEADS, scheme=case.scheme(rotary_dim), rotary_dim=rotary_dim,
+        rope_layout=layout,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("setting", PARTIAL_SETTINGS)
@@ -367,14 +375,7 @@ def _tail_bytes(x, heads: int, head_dim: int, rotary_dim: int) -> np.ndarray:
 def test_partial_rotary_dim_leaves_the_tail(rng, place, rotary_dim, setting, layout, dtype):
     scheme, offset, ranks, seq = PARTIAL_SETTINGS[setting]
     head_dim, case = HEAD_DIMS[place], SCHEMES[scheme]
-    rope = RoPE(
-        head_dim,
-        NUM_HEADS,
-        NUM_KV_HEADS,
-        scheme=case.scheme(rotary_dim),
-        rotary_dim=rotary_dim,
-        rope_layout=layout,
-    )
+    rope = _partial_rope(case, head_dim, rotary_dim, layout)
     q, k, q64, k64 = _qk(rng, place, 2, seq, dtype, ranks=ranks)
     q_tail = _tail_bytes(q, NUM_HEADS, head_dim, rotary_dim)
     k_tail = _tail_bytes(k, NUM_KV_HEADS, head_dim, rotary_dim)
@@ -774,14 +775,7 @@ def test_apply_rope_partial_rotary_copies_the_tail(rng, place, rotary_fraction, 
     head_dim = HEAD_DIMS[place]
     rotary_dim = int(rotary_fraction * head_dim)
     case = SCHEMES["yarn"]
-    rope = RoPE(
-        head_dim,
-        NUM_HEADS,
-        NUM_KV_HEADS,
-        scheme=case.scheme(rotary_dim),
-        rotary_dim=rotary_dim,
-        rope_layout=layout,
-    )
+    rope = _partial_rope(case, head_dim, rotary_dim, layout)
     frequencies = case.frequencies(rotary_dim)
     heads = NUM_HEADS + 2 * NUM_KV_HEADS
     host = random_data(rng, (2, 6, heads * head_dim), dtype)

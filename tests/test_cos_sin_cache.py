@@ -18,6 +18,7 @@ from _compile import compile_counting
 from _oracle import (
     assert_matches_reference,
     random_data,
+    random_tensor,
     rotate_reference,
     to_float64,
     to_framework,
@@ -144,19 +145,13 @@ def test_repeated_calls_read_each_calls_cache_and_positions(rng, place):
 # --------------------------------------------------------------------------- torch
 
 
-def _randn(rng, shape, place, requires_grad=False):
-    dtype = torch.float64 if place == "cpu" else torch.float32
-    data = torch.from_numpy(rng.standard_normal(shape)).to(place, dtype)
-    return data.requires_grad_(requires_grad)
-
-
 @pytest.mark.parametrize("place", PLACES)
 @pytest.mark.parametrize("is_neox", (True, False), ids=("neox", "interleaved"))
 def test_cos_sin_cache_gradients(rng, is_neox, place):
     """The gradient is the transpose rotation by the same cache values (sin negated)."""
     cache, _ = _cache(rng, 16, place)
-    query = _randn(rng, (4, HEADS * HEAD_SIZE), place, requires_grad=True)
-    key = _randn(rng, (4, KV_HEADS, HEAD_SIZE), place, requires_grad=True)
+    query = random_tensor(rng, (4, HEADS * HEAD_SIZE), place, requires_grad=True)
+    key = random_tensor(rng, (4, KV_HEADS, HEAD_SIZE), place, requires_grad=True)
     positions = torch.from_numpy(rng.integers(0, MAX_POSITION, 4)).to(place)
 
     def rotate(q, k):
@@ -164,7 +159,7 @@ def test_cos_sin_cache_gradients(rng, is_neox, place):
 
     q_rot, k_rot = rotate(query, key)
     assert q_rot.grad_fn is not None and k_rot.grad_fn is not None
-    gq, gk = _randn(rng, query.shape, place), _randn(rng, key.shape, place)
+    gq, gk = random_tensor(rng, query.shape, place), random_tensor(rng, key.shape, place)
     torch.autograd.backward((q_rot, k_rot), (gq, gk))
     g64 = gq.detach().double().cpu().numpy().reshape(4, HEADS, HEAD_SIZE)
     c64 = cache.double().cpu().numpy()
@@ -180,17 +175,17 @@ def test_cos_sin_cache_gradients(rng, is_neox, place):
 def test_cos_sin_cache_in_place_under_autograd_is_recorded(rng, place):
     cache, _ = _cache(rng, HEAD_SIZE, place)
     positions = torch.from_numpy(rng.integers(0, MAX_POSITION, N)).to(place)
-    x = _randn(rng, (N, 8), place)
-    w = _randn(rng, (8, HEADS * HEAD_SIZE), place, requires_grad=True)
+    x = random_tensor(rng, (N, 8), place)
+    w = random_tensor(rng, (8, HEADS * HEAD_SIZE), place, requires_grad=True)
     q = x @ w
     apply_rope_with_cos_sin_cache_inplace(positions, q, None, HEAD_SIZE, cache)
-    weights = _randn(rng, q.shape, place)
+    weights = random_tensor(rng, q.shape, place)
     (q * weights).sum().backward()
     w2 = w.detach().requires_grad_()
     q2, _ = apply_rope_with_cos_sin_cache(positions, x @ w2, None, HEAD_SIZE, cache)
     (q2 * weights).sum().backward()
     torch.testing.assert_close(w.grad, w2.grad)
-    leaf = _randn(rng, (N, HEADS * HEAD_SIZE), place, requires_grad=True)
+    leaf = random_tensor(rng, (N, HEADS * HEAD_SIZE), place, requires_grad=True)
     with pytest.raises(ValueError, match="leaf tensor that requires grad"):
         apply_rope_with_cos_sin_cache_inplace(positions, leaf, None, HEAD_SIZE, cache)
 
@@ -210,14 +205,17 @@ def test_cos_sin_cache_compiles_fullgraph_without_recompiling(rng, place):
     compiled, counter = compile_counting(attention_inputs, dynamic=True)
     width = (HEADS + 2 * KV_HEADS) * HEAD_SIZE
     for tokens in (5, 9, 7):
-        x, w = _randn(rng, (tokens, 8), place), _randn(rng, (8, width), place)
+        x, w = random_tensor(rng, (tokens, 8), place), random_tensor(rng, (8, width), place)
         positions = torch.from_numpy(rng.integers(0, MAX_POSITION, tokens)).to(place)
         with torch.no_grad():
             torch.testing.assert_close(compiled(x, w, positions), attention_inputs(x, w, positions))
         w1, w2 = w.clone().requires_grad_(), w.clone().requires_grad_()
         actual, expected = compiled(x, w1, positions), attention_inputs(x, w2, positions)
         torch.testing.assert_close(actual, expected)
-        grad = (_randn(rng, actual[0].shape, place), _randn(rng, actual[1].shape, place))
+        grad = (
+            random_tensor(rng, actual[0].shape, place),
+            random_tensor(rng, actual[1].shape, place),
+        )
         torch.autograd.backward(actual, grad)
         torch.autograd.backward(expected, grad)
         torch.testing.assert_close(w1.grad, w2.grad)

@@ -154,6 +154,29 @@ def _rows(dtype: str, pointer: int, heads: int, head_dim: int, strides) -> _rota
     return _rotate.HeadRows(operand, shape, (*strides, 1))
 
 
+def _launch(kernel, grid, block, q_rows, k_rows, **fields) -> None:
+    """Run ``kernel`` on host threads over q's (in, out) and k's (in, out) rows, with
+    ``fields`` of RopeParams over these defaults: BATCH x SEQ tokens, HEADS q heads and
+    KV_HEADS k heads, no ids or offsets, no table, no norm. Its error flag must stay 0."""
+    flag = np.zeros(1, np.int32)
+    defaults = dict(
+        ids=0, offsets=0, error_flag=flag.ctypes.data, fine=0, coarse=0, position_offset=0,
+        q_heads=HEADS, k_heads=KV_HEADS, batch=BATCH, seq=SEQ, ids_is_int64=0,
+        offsets_is_int64=0, sin_sign=1.0, mrope_section=(0, 0, 0), mrope_interleaved=0,
+        cos_sin_cache=0, q_norm_weight=0, k_norm_weight=0, norm_eps=EPS, norm_weight_offset=0.0,
+        q_norm_weight_is_float32=0, k_norm_weight_is_float32=0,
+    )  # fmt: skip
+    params = _rotate.ROPE_PARAMS.pack(
+        q_in=q_rows[0].operand.ptr, q_out=q_rows[1].operand.ptr,
+        q_in_stride=q_rows[0].strides[:3], q_out_stride=q_rows[1].strides[:3],
+        k_in=k_rows[0].operand.ptr, k_out=k_rows[1].operand.ptr,
+        k_in_stride=k_rows[0].strides[:3], k_out_stride=k_rows[1].strides[:3],
+        **{**defaults, **fields},
+    )  # fmt: skip
+    kernel(ctypes.create_string_buffer(params), grid[0], *block)
+    assert flag[0] == 0
+
+
 def _run_case(
     kernels, rng, dtype, neox, head_dim, rotary_dim, misaligned, weights, in_place, with_k
 ):
@@ -199,26 +222,17 @@ def _run_case(
     table = shared_table(Standard(), rotary_dim)
     table.ensure(POSITION + SEQ)
     fine, coarse = (np.ascontiguousarray(t) for t in (table.fine32, table.coarse32))
-    flag = np.zeros(1, np.int32)
-    params = _rotate.ROPE_PARAMS.pack(
-        q_in=rows[0].operand.ptr, q_out=rows[1].operand.ptr, q_in_stride=rows[0].strides[:3],
-        q_out_stride=rows[1].strides[:3], k_in=k_rows[0].operand.ptr, k_out=k_rows[1].operand.ptr,
-        k_in_stride=k_rows[0].strides[:3], k_out_stride=k_rows[1].strides[:3], ids=0, offsets=0,
-        error_flag=flag.ctypes.data, fine=fine.ctypes.data, coarse=coarse.ctypes.data,
-        position_offset=POSITION, position_limit=table.capacity, q_heads=HEADS,
-        k_heads=KV_HEADS if with_k else 0, batch=BATCH, seq=SEQ, rotary_dim=rotary_dim,
-        tail_chunks=tail_chunks,
-        ids_is_int64=0, offsets_is_int64=0, sin_sign=1.0, mrope_section=(0, 0, 0),
-        mrope_interleaved=0, cos_sin_cache=0,
+    name = _rotate._kernel(dtype, neox, vec, rotary_dim, _rotate.TWO_LEVEL, norm)[1]
+    _launch(
+        kernels[name], grid, block, rows[:2], k_rows, fine=fine.ctypes.data,
+        coarse=coarse.ctypes.data, position_offset=POSITION, position_limit=table.capacity,
+        k_heads=KV_HEADS if with_k else 0, rotary_dim=rotary_dim, tail_chunks=tail_chunks,
         q_norm_weight=norm_weights[HEADS].ctypes.data if norm else 0,
         k_norm_weight=norm_weights[KV_HEADS].ctypes.data if norm and with_k else 0,
-        norm_eps=EPS, norm_weight_offset=weights[1] if norm else 0.0,
+        norm_weight_offset=weights[1] if norm else 0.0,
         q_norm_weight_is_float32=norm and weight_is_float32[HEADS],
         k_norm_weight_is_float32=norm and with_k and weight_is_float32[KV_HEADS],
     )  # fmt: skip
-    name = _rotate._kernel(dtype, neox, vec, rotary_dim, _rotate.TWO_LEVEL, norm)[1]
-    kernels[name](ctypes.create_string_buffer(params), grid[0], *block)
-    assert flag[0] == 0
 
     x64 = host.astype(np.float64)
     positions = (POSITION + np.arange(SEQ))[None, :, None]
@@ -292,26 +306,18 @@ def test_table_modes_on_host_threads_match_oracle(kernels, rng, dtype, neox, mod
     grid, block, tail_chunks = _rotate._geometry(
         neox, vec, rotary_dim, head_dim, norm, HEADS + KV_HEADS, tokens, norm
     )
-    flag = np.zeros(1, np.int32)
-    params = _rotate.ROPE_PARAMS.pack(
-        q_in=rows[0].operand.ptr, q_out=rows[1].operand.ptr, q_in_stride=rows[0].strides[:3],
-        q_out_stride=rows[1].strides[:3], k_in=rows[2].operand.ptr, k_out=rows[3].operand.ptr,
-        k_in_stride=rows[2].strides[:3], k_out_stride=rows[3].strides[:3],
-        ids=ids.ctypes.data, offsets=0, error_flag=flag.ctypes.data,
+    name = _rotate._kernel(dtype, neox, vec, rotary_dim, mode, norm)[1]
+    _launch(
+        kernels[name], grid, block, rows[:2], rows[2:], ids=ids.ctypes.data,
         fine=0 if fine is None else fine.ctypes.data,
-        coarse=0 if coarse is None else coarse.ctypes.data, position_offset=0,
-        position_limit=limit, q_heads=HEADS, k_heads=KV_HEADS, batch=BATCH, seq=SEQ,
-        rotary_dim=rotary_dim, tail_chunks=tail_chunks, ids_is_int64=1, offsets_is_int64=0,
-        sin_sign=1.0, mrope_section=SECTION, mrope_interleaved=1,
-        cos_sin_cache=0 if cache is None else cache.ctypes.data,
+        coarse=0 if coarse is None else coarse.ctypes.data, position_limit=limit,
+        rotary_dim=rotary_dim, tail_chunks=tail_chunks, ids_is_int64=1, mrope_section=SECTION,
+        mrope_interleaved=1, cos_sin_cache=0 if cache is None else cache.ctypes.data,
         q_norm_weight=weights[HEADS].ctypes.data if norm else 0,
         k_norm_weight=weights[KV_HEADS].ctypes.data if norm else 0,
-        norm_eps=EPS, norm_weight_offset=0.0, q_norm_weight_is_float32=norm and dtype != "float32",
+        q_norm_weight_is_float32=norm and dtype != "float32",
         k_norm_weight_is_float32=norm and dtype != "float32",
     )  # fmt: skip
-    name = _rotate._kernel(dtype, neox, vec, rotary_dim, mode, norm)[1]
-    kernels[name](ctypes.create_string_buffer(params), grid[0], *block)
-    assert flag[0] == 0
     for heads, array in data.items():
         x = x64[heads]
         what = f"{dtype} neox={neox} vec={vec} block={block} heads={heads}"

@@ -16,7 +16,7 @@ import pytest
 import torch
 from _cases import assert_runs_in_own_process
 from _compile import backends, compile_counting
-from _oracle import SEQUENCE_OP_IDS, SEQUENCE_OPS, random_position_ids
+from _oracle import SEQUENCE_OP_IDS, SEQUENCE_OPS, random_position_ids, random_tensor
 
 from tileops_cupy.rope import (
     RoPE,
@@ -32,15 +32,6 @@ PLACES = ("cpu", pytest.param("cuda", marks=pytest.mark.gpu))
 SHAPES = {"1d": (37, 16), "2d": (2, 19, 3, 16)}
 GRADCHECK_SHAPES = {"1d": (6, 16), "2d": (2, 3, 2, 16)}  # the Jacobian is checked column by column
 HEAD_DIM, HEADS, KV_HEADS = 16, 4, 2
-
-
-def _dtype(place: str) -> torch.dtype:
-    return torch.float64 if place == "cpu" else torch.float32
-
-
-def _randn(rng, shape, place, requires_grad=False) -> torch.Tensor:
-    data = torch.from_numpy(rng.standard_normal(shape)).to(place, _dtype(place))
-    return data.requires_grad_(requires_grad)
 
 
 def _seed_pair(rng, case, layout):
@@ -65,14 +56,14 @@ def _assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
 @pytest.mark.parametrize("case", SEQUENCE_OPS, ids=SEQUENCE_OP_IDS)
 def test_seed_op_gradients(rng, case, layout, place):
     fwd, bwd = _seed_pair(rng, case, layout)
-    x = _randn(rng, SHAPES[layout], place, requires_grad=True)
+    x = random_tensor(rng, SHAPES[layout], place, requires_grad=True)
     y = fwd(x)
     assert y.grad_fn is not None, "gradients must flow through the op"
-    grad = _randn(rng, SHAPES[layout], place)
+    grad = random_tensor(rng, SHAPES[layout], place)
     y.backward(grad)
     _assert_same(x.grad, bwd(grad))  # y = a R x  =>  dx = a R^T dy, the Bwd op
     if place == "cpu":
-        small = _randn(rng, GRADCHECK_SHAPES[layout], place, requires_grad=True)
+        small = random_tensor(rng, GRADCHECK_SHAPES[layout], place, requires_grad=True)
         for op in (fwd, bwd):
             assert torch.autograd.gradcheck(op, (small,))
             assert torch.autograd.gradgradcheck(op, (small,))
@@ -86,8 +77,8 @@ def test_position_ids_op_gradients(rng, place, ids_dtype):
     bwd = RoPENeoxPositionIdsBwdOp(max_position=max_position, rotary_dim=8)
     ids_host = random_position_ids(rng, tokens, max_position, np.int64)
     ids = torch.from_numpy(ids_host).to(place, ids_dtype)
-    x = _randn(rng, (tokens, 3, HEAD_DIM), place, requires_grad=True)
-    grad = _randn(rng, (tokens, 3, HEAD_DIM), place)
+    x = random_tensor(rng, (tokens, 3, HEAD_DIM), place, requires_grad=True)
+    grad = random_tensor(rng, (tokens, 3, HEAD_DIM), place)
     fwd(x, ids).backward(grad)
     _assert_same(x.grad, bwd(grad, ids))
     if place == "cpu":
@@ -99,11 +90,11 @@ def test_position_ids_op_gradients(rng, place, ids_dtype):
 @pytest.mark.parametrize("offsets", ("int", "tensor"))
 def test_apply_rope_gradients(rng, place, offsets):
     rope = RoPE(HEAD_DIM, HEADS, KV_HEADS, scheme=YaRN(scale=4.0), rotary_dim=8, max_position=4096)
-    q = _randn(rng, (2, 5, HEADS * HEAD_DIM), place, requires_grad=True)
-    k = _randn(rng, (2, 5, KV_HEADS * HEAD_DIM), place, requires_grad=True)
+    q = random_tensor(rng, (2, 5, HEADS * HEAD_DIM), place, requires_grad=True)
+    k = random_tensor(rng, (2, 5, KV_HEADS * HEAD_DIM), place, requires_grad=True)
     position = 700 if offsets == "int" else torch.tensor([3, 1500], device=place)
     q_rot, k_rot = apply_rope(q, k, rope, position)
-    gq, gk = _randn(rng, q.shape, place), _randn(rng, k.shape, place)
+    gq, gk = random_tensor(rng, q.shape, place), random_tensor(rng, k.shape, place)
     torch.autograd.backward((q_rot, k_rot), (gq, gk))
     expected = rope.backward(gq.clone(), gk.clone(), position)
     _assert_same(q.grad, expected[0])
@@ -121,8 +112,8 @@ def test_apply_rope_gradients(rng, place, offsets):
 def test_in_place_on_a_leaf_that_requires_grad_is_refused_before_any_write(rng, place, call):
     rope = RoPE(HEAD_DIM, HEADS, KV_HEADS)
     seq = 1 if call == "decode" else 2  # forward's position 0 alone would not rotate
-    q = _randn(rng, (2, seq, HEADS * HEAD_DIM), place)
-    k = _randn(rng, (2, seq, KV_HEADS * HEAD_DIM), place, requires_grad=True)
+    q = random_tensor(rng, (2, seq, HEADS * HEAD_DIM), place)
+    k = random_tensor(rng, (2, seq, KV_HEADS * HEAD_DIM), place, requires_grad=True)
     before = q.clone(), k.detach().clone()
     args = {"forward": (), "prefill": (3,), "decode": (3,), "backward": (3,)}[call]
     with pytest.raises(ValueError, match="k is a leaf tensor that requires grad.*apply_rope"):
@@ -137,12 +128,12 @@ def test_in_place_on_a_leaf_that_requires_grad_is_refused_before_any_write(rng, 
 @pytest.mark.parametrize("place", PLACES)
 def test_in_place_on_a_non_leaf_is_recorded_by_autograd(rng, place):
     rope = RoPE(HEAD_DIM, HEADS, KV_HEADS, scheme=Standard(500.0))
-    x = _randn(rng, (2, 6, 8), place, requires_grad=True)
-    w = _randn(rng, (8, (HEADS + 2 * KV_HEADS) * HEAD_DIM), place, requires_grad=True)
+    x = random_tensor(rng, (2, 6, 8), place, requires_grad=True)
+    w = random_tensor(rng, (8, (HEADS + 2 * KV_HEADS) * HEAD_DIM), place, requires_grad=True)
     qkv = x @ w  # a fused projection: q and k are views of it, v follows
     q, k = qkv[..., : HEADS * HEAD_DIM], qkv[..., HEADS * HEAD_DIM : (HEADS + KV_HEADS) * 16]
     rope.prefill(q, k, 11)
-    weights = _randn(rng, qkv.shape, place)
+    weights = random_tensor(rng, qkv.shape, place)
     (qkv * weights).sum().backward()
 
     # the same model, out of place
@@ -162,14 +153,14 @@ def test_in_place_after_autograd_saved_the_tensor_makes_backward_raise(rng, plac
     """``q = x @ w; z = (q*q).sum(); rope.forward(q); z.backward()`` must not give a wrong
     w.grad: the write bumps q's version counter, so backward raises."""
     rope = RoPE(HEAD_DIM, HEADS)
-    x = _randn(rng, (1, 3, 8), place)
-    w = _randn(rng, (8, HEADS * HEAD_DIM), place, requires_grad=True)
+    x = random_tensor(rng, (1, 3, 8), place)
+    w = random_tensor(rng, (8, HEADS * HEAD_DIM), place, requires_grad=True)
     if grad_mode == "recorded":  # q requires grad: the call is recorded
         q = x @ w
         z = (q * q).sum()
         rope.forward(q)
     else:  # q needs no grad but was saved by a product that does: the direct path bumps it
-        q = _randn(rng, (1, 3, HEADS * HEAD_DIM), place)
+        q = random_tensor(rng, (1, 3, HEADS * HEAD_DIM), place)
         z = (q * w.sum()).sum()
         rope.forward(q)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
@@ -198,7 +189,7 @@ def test_mhc_gradients_are_the_backward_ops(rng, place):
     assert all(t.grad_fn is not None for t in (x_res, x_layer, h_post))
     layer_out = x_layer * 2  # a layer whose gradient (2 g) is exact in any order
     x_out = post(layer_out, h_post, x_res)
-    weights = _randn(rng, x_out.shape, place).float()
+    weights = random_tensor(rng, x_out.shape, place).float()
     (x_out * weights).sum().backward()
 
     g_layer, g_h_post, g_x_res = MHCPostBwdOp()(layer_out.detach(), h_post.detach(),
@@ -242,7 +233,7 @@ def test_mhc_second_order_gradients_raise(rng):
     with pytest.raises(RuntimeError, match=second_order):
         torch.autograd.grad(sum(g.square().sum() for g in first), leaves)
 
-    layer, gates, res = (_randn(rng, s, "cpu").float() for s in ((3, 8), (3, 2), (3, 16)))
+    layer, gates, res = (random_tensor(rng, s, "cpu").float() for s in ((3, 8), (3, 2), (3, 16)))
     post_leaves = [t.detach().requires_grad_() for t in (layer, gates, res)]
     out = post(*post_leaves)
     grads = torch.autograd.grad(out.square().sum(), post_leaves, create_graph=True)
@@ -269,12 +260,12 @@ def test_seed_ops_compile_forward_and_backward(rng, case, place):
 
         compiled, counter = compile_counting(step, dynamic=True, backend=backend)
         for seq in (19, 33, 7):  # new sequence lengths: no recompile
-            x = _randn(rng, (2, seq, 3, 16), place, requires_grad=True)
+            x = random_tensor(rng, (2, seq, 3, 16), place, requires_grad=True)
             x_eager = x.detach().requires_grad_()
             y, y_eager = compiled(x), step(x_eager)
             counter.first_call_done()
             torch.testing.assert_close(y, y_eager)
-            grad = _randn(rng, y.shape, place)
+            grad = random_tensor(rng, y.shape, place)
             y.backward(grad)
             y_eager.backward(grad)
             torch.testing.assert_close(x.grad, x_eager.grad)
@@ -289,7 +280,7 @@ def test_position_ids_op_compiles(rng, place):
             lambda x, ids: op(x, ids) + 1, dynamic=True, backend=backend
         )
         for tokens in (9, 40, 17):
-            x = _randn(rng, (tokens, 2, HEAD_DIM), place)
+            x = random_tensor(rng, (tokens, 2, HEAD_DIM), place)
             ids = torch.from_numpy(random_position_ids(rng, tokens, 4096, np.int64)).to(place)
             torch.testing.assert_close(compiled(x, ids), op(x, ids) + 1)
             counter.first_call_done()
@@ -313,7 +304,7 @@ def test_component_compiles_in_place_and_with_autograd(rng, place):
         for seq in (3, 8, 5):
             positions = torch.tensor([5, 900], device=place)
             for position in (positions, 17 + seq):
-                qkv = _randn(rng, (2, seq, (HEADS + 2 * KV_HEADS) * HEAD_DIM), place)
+                qkv = random_tensor(rng, (2, seq, (HEADS + 2 * KV_HEADS) * HEAD_DIM), place)
                 expected = attention_inputs(qkv.clone(), position)
                 torch.testing.assert_close(compiled(qkv, position), expected)
             # one graph per kind of position (tensor, int), then none for new lengths
@@ -321,8 +312,8 @@ def test_component_compiles_in_place_and_with_autograd(rng, place):
         counter.assert_no_recompile()
 
         # under autograd: the rotation is recorded, gradients match eager
-        w = _randn(rng, (8, (HEADS + 2 * KV_HEADS) * HEAD_DIM), place, requires_grad=True)
-        x = _randn(rng, (2, 5, 8), place)
+        w = random_tensor(rng, (8, (HEADS + 2 * KV_HEADS) * HEAD_DIM), place, requires_grad=True)
+        x = random_tensor(rng, (2, 5, 8), place)
         compiled, _ = compile_counting(loss, backend=backend)
         compiled(x, w).backward()
         grad = w.grad.clone()
@@ -345,8 +336,8 @@ def test_component_decode_and_apply_rope_compile(rng, place):
     for backend in backends(place):
         compiled_decode, _ = compile_counting(decode, backend=backend)
         compiled_rotate, _ = compile_counting(rotate, backend=backend)
-        q = _randn(rng, (3, 1, HEADS * HEAD_DIM), place)
-        k = _randn(rng, (3, 1, KV_HEADS * HEAD_DIM), place)
+        q = random_tensor(rng, (3, 1, HEADS * HEAD_DIM), place)
+        k = random_tensor(rng, (3, 1, KV_HEADS * HEAD_DIM), place)
         positions = torch.tensor([0, 4095, 77], device=place, dtype=torch.int32)
         expected = decode(q.clone(), k.clone(), positions)
         actual = compiled_decode(q.clone(), k.clone(), positions)
@@ -391,15 +382,18 @@ def test_export_traces_the_ops(rng):
             q_rot, k_rot = apply_rope(q, k, rope, 4)
             return fwd(x), q_rot, k_rot
 
-    x = _randn(rng, (2, 5, 3, HEAD_DIM), "cpu")
-    qkv = _randn(rng, (2, 5, 8 * HEAD_DIM), "cpu")
+    x = random_tensor(rng, (2, 5, 3, HEAD_DIM), "cpu")
+    qkv = random_tensor(rng, (2, 5, 8 * HEAD_DIM), "cpu")
     seq = torch.export.Dim("seq", min=2, max=4096)
     exported = torch.export.export(
         Block(), (x, qkv), dynamic_shapes=({1: seq}, {1: seq}), strict=True
     )
     names = {str(node.target) for node in exported.graph.nodes if node.op == "call_function"}
     assert {"tileops_cupy.rope.default", "tileops_cupy.rope_qk.default"} <= names
-    x, qkv = _randn(rng, (2, 9, 3, HEAD_DIM), "cpu"), _randn(rng, (2, 9, 8 * HEAD_DIM), "cpu")
+    x, qkv = (
+        random_tensor(rng, (2, 9, 3, HEAD_DIM), "cpu"),
+        random_tensor(rng, (2, 9, 8 * HEAD_DIM), "cpu"),
+    )
     for actual, expected in zip(exported.module()(x, qkv), Block()(x, qkv), strict=True):
         _assert_same(actual, expected)
 
