@@ -367,12 +367,12 @@ struct TwoLevelRows {
   }
 };
 
-// Blocks of ROPE_THREADS (a define from tileops_cupy._rotate, which sizes the launch); the
-// minimum blocks per SM cap the registers: 5 (<= 96 a thread) is what the plain rotation uses
-// anyway (the run-time rotary_dim 16-bit neox kernels spill 4 bytes for it); the norm's 4
-// (<= 128) keeps its occupancy from falling to 3 blocks (ptxas -v, sm_90).
+// Blocks of ROPE_THREADS; the minimum blocks per SM cap the registers (defines from
+// tileops_cupy._rotate, which sizes the launch and says why): the run-time rotary_dim 16-bit
+// neox kernels spill 4 bytes for the plain cap, the MRoPE+norm kernel 4 for the norm's.
 template <typename T, bool NEOX, int VEC, int ROTARY_DIM, int TABLE, bool NORM = false>
-__global__ void __launch_bounds__(ROPE_THREADS, NORM ? 4 : 5) rope_rotate(const RopeParams p) {
+__global__ void __launch_bounds__(ROPE_THREADS, NORM ? ROPE_NORM_MIN_BLOCKS : ROPE_MIN_BLOCKS)
+    rope_rotate(const RopeParams p) {
   const T* q_in = static_cast<const T*>(p.q_in);
   T* q_out = static_cast<T*>(p.q_out);
   const T* k_in = static_cast<const T*>(p.k_in);

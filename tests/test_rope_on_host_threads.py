@@ -48,8 +48,7 @@ HEADER = Path(__file__).with_name("cuda_on_host.h")
 
 _SHIM = """
 #include "cuda_on_host.h"
-#define HEADS_IN_FLIGHT {heads_in_flight}
-#define ROPE_THREADS {threads}
+{defines}
 {rope}
 
 template <typename T, bool NEOX, int VEC, int RD, int TABLE, bool NORM = false>
@@ -127,7 +126,7 @@ def kernels(tmp_path_factory):
     source = folder / "rope_on_host.cpp"
     source.write_text(
         _SHIM.format(
-            heads_in_flight=_rotate._HEADS_IN_FLIGHT, threads=_rotate._THREADS_PER_BLOCK,
+            defines="\n".join(f"#define {d.replace('=', ' ', 1)}" for d in _rotate._DEFINES),
             rope=kernels_cu.source("rope"), runners=runners,
         )
     )  # fmt: skip
@@ -273,6 +272,19 @@ def test_kernel_on_host_threads_matches_oracle(kernels, rng, dtype, neox):
                 norm_lanes.add(block[0])
     assert widths == {16 // ITEMSIZE[dtype], 1}
     assert 32 in norm_lanes and len(norm_lanes) > 1, norm_lanes
+
+
+@pytest.mark.parametrize("neox", (True, False), ids=("neox", "interleaved"))
+def test_two_round_layout_on_host_threads(kernels, rng, monkeypatch, neox):
+    """The layout of large launches (each thread two rounds of HEADS_IN_FLIGHT heads, the
+    second partly empty here: 6 heads on one y-lane), forced at host sizes, bf16: every
+    shape, alignment and norm weight kind against the oracle."""
+    monkeypatch.setattr(_rotate, "_TWO_ROUND_THREADS", 0)
+    head_lanes = set()
+    for case in _cases():
+        if case[:2] == ("bfloat16", neox):
+            head_lanes.add(_run_case(kernels, rng, *case)[1][1])
+    assert head_lanes == {1}
 
 
 @pytest.mark.parametrize(("mode", "norm"), TABLE_CASES, ids=("mrope", "mrope-norm", "cache"))

@@ -29,10 +29,27 @@ __all__ = ["HeadRows", "Positions", "CosSinCache", "RowNorm", "rotate", "ErrorFl
 
 SHIPPED_ROTARY_DIMS = (64, 128)  # compiled with rotary_dim as a constant; others use 0 (runtime)
 # Measured on an H200 (bf16/fp32, B8 S4096 H32 D128): 128 threads and 4 heads per thread
-# reach 95% of the copy ceiling; 256+ threads with 2 heads per thread lose up to 30%.
-_THREADS_PER_BLOCK = 128
+# reach 95% of the copy ceiling; 256+ threads with 2 heads per thread lose up to 30%. 160
+# threads make whole warps of GQA's 40-head rows too (two tokens of 8 x 10 lanes), where 128
+# left 80-thread blocks with a half-empty warp: +2-5 points (H200, 32q/8kv D128 bf16).
+_THREADS_PER_BLOCK = 160
 _HEADS_IN_FLIGHT = 4  # loads of this many heads per thread in flight: rope.cu's define
-_DEFINES = (f"HEADS_IN_FLIGHT={_HEADS_IN_FLIGHT}", f"ROPE_THREADS={_THREADS_PER_BLOCK}")
+# Launches of at least this many threads in the one-round layout (every thread one load of
+# HEADS_IN_FLIGHT heads) take two rounds instead: half the threads, each forming a token's
+# cos/sin once for twice the heads. Measured on an H200 at 32768 tokens, 32q/8kv D128 bf16:
+# MRoPE 75% -> 92% of the copy ceiling, per-token positions 90% -> 95%, the fused norm 45%
+# -> 54%; decode-sized launches keep one round (fewer threads would lengthen them).
+_TWO_ROUND_THREADS = 1 << 18
+# Registers a thread may hold (ptxas -v, sm_90): the plain rotation needs 96; the norm's 128
+# keep it from spilling. rope.cu's launch bounds get them as minimum blocks of
+# _THREADS_PER_BLOCK threads per multiprocessor (65536 registers).
+_REGISTERS, _NORM_REGISTERS = 96, 128
+_DEFINES = (
+    f"HEADS_IN_FLIGHT={_HEADS_IN_FLIGHT}",
+    f"ROPE_THREADS={_THREADS_PER_BLOCK}",
+    f"ROPE_MIN_BLOCKS={65536 // (_THREADS_PER_BLOCK * _REGISTERS)}",
+    f"ROPE_NORM_MIN_BLOCKS={65536 // (_THREADS_PER_BLOCK * _NORM_REGISTERS)}",
+)
 ROPE_PARAMS = _cuda.ParamStruct.declared("rope", "RopeParams")
 # Where the kernel finds cos/sin (rope.cu's TABLE template argument): the two-level tables at
 # the token's position, the same at a position row chosen per pair (MRoPE), or a caller's
@@ -388,14 +405,18 @@ def _geometry(
     norm: bool,
 ) -> tuple[tuple[int, int, int], tuple[int, int, int], int]:
     """(grid, block, tail_chunks) of a launch: x-lanes over a head row's chunks, y over the
-    heads (HEADS_IN_FLIGHT each), z over tokens. With the fused norm a row's x-lanes are a
-    power-of-two group of at most 32 (one warp's shuffles reduce it; rope.cu)."""
+    heads (HEADS_IN_FLIGHT each, one round or, for large launches, two), z over tokens. With
+    the fused norm a row's x-lanes are a power-of-two group of at most 32 (one warp's
+    shuffles reduce it; rope.cu)."""
     rotate_chunks = (rotary_dim // 2) // (vec if neox or vec == 1 else vec // 2)
     tail_chunks = (head_dim - rotary_dim) // vec if copy_tail else 0
     chunks = min(max(rotate_chunks, tail_chunks), _THREADS_PER_BLOCK)
     if norm:
         chunks = min(1 << (chunks - 1).bit_length(), 32)
-    head_lanes = max(1, min(-(-total_heads // _HEADS_IN_FLIGHT), _THREADS_PER_BLOCK // chunks))
+    head_lanes = -(-total_heads // _HEADS_IN_FLIGHT)
+    if tokens * chunks * head_lanes >= _TWO_ROUND_THREADS:
+        head_lanes = -(-total_heads // (2 * _HEADS_IN_FLIGHT))
+    head_lanes = max(1, min(head_lanes, _THREADS_PER_BLOCK // chunks))
     tokens_per_block = max(1, _THREADS_PER_BLOCK // (chunks * head_lanes))
     grid = (-(-tokens // tokens_per_block), 1, 1)
     return grid, (chunks, head_lanes, tokens_per_block), tail_chunks
