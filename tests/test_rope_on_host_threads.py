@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import math
 import re
 import shutil
 import subprocess
@@ -272,6 +273,24 @@ def test_kernel_on_host_threads_matches_oracle(kernels, rng, dtype, neox):
                 norm_lanes.add(block[0])
     assert widths == {16 // ITEMSIZE[dtype], 1}
     assert 32 in norm_lanes and len(norm_lanes) > 1, norm_lanes
+
+
+def test_launch_geometry_stays_within_cuda_limits():
+    """Every block the launch plan makes is one CUDA launches (at most ROPE_THREADS threads,
+    blockDim.z <= 64), covers every token, and gives the norm a power-of-two x-group of at
+    most 32 lanes; over head dims, rotary dims, both vector widths, head and token counts."""
+    for head_dim, vec, neox, norm, heads, tokens in itertools.product(
+        (16, 64, 128, 256, 512), (1, 8), (True, False), (False, True), (1, 2, 5, 40, 64),
+        (1, 3, 64, 5000, 1 << 16),
+    ):  # fmt: skip
+        for rotary_dim in {2 * vec, head_dim // 2, head_dim}:
+            grid, block, _ = _rotate._geometry(
+                neox, vec, rotary_dim, head_dim, True, heads, tokens, norm
+            )
+            assert math.prod(block) <= _rotate._THREADS_PER_BLOCK and block[2] <= 64, block
+            assert grid[0] * block[2] >= tokens
+            if norm:
+                assert block[0] <= 32 and block[0] & (block[0] - 1) == 0, block
 
 
 @pytest.mark.parametrize("neox", (True, False), ids=("neox", "interleaved"))

@@ -417,7 +417,8 @@ def _geometry(
     if tokens * chunks * head_lanes >= _TWO_ROUND_THREADS:
         head_lanes = -(-total_heads // (2 * _HEADS_IN_FLIGHT))
     head_lanes = max(1, min(head_lanes, _THREADS_PER_BLOCK // chunks))
-    tokens_per_block = max(1, _THREADS_PER_BLOCK // (chunks * head_lanes))
+    # (blockDim.z is at most 64)
+    tokens_per_block = max(1, min(_THREADS_PER_BLOCK // (chunks * head_lanes), 64))
     grid = (-(-tokens // tokens_per_block), 1, 1)
     return grid, (chunks, head_lanes, tokens_per_block), tail_chunks
 
