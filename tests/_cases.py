@@ -14,7 +14,7 @@ import itertools
 import os
 import subprocess
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +99,54 @@ def synchronize(place: str) -> None:
         import cupy
 
         cupy.cuda.runtime.deviceSynchronize()
+
+
+def assert_graph_replays_like_eager(
+    step: Callable[..., Any],
+    fresh: Callable[[], list],
+    check: Callable[[list, list], None] | None = None,
+    before_replay: Callable[[], None] | None = None,
+    replays: int = 3,
+) -> None:
+    """Capture ``step(*inputs)`` (torch CUDA tensors from ``fresh()``) in a CUDA graph on a
+    side stream, after a warm-up there on copies (kernels compiled, tables uploaded, flags
+    mapped), then ``replays`` times: fresh inputs written into the captured ones, the graph
+    replayed, and what it wrote compared bit for bit with an eager ``step`` on copies of the
+    same inputs. What a step writes: what it returns (a tensor or a sequence of them), or its
+    inputs when it returns None (in place). ``before_replay()`` runs before each replay's
+    eager step (e.g. to change a weight the graph reads); ``check(new_inputs, written)`` after
+    each comparison. Run it through :func:`assert_runs_in_own_process`."""
+    import torch
+
+    def written(inputs: list, returned: Any) -> list:
+        if returned is None:
+            return list(inputs)
+        return [returned] if isinstance(returned, torch.Tensor) else list(returned)
+
+    static = fresh()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step(*[t.clone() for t in static])
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = written(static, step(*static))
+    for replay in range(replays):
+        new = fresh()
+        if before_replay is not None:
+            before_replay()
+        copies = [t.clone() for t in new]
+        expected = written(copies, step(*copies))  # eager, on copies
+        for target, value in zip(static, new, strict=True):
+            target.copy_(value)
+        graph.replay()
+        torch.cuda.synchronize()
+        for got, want in zip(captured, expected, strict=True):
+            assert torch.equal(got, want), f"replay {replay}"
+        if check is not None:
+            check(new, captured)
 
 
 def assert_runs_in_own_process(script: str, *argv: str) -> None:

@@ -304,6 +304,8 @@ _CAPTURE = textwrap.dedent(
     import sys
     import numpy as np
     import torch
+    sys.path.insert(0, "tests")
+    from _cases import assert_graph_replays_like_eager
     from tileops_cupy.rope import (apply_rope_with_cos_sin_cache,
         apply_rope_with_cos_sin_cache_inplace)
 
@@ -318,7 +320,7 @@ _CAPTURE = textwrap.dedent(
             "cuda", torch.bfloat16)
         k = torch.from_numpy(rng.standard_normal((tokens, kv_heads, head_size))).to(
             "cuda", torch.bfloat16)
-        return q, k, torch.from_numpy(rng.integers(0, rows, tokens)).cuda()
+        return [q, k, torch.from_numpy(rng.integers(0, rows, tokens)).cuda()]
 
     def step(q, k, positions):
         if in_place:
@@ -326,25 +328,7 @@ _CAPTURE = textwrap.dedent(
             return q, k
         return apply_rope_with_cos_sin_cache(positions, q, k, head_size, cache, False)
 
-    static = fresh()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up: compile, map flags
-        step(*[t.clone() for t in static])
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step(*static)
-    for replay in range(3):
-        new = fresh()
-        expected = step(*[t.clone() for t in new])  # eager, on copies
-        for target, value in zip(static, new):
-            target.copy_(value)
-        graph.replay()
-        torch.cuda.synchronize()
-        for got, want in zip(captured, expected):
-            assert torch.equal(got, want), replay
+    assert_graph_replays_like_eager(step, fresh)
     print("replayed", sys.argv[1])
     """
 )

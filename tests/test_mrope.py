@@ -321,6 +321,7 @@ _CAPTURE = textwrap.dedent(
     import numpy as np
     import torch
     sys.path.insert(0, "tests")
+    from _cases import assert_graph_replays_like_eager
     from _oracle import assert_matches_oracle, mrope_pair_positions, standard_frequencies
     from tileops_cupy.rope import RoPE
 
@@ -335,37 +336,21 @@ _CAPTURE = textwrap.dedent(
     def fresh():
         qkv = torch.from_numpy(rng.standard_normal((tokens, width))).to("cuda", torch.bfloat16)
         ids = rng.integers(0, 1 << 24, (3, tokens))
-        return qkv, torch.from_numpy(ids).cuda()
+        return [qkv, torch.from_numpy(ids).cuda()]
 
     def step(qkv, positions):
         rope.forward(qkv[:, : heads * head_dim],
                      qkv[:, heads * head_dim : (heads + kv_heads) * head_dim],
                      positions=positions)
 
-    qkv, positions = fresh()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up: compile, upload tables, map flags
-        step(qkv.clone(), positions.clone())
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step(qkv, positions)
-    for replay in range(3):
-        new_qkv, new_positions = fresh()
-        expected = new_qkv.clone()
-        step(expected, new_positions.clone())  # eager, on copies
-        qkv.copy_(new_qkv)
-        positions.copy_(new_positions)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(qkv, expected), replay
-        x64 = new_qkv.double().cpu().numpy()[:, : heads * head_dim].reshape(tokens, heads, -1)
-        y = qkv.double().cpu().numpy()[:, : heads * head_dim].reshape(tokens, heads, -1)
-        ids = mrope_pair_positions(new_positions.cpu().numpy(), section, interleaved)
+    def check(new, written):
+        x64 = new[0].double().cpu().numpy()[:, : heads * head_dim].reshape(tokens, heads, -1)
+        y = written[0].double().cpu().numpy()[:, : heads * head_dim].reshape(tokens, heads, -1)
+        ids = mrope_pair_positions(new[1].cpu().numpy(), section, interleaved)
         assert_matches_oracle(y, x64, ids[:, None, :], standard_frequencies(head_dim),
                               "bfloat16", per_pair=True)
+
+    assert_graph_replays_like_eager(step, fresh, check)
     rope.check()
     print("replayed", sys.argv[1])
     """

@@ -532,6 +532,8 @@ _CAPTURE = textwrap.dedent(
     import sys
     import numpy as np
     import torch
+    sys.path.insert(0, "tests")
+    from _cases import assert_graph_replays_like_eager
     from tileops_cupy.rope import RoPE
 
     call = sys.argv[1]
@@ -543,41 +545,27 @@ _CAPTURE = textwrap.dedent(
     q_weight = torch.from_numpy(rng.uniform(0.5, 1.5, head_dim)).to("cuda", torch.bfloat16)
     k_weight = torch.from_numpy(rng.uniform(0.5, 1.5, head_dim)).to("cuda", torch.float32)
 
+    q_end, k_end = heads * head_dim, (heads + kv_heads) * head_dim
+
     def fresh():
         qkv = torch.from_numpy(rng.standard_normal((batch, seq, width))).to("cuda", torch.bfloat16)
         positions = torch.from_numpy(rng.integers(0, 4096, batch).astype(np.int32)).cuda()
-        return qkv, positions
+        return [qkv, positions]
 
     def step(qkv, positions):
-        q_end, k_end = heads * head_dim, (heads + kv_heads) * head_dim
-        q, k = qkv[..., :q_end], qkv[..., q_end:k_end]
         run = rope.decode if call == "decode" else rope.prefill
-        run(q, k, positions, q_norm_weight=q_weight, k_norm_weight=k_weight)
+        run(qkv[..., :q_end], qkv[..., q_end:k_end], positions, q_norm_weight=q_weight,
+            k_norm_weight=k_weight)
 
-    qkv, positions = fresh()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up: compile, upload tables, map flags
-        step(qkv.clone(), positions.clone())
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step(qkv, positions)
-    for replay in range(3):
-        new_qkv, new_positions = fresh()
+    def change_weight():  # the graph reads the weights' memory at each replay
         with torch.no_grad():
-            q_weight.mul_(1.25)  # the graph reads the weights' memory at each replay
-        expected = new_qkv.clone()
-        step(expected, new_positions.clone())  # eager, on copies
-        qkv.copy_(new_qkv)
-        positions.copy_(new_positions)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(qkv, expected), replay
-        q_end, k_end = heads * head_dim, (heads + kv_heads) * head_dim
-        assert not torch.equal(qkv[..., :q_end], new_qkv[..., :q_end]), replay
-        assert torch.equal(qkv[..., k_end:], new_qkv[..., k_end:]), replay
+            q_weight.mul_(1.25)
+
+    def check(new, written):
+        assert not torch.equal(written[0][..., :q_end], new[0][..., :q_end])
+        assert torch.equal(written[0][..., k_end:], new[0][..., k_end:])
+
+    assert_graph_replays_like_eager(step, fresh, check, change_weight)
     rope.check()
     print("replayed", call)
     """

@@ -575,6 +575,7 @@ _CAPTURE = textwrap.dedent(
     import numpy as np
     import torch
     sys.path.insert(0, "tests")
+    from _cases import assert_graph_replays_like_eager
     from _oracle import assert_matches_oracle, standard_frequencies
     from tileops_cupy.rope import RoPE
 
@@ -589,41 +590,24 @@ _CAPTURE = textwrap.dedent(
     def fresh():
         qkv = torch.from_numpy(rng.standard_normal((*tokens, width))).to("cuda", torch.bfloat16)
         ids = rng.integers(0, limit, tokens)
-        return qkv, torch.from_numpy(ids.astype(np.int32)).cuda()
+        return [qkv, torch.from_numpy(ids.astype(np.int32)).cuda()]
 
     def step(qkv, positions):
         rope.forward(qkv[..., : heads * head_dim],
                      qkv[..., heads * head_dim : (heads + kv_heads) * head_dim],
                      positions=positions)
 
-    qkv, positions = fresh()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up: compile, upload tables, map flags
-        step(qkv.clone(), positions.clone())
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step(qkv, positions)
-    frequencies = standard_frequencies(head_dim)
-    for replay in range(3):
-        new_qkv, new_positions = fresh()
-        expected = new_qkv.clone()
-        step(expected, new_positions.clone())  # eager, on copies
-        qkv.copy_(new_qkv)
-        positions.copy_(new_positions)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(qkv, expected), replay
-        x64 = new_qkv.double().cpu().numpy()[..., : heads * head_dim]
-        y = qkv.double().cpu().numpy()[..., : heads * head_dim]
-        ids = new_positions.cpu().numpy().astype(np.int64)[..., None]
+    def check(new, written):
+        x64 = new[0].double().cpu().numpy()[..., : heads * head_dim]
+        y = written[0].double().cpu().numpy()[..., : heads * head_dim]
+        ids = new[1].cpu().numpy().astype(np.int64)[..., None]
         shape = (*tokens, heads, head_dim)
-        assert_matches_oracle(y.reshape(shape), x64.reshape(shape), ids, frequencies,
-                              "bfloat16")
-        assert torch.equal(qkv[..., (heads + kv_heads) * head_dim :],
-                           new_qkv[..., (heads + kv_heads) * head_dim :])
+        assert_matches_oracle(y.reshape(shape), x64.reshape(shape), ids,
+                              standard_frequencies(head_dim), "bfloat16")
+        v_start = (heads + kv_heads) * head_dim
+        assert torch.equal(written[0][..., v_start:], new[0][..., v_start:])
+
+    assert_graph_replays_like_eager(step, fresh, check)
     rope.check()
     print("replayed", layout, max_position)
     """
