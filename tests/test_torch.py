@@ -398,6 +398,41 @@ def test_export_traces_the_ops(rng):
         _assert_same(actual, expected)
 
 
+@pytest.mark.parametrize("entry", ("RoPE", "apply_rope_with_cos_sin_cache", "MHCPreFwdOp"))
+def test_compiled_before_any_eager_call_does_not_recompile(entry):
+    """In a fresh process, a function compiled (fullgraph, dynamic) before any eager call of
+    the package: its second call, at another length, reuses the graph (the package's lazily
+    bound torch state once made the first graph guard on it)."""
+    script = textwrap.dedent(
+        """
+        import sys
+        import torch
+        sys.path.insert(0, "tests")
+        from _compile import compile_counting
+        from tileops_cupy.rope import RoPE, apply_rope_with_cos_sin_cache
+        from tileops_cupy.sequence_modeling import MHCPreFwdOp
+
+        entry = sys.argv[1]
+        rope, pre = RoPE(16, 2), MHCPreFwdOp(1.0, 1.0, 1.0, 2)
+        cache, phi, b = torch.randn(64, 16), torch.randn(32, 24), torch.randn(24)
+        def call(x):
+            if entry == "RoPE":
+                return rope.forward(x.clone(), positions=torch.arange(x.shape[0]))[0]
+            if entry == "apply_rope_with_cos_sin_cache":
+                return apply_rope_with_cos_sin_cache(torch.arange(x.shape[0]), x, None, 16,
+                                                     cache)[0]
+            return pre(phi, x, b)[1]
+
+        compiled, counter = compile_counting(call, dynamic=True)
+        compiled(torch.randn(5, 32))
+        counter.first_call_done()
+        compiled(torch.randn(9, 32))
+        counter.assert_no_recompile()
+        """
+    )
+    assert_runs_in_own_process(script, entry)
+
+
 def test_torch_is_not_imported_by_the_host_path():
     script = textwrap.dedent(
         """
@@ -421,6 +456,8 @@ _CAPTURE = textwrap.dedent(
     import sys
     import numpy as np
     import torch
+    sys.path.insert(0, "tests")
+    from _cases import assert_graph_replays_like_eager
     from tileops_cupy.rope import (RoPE, RoPEFwdOp, RoPEBwdOp, RoPELlama31FwdOp, YaRNFwdOp,
         LongRoPEBwdOp, RoPENeoxPositionIdsFwdOp, apply_rope)
     from tileops_cupy.sequence_modeling import MHCPreFwdOp, MHCPostFwdOp, MHCPreBwdOp, MHCPostBwdOp
@@ -477,33 +514,7 @@ _CAPTURE = textwrap.dedent(
                                               randn(64, 4 * 512), randn(24, dtype=torch.float32),
                                               randn(64, 4 * 512, dtype=torch.float32)]),
     }
-    op, make = ops[sys.argv[1]]
-    static = make()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up: compile, upload tables, map flags
-        op(*[t.clone() for t in static])
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = op(*static)
-    for replay in range(3):
-        fresh = make()
-        expected_inputs = [t.clone() for t in fresh]
-        expected = op(*expected_inputs)  # eager, on copies
-        for target, value in zip(static, fresh):
-            target.copy_(value)
-        graph.replay()
-        torch.cuda.synchronize()
-        if sys.argv[1] in ("prefill", "decode", "backward"):  # in place: q and k
-            outputs, expected = static[:2], expected_inputs[:2]
-        else:
-            outputs = captured
-        if isinstance(outputs, torch.Tensor):
-            outputs, expected = [outputs], [expected]
-        for got, want in zip(outputs, expected):
-            assert torch.equal(got, want), (sys.argv[1], replay)
+    assert_graph_replays_like_eager(*ops[sys.argv[1]])  # (in place ones return q and k)
     print("replayed", sys.argv[1])
     """
 )

@@ -202,10 +202,14 @@ def bump_versions(*tensors: Any) -> None:
 
 
 def register_if_torch_imported() -> None:
-    """Register now when torch is already imported (op constructors call this, so that a
-    compiled function meets registered ops)."""
-    if not _registered and sys.modules.get("torch") is not None:
-        ensure_registered()
+    """Bind torch's entry points and register the ops now when torch is already imported
+    (op constructors call this): a function compiled before any eager call then meets them
+    ready, instead of guarding on their lazy first use (which the next call would fail: a
+    recompile)."""
+    if sys.modules.get("torch") is not None:
+        _torch_bound()
+        if not _registered:
+            ensure_registered()
 
 
 # --------------------------------------------------------------------------- the calls
@@ -504,3 +508,8 @@ def ensure_registered() -> None:
                 backward, setup_context = autograd
                 op.register_autograd(backward, setup_context=setup_context)
         _registered = True
+
+
+# torch imported before this package: its entry points bound and the ops registered now, so
+# that even a function-only caller (apply_rope_with_cos_sin_cache) compiled first finds them
+register_if_torch_imported()
