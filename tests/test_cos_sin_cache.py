@@ -13,7 +13,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from _cases import assert_runs_in_own_process
+from _cases import PLACES, assert_runs_in_own_process
 from _compile import compile_counting
 from _oracle import (
     assert_matches_reference,
@@ -26,7 +26,6 @@ from _oracle import (
 
 from tileops_cupy.rope import apply_rope_with_cos_sin_cache, apply_rope_with_cos_sin_cache_inplace
 
-PLACES = ("cpu", pytest.param("cuda", marks=pytest.mark.gpu))
 N, HEADS, KV_HEADS, HEAD_SIZE = 11, 4, 2, 32
 MAX_POSITION = 3000
 

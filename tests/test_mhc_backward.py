@@ -11,6 +11,7 @@ from unittest import mock
 
 import numpy as np
 import pytest
+from _cases import PLACES
 from _mhc_oracle import (
     NP_DTYPES,
     as_float64_tensor,
@@ -35,7 +36,6 @@ from tileops_cupy.sequence_modeling import (
 
 torch = pytest.importorskip("torch")  # the oracle is torch autograd
 
-PLACES = ("cpu", pytest.param("cuda", marks=pytest.mark.gpu))
 PRE_DTYPES = ("float32", "bfloat16")
 
 

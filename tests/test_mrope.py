@@ -14,7 +14,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from _cases import assert_runs_in_own_process
+from _cases import PLACES, assert_runs_in_own_process
 from _compile import compile_counting
 from _oracle import (
     assert_matches_oracle,
@@ -29,7 +29,6 @@ from _oracle import (
 
 from tileops_cupy.rope import RoPE, apply_rope
 
-PLACES = ("cpu", pytest.param("cuda", marks=pytest.mark.gpu))
 B, T, HEADS, KV_HEADS, HEAD_DIM = 2, 5, 4, 2, 32
 LIMIT = 1 << 24
 LAYOUTS = ("BT", "BTHD", "packed")

@@ -15,7 +15,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from _cases import assert_runs_in_own_process
+from _cases import PLACES, assert_runs_in_own_process
 from _compile import backends, compile_counting
 from _oracle import (
     LLAMA31_PARAMS,
@@ -47,7 +47,6 @@ from tileops_cupy.rope import (
     apply_rope,
 )
 
-PLACES = ("cpu", pytest.param("cuda", marks=pytest.mark.gpu))
 B, T, HEADS, KV_HEADS, HEAD_DIM = 2, 5, 4, 2, 32
 LIMIT = 1 << 24  # positions without max_position lie below 2**24
 LAYOUTS = ("BT", "BTHD", "packed")  # q [B, T, H*D], [B, T, H, D], packed [N, H*D]

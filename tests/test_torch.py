@@ -14,7 +14,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
-from _cases import assert_runs_in_own_process
+from _cases import PLACES, assert_runs_in_own_process
 from _compile import backends, compile_counting
 from _oracle import SEQUENCE_OP_IDS, SEQUENCE_OPS, random_position_ids, random_tensor
 
@@ -28,7 +28,6 @@ from tileops_cupy.rope import (
 )
 from tileops_cupy.sequence_modeling import MHCPostBwdOp, MHCPostFwdOp, MHCPreBwdOp, MHCPreFwdOp
 
-PLACES = ("cpu", pytest.param("cuda", marks=pytest.mark.gpu))
 SHAPES = {"1d": (37, 16), "2d": (2, 19, 3, 16)}
 GRADCHECK_SHAPES = {"1d": (6, 16), "2d": (2, 3, 2, 16)}  # the Jacobian is checked column by column
 HEAD_DIM, HEADS, KV_HEADS = 16, 4, 2
