@@ -309,12 +309,25 @@ def _launch_buffer(done: Launch, stream: int, state: _ThreadLaunchState) -> None
             driver.set_device(previous)
 
 
-def compile_without_device(spec: ModuleSpec, arch: str) -> dict[str, str]:
-    """Compile ``spec`` with NVRTC for ``arch`` (e.g. "sm_90") with no GPU or driver needed.
+@dataclass(frozen=True, slots=True)
+class DevicelessBuild:
+    """What :func:`compile_without_device` learned: each name expression's lowered (mangled)
+    name, and ptxas's report of each kernel (by mangled name): registers and spilled bytes."""
 
-    Returns each name expression's lowered (mangled) name; raises RuntimeError with the
-    NVRTC log on a compile error.
-    """
+    lowered: dict[str, str]
+    registers: dict[str, int]
+    spill_stores: dict[str, int]
+
+
+_PTXAS_FUNCTION = re.compile(r"Function properties for (\S+)")
+_PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores")
+_PTXAS_REGISTERS = re.compile(r"Used (\d+) registers")
+
+
+def compile_without_device(spec: ModuleSpec, arch: str) -> DevicelessBuild:
+    """Compile ``spec`` with NVRTC for ``arch`` (e.g. "sm_90") with no GPU or driver needed,
+    ptxas reporting each kernel's resources. Raises RuntimeError with the NVRTC log on a
+    compile error."""
     from cupy_backends.cuda.libs import nvrtc
 
     program = nvrtc.createProgram(spec.code, f"{spec.source}.cu", [], [])
@@ -322,11 +335,20 @@ def compile_without_device(spec: ModuleSpec, arch: str) -> dict[str, str]:
         for name in spec.name_expressions:
             nvrtc.addNameExpression(program, name)
         try:
-            nvrtc.compileProgram(program, [*spec.options, f"-arch={arch}"])
+            nvrtc.compileProgram(program, [*spec.options, f"-arch={arch}", "-Xptxas=-v"])
         except Exception as error:
             raise RuntimeError(
                 f"NVRTC failed on {spec.source}.cu for {arch}:\n{nvrtc.getProgramLog(program)}"
             ) from error
-        return {name: nvrtc.getLoweredName(program, name) for name in spec.name_expressions}
+        lowered = {name: nvrtc.getLoweredName(program, name) for name in spec.name_expressions}
+        registers, spill_stores, function = {}, {}, None
+        for line in nvrtc.getProgramLog(program).splitlines():
+            if match := _PTXAS_FUNCTION.search(line):
+                function = match.group(1)
+            elif (match := _PTXAS_SPILLS.search(line)) and function is not None:
+                spill_stores[function] = int(match.group(1))
+            elif (match := _PTXAS_REGISTERS.search(line)) and function is not None:
+                registers[function] = int(match.group(1))
+        return DevicelessBuild(lowered, registers, spill_stores)
     finally:
         nvrtc.destroyProgram(program)
