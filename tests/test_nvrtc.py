@@ -53,12 +53,18 @@ def compiled() -> dict:
         return {job: future.exception() or future.result() for job, future in futures.items()}
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("spec", CATALOGUE, ids=_spec_id)
-def test_compiles_without_a_device(compiled, spec, arch):
+def _built(compiled: dict, spec: _cuda.ModuleSpec, arch: str) -> _cuda.DevicelessBuild:
+    """The build of (spec, arch), or its compile error raised."""
     build = compiled[(spec, arch)]
     if isinstance(build, BaseException):
         raise build
+    return build
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("spec", CATALOGUE, ids=_spec_id)
+def test_compiles_without_a_device(compiled, spec, arch):
+    build = _built(compiled, spec, arch)
     lowered = build.lowered
     assert set(lowered) == set(spec.name_expressions)
     for name, mangled in lowered.items():
@@ -107,9 +113,7 @@ SPILL_SLACK = 8  # bytes: ptxas releases move these counts by a few
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("spec", CATALOGUE, ids=_spec_id)
 def test_no_kernel_spills_more_than_known(compiled, spec, arch):
-    build = compiled[(spec, arch)]
-    if isinstance(build, BaseException):
-        raise build
+    build = _built(compiled, spec, arch)
     for name, mangled in build.lowered.items():
         assert mangled in build.spill_stores, f"ptxas reported nothing for {name}"
         spilled, known = build.spill_stores[mangled], KNOWN_SPILLS.get((arch, name), 0)
