@@ -2,7 +2,8 @@
 // and the post-layer mix. Header-free: NVRTC here has no toolkit headers, so 16-bit floats
 // are converted with inline PTX and the tensor-core product is inline PTX `mma.sync`.
 //
-// Pre is three kernels per call, two when the batch is small:
+// Pre is one kernel per call for batches of up to 64 tokens (mhc_pre_small, below: decode),
+// otherwise three kernels, two when the batch is up to 256 tokens:
 //   mhc_phi_pieces  phi as bf16 B fragments (below), once per call.
 //   mhc_project  h = x @ phi and sum(x*x) for a tile of 128 tokens over one range of K.
 //                phi is split into three bf16 pieces (hi + mid + lo == phi exactly), x into
@@ -89,6 +90,20 @@ __device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
                : "memory");
 }
 
+// 16 (4) bytes of which the first src_bytes are copied and the rest zero-filled; with
+// src_bytes 0 nothing is read (callers still pass a valid address).
+__device__ __forceinline__ void cp_async16_fill(void* smem, const void* gmem, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_address(smem)), "l"(gmem),
+               "r"(src_bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async4_fill(void* smem, const void* gmem, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_address(smem)), "l"(gmem),
+               "r"(src_bytes)
+               : "memory");
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
 __device__ __forceinline__ void cp_async_wait_all_but(int pending) {
@@ -111,6 +126,10 @@ __device__ __forceinline__ unsigned int load_acquire(const unsigned int* p) {
   unsigned int v;
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
+}
+
+__device__ __forceinline__ void store_release(unsigned int* p, unsigned int v) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
 __device__ __forceinline__ U4 load_stream16(const void* p) {
@@ -178,7 +197,7 @@ struct PreParams {
   const float* phi;       // [n*c_x, Q] through (phi_stride_k, phi_stride_q)
   const float* bias;      // [Q] through bias_stride
   float* partial;         // scratch [k_splits, batch, Q+1]
-  unsigned int* counter;  // COUNTER_TILES + tiles words, zeroed by mhc_phi_pieces
+  unsigned int* counter;  // COUNTER_TILES + tiles words, zeroed by mhc_phi_pieces (small: see there)
   float* coef;            // scratch [batch, n + n*n]: h_pre, then M row-major
   u32* pieces;            // scratch: phi as bf16 B fragments, K block by K block (mhc_phi_pieces)
   void* x_res;            // [batch, n*c_x], contiguous
@@ -186,7 +205,7 @@ struct PreParams {
   float* h_post;          // [batch, n], contiguous
   i64 x_stride, phi_stride_k, phi_stride_q, bias_stride;
   i64 batch, c_x, k_range, k_splits;
-  int vector_io, fuse, repeat, unused;
+  int vector_io, fuse, repeat, phi_dense;  // phi_dense: [n*c_x, Q] rows packed, 16-byte aligned
   float alpha_pre, alpha_post, alpha_res, eps;
 };
 
@@ -429,19 +448,26 @@ __device__ __forceinline__ void load8(const typename Io<T>::elem* p, float (&v)[
   unpack8<T>(r, v);
 }
 
-// x_layer and x_res for 8 columns (c0 .. c0+7) of one token, with its coefficients at coef
-// (h_pre then M). x is held in its raw format and widened per use, and the weights are
-// read as they are needed: few registers, so many threads keep loads in flight. `coherent`:
-// the coefficients were written by this very launch (fused), so they bypass L1.
+// x of 8 columns (c0 .. c0+7) of one token in all N streams, in its raw format: what
+// mix_unit turns into x_layer and x_res.
 template <typename T, int N>
-__device__ __forceinline__ void apply_unit(const PreParams& p, i64 row, i64 c0, const float* coef,
-                                           bool coherent) {
+__device__ __forceinline__ void load_unit(const PreParams& p, i64 row, i64 c0, Raw8<T> (&raw)[N]) {
   typedef typename Io<T>::elem E;
   const E* x = (const E*)p.x + row * p.x_stride + c0;
   const int count = p.c_x - c0 < 8 ? (int)(p.c_x - c0) : 8;
-  Raw8<T> raw[N];
 #pragma unroll
   for (int k = 0; k < N; ++k) load_raw8<T>(x + k * p.c_x, p.vector_io, count, raw[k]);
+}
+
+// x_layer and x_res for 8 columns (c0 .. c0+7) of one token from its x (load_unit) and its
+// coefficients at coef (h_pre then M). x is held in its raw format and widened per use, and
+// the weights are read as they are needed: few registers, so many threads keep loads in
+// flight. `coherent`: the coefficients were written by this very launch, so they bypass L1.
+template <typename T, int N>
+__device__ __forceinline__ void mix_unit(const PreParams& p, i64 row, i64 c0, const Raw8<T> (&raw)[N],
+                                         const float* coef, bool coherent) {
+  typedef typename Io<T>::elem E;
+  const int count = p.c_x - c0 < 8 ? (int)(p.c_x - c0) : 8;
   E* layer = (E*)p.x_layer + row * p.c_x + c0;
   E* res = (E*)p.x_res + row * (N * p.c_x) + c0;
 #pragma unroll
@@ -462,6 +488,14 @@ __device__ __forceinline__ void apply_unit(const PreParams& p, i64 row, i64 c0, 
     else
       store_some<T>(out, count, o);
   }
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void apply_unit(const PreParams& p, i64 row, i64 c0, const float* coef,
+                                           bool coherent) {
+  Raw8<T> raw[N];
+  load_unit<T, N>(p, row, c0, raw);
+  mix_unit<T, N>(p, row, c0, raw, coef, coherent);
 }
 
 // ------------------------------------------------------------------ projection
@@ -625,17 +659,22 @@ __device__ __forceinline__ void load_stage(const PreParams& p, typename Io<T>::e
   }
 }
 
+// Spins (one thread) until *word >= target, with acquire ordering. Bounded: a block that never
+// arrives would otherwise hang the device; after ~2 s it traps.
+__device__ __forceinline__ void wait_until_at_least(const unsigned int* word, unsigned int target) {
+  for (unsigned int spins = 0; load_acquire(word) < target; ++spins) {
+    if (spins > (1u << 24)) __trap();
+    asm volatile("nanosleep.u32 64;");
+  }
+}
+
 // Every block of a cooperative launch waits here until all have arrived on `count`.
 __device__ __forceinline__ void grid_barrier(unsigned int* count) {
   __threadfence();  // this thread's writes are visible device-wide before the count moves
   __syncthreads();
   if (threadIdx.x == 0) {
     atomicAdd(count, 1u);
-    // bounded: a missing block would otherwise hang the device; ~2 s, then a trap
-    for (unsigned int spins = 0; load_acquire(count) < gridDim.x; ++spins) {
-      if (spins > (1u << 24)) __trap();
-      asm volatile("nanosleep.u32 64;");
-    }
+    wait_until_at_least(count, gridDim.x);
   }
   __syncthreads();
 }
@@ -807,6 +846,259 @@ __global__ void __launch_bounds__(APPLY_THREADS) mhc_apply(const PreParams p) {
   const i64 u = (i64)item - (i64)r * units;
   const i64 row = p.batch - 1 - r;
   apply_unit<T, N>(p, row, u * 8, p.coef + row * Dims<N>::NC, false);
+}
+
+// ------------------------------------------------------------------ pre, small batches
+
+// Small batches (decode) run the whole of mHC pre in one ordinary launch (mhc_pre_small):
+// no phi fragments, no cooperative launch, no grid barrier. Each block takes a ticket (an
+// atomic counter) and its role from it, so a block that waits on others only waits on
+// lower tickets, which are resident or done: progress needs no co-residency.
+//   tickets [0, groups * k_splits)  projection: group g = ticket / k_splits (SMALL_ROWS
+//       tokens), K range ticket % k_splits: h = x @ phi and sum(x*x) in float32 on the CUDA
+//       cores into partial [k_splits, batch, Q+1]. The group's last block to finish sums
+//       the partials in a fixed order, computes the group's gates, Sinkhorn matrices and
+//       h_post (the large-batch path's own routines), then raises the group's flag.
+//   later tickets  mix: one thread per 8 columns of a row, as mhc_apply; x is loaded before
+//       waiting on the flags of the groups its rows belong to.
+// The last block to finish zeroes the counters, so the next launch on the stream finds them
+// zeroed: the scratch is a per-stream workspace that persists between calls (_mhc).
+// Counters: [0] tickets, [1] blocks finished, [COUNTER_TILES + g] projection blocks of
+// group g finished, [COUNTER_TILES + groups + g] group g's flag.
+template <typename T, int N>
+struct Small {
+  typedef typename Io<T>::elem E;
+  static constexpr int Q = Dims<N>::Q;
+  static constexpr int ROUNDS = (Q + 31) / 32;                      // lane = h column (mod 32)
+  static constexpr int X_PITCH = SMALL_CHUNK + 16 / (int)sizeof(E);  // 16-byte aligned rows
+  static constexpr int X_WORDS = SMALL_ROWS * X_PITCH * (int)sizeof(E) / 4;
+  static constexpr int PHI_WORDS = (SMALL_CHUNK * Q + 3) / 4 * 4;  // [SMALL_CHUNK][Q] packed
+  static constexpr int STAGE_WORDS = X_WORDS + PHI_WORDS;
+  static constexpr int FIT = 46 * 1024 / (4 * STAGE_WORDS);  // stages in 46 KB of static smem
+  static constexpr int PIPELINE = FIT > 3 ? 3 : FIT;        // cp_async_wait_all_but takes <= 2
+  static constexpr int SMEM_WORDS = PIPELINE * STAGE_WORDS;
+  static_assert(PIPELINE >= 2, "two pipeline stages must fit");
+  static_assert(SMEM_WORDS >= SMALL_ROWS * Dims<N>::QP, "sh_h reuses the stages");
+  static_assert(SMEM_WORDS >= 8 * ROUNDS * 32, "the k-split reduction reuses the stages");
+};
+static_assert(SMALL_ROWS == 32 && SMALL_CHUNK == 32 && PROJECT_THREADS == 256,
+              "mhc_pre_small's layout: 8 threads of 4 columns per row, 8 warps");
+
+// One chunk of SMALL_CHUNK K elements of the group's rows (raw, zero past k_end) and of phi
+// (float32 [SMALL_CHUNK][Q], zero past k_end) into a stage, asynchronously.
+template <typename T, int N>
+__device__ __forceinline__ void small_stage(const PreParams& p, u32* stage, i64 row0, int rows,
+                                            i64 k0, i64 k_end) {
+  typedef Small<T, N> S;
+  typedef typename S::E E;
+  constexpr int Q = S::Q;
+  const E* x = (const E*)p.x;
+  E* xs = (E*)stage;
+  float* phis = (float*)(stage + S::X_WORDS);
+  if (p.vector_io) {  // k_end is a multiple of 8: a 16-byte segment is wholly in or out
+    constexpr int PER_SEG = 16 / sizeof(E), SEGS = SMALL_CHUNK / PER_SEG;
+    for (int s = threadIdx.x; s < rows * SEGS; s += PROJECT_THREADS) {
+      const int r = s / SEGS, j = s - r * SEGS;
+      const i64 k = k0 + j * PER_SEG;
+      const bool in = k < k_end;
+      cp_async16_fill(xs + r * S::X_PITCH + j * PER_SEG, in ? x + (row0 + r) * p.x_stride + k : x,
+                      in ? 16 : 0);
+    }
+  } else {
+    for (int s = threadIdx.x; s < rows * SMALL_CHUNK; s += PROJECT_THREADS) {
+      const int r = s / SMALL_CHUNK, j = s - r * SMALL_CHUNK;
+      const i64 k = k0 + j;
+      xs[r * S::X_PITCH + j] = k < k_end ? x[(row0 + r) * p.x_stride + k] : E{};
+    }
+  }
+  const i64 kc = k_end - k0 < SMALL_CHUNK ? k_end - k0 : SMALL_CHUNK;  // rows of phi in range
+  if (p.phi_dense) {  // the chunk's rows are contiguous: 16-byte copies, the tail zero-filled
+    const i64 valid = kc > 0 ? kc * Q : 0;
+    const float* src = p.phi + k0 * Q;
+    for (int f = 4 * threadIdx.x; f < S::PHI_WORDS; f += 4 * PROJECT_THREADS) {
+      const i64 left = valid - f;
+      const int bytes = left >= 4 ? 16 : left > 0 ? 4 * (int)left : 0;
+      cp_async16_fill(phis + f, bytes ? src + f : p.phi, bytes);
+    }
+  } else {
+    for (int f = threadIdx.x; f < S::PHI_WORDS; f += PROJECT_THREADS) {
+      const int kk = f / Q, q = f - kk * Q;
+      const bool in = kk < kc;
+      cp_async4_fill(phis + f, in ? p.phi + (k0 + kk) * p.phi_stride_k + q * p.phi_stride_q : p.phi,
+                     in ? 4 : 0);
+    }
+  }
+}
+
+// 4 consecutive elements (8- or 16-byte aligned) of a stage row as floats.
+template <typename T>
+__device__ __forceinline__ void small_load4(const typename Io<T>::elem* p, float (&v)[4]) {
+  if constexpr (sizeof(typename Io<T>::elem) == 2) {
+    const U2 w = *(const U2*)p;
+    v[0] = Io<T>::to_float((u16)(w.x & 0xffffu));
+    v[1] = Io<T>::to_float((u16)(w.x >> 16));
+    v[2] = Io<T>::to_float((u16)(w.y & 0xffffu));
+    v[3] = Io<T>::to_float((u16)(w.y >> 16));
+  } else {
+    const U4 w = *(const U4*)p;
+    v[0] = __uint_as_float(w.x);
+    v[1] = __uint_as_float(w.y);
+    v[2] = __uint_as_float(w.z);
+    v[3] = __uint_as_float(w.w);
+  }
+}
+
+// The projection of one (group, K range) into partial, then, in the group's last block,
+// its coefficients and flag.
+template <typename T, int N>
+__device__ __forceinline__ void small_project(const PreParams& p, u32* smem, float* sh_scratch,
+                                              int* is_last, i64 ticket) {
+  typedef Small<T, N> S;
+  typedef typename S::E E;
+  constexpr int Q = S::Q, QP = Dims<N>::QP, ROUNDS = S::ROUNDS;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const i64 group = ticket / p.k_splits, split = ticket - group * p.k_splits;
+  const i64 row0 = group * SMALL_ROWS;
+  const int rows = p.batch - row0 < SMALL_ROWS ? (int)(p.batch - row0) : SMALL_ROWS;
+  const i64 K = N * p.c_x;
+  const i64 k_begin = split * p.k_range;
+  const i64 k_end = k_begin + p.k_range < K ? k_begin + p.k_range : K;
+  const int chunks = (int)((k_end - k_begin + SMALL_CHUNK - 1) / SMALL_CHUNK);
+  // Warps over (row, K) : with 8 rows or more each warp takes rows w, w+8, ... of the
+  // whole chunk; with fewer, the warps of one row split the chunk's K (k_warps ways).
+  int row_warps = 8;
+  while (row_warps > 1 && row_warps / 2 >= rows) row_warps /= 2;
+  const int k_warps = 8 / row_warps;
+  const int warp_row = warp % row_warps, k_part = warp / row_warps;
+  const int k_len = SMALL_CHUNK / k_warps, k_lo = k_part * k_len;
+
+  for (int c = 0; c < S::PIPELINE - 1; ++c) {
+    if (c < chunks)
+      small_stage<T, N>(p, smem + c * S::STAGE_WORDS, row0, rows, k_begin + (i64)c * SMALL_CHUNK, k_end);
+    cp_async_commit();
+  }
+  float acc[ROUNDS][4];
+#pragma unroll
+  for (int j = 0; j < ROUNDS; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  float sumsq = 0.f;  // thread tid < rows * 8: row tid / 8, 4 columns of each chunk
+  for (int c = 0; c < chunks; ++c) {
+    cp_async_wait_all_but(S::PIPELINE - 2);
+    __syncthreads();  // chunk c is in; every warp is done with chunk c - 1
+    if (c + S::PIPELINE - 1 < chunks)
+      small_stage<T, N>(p, smem + ((c + S::PIPELINE - 1) % S::PIPELINE) * S::STAGE_WORDS, row0, rows,
+                        k_begin + (i64)(c + S::PIPELINE - 1) * SMALL_CHUNK, k_end);
+    cp_async_commit();
+    const u32* stage = smem + (c % S::PIPELINE) * S::STAGE_WORDS;
+    const E* xs = (const E*)stage;
+    const float* phis = (const float*)(stage + S::X_WORDS);
+    if (tid < rows * 8) {
+      float v[4];
+      small_load4<T>(xs + (tid >> 3) * S::X_PITCH + 4 * (tid & 7), v);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sumsq = fmaf(v[e], v[e], sumsq);
+    }
+    for (int kk = k_lo; kk < k_lo + k_len; kk += 4) {
+      float w[ROUNDS][4];
+#pragma unroll
+      for (int j = 0; j < ROUNDS; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) w[j][e] = lane + 32 * j < Q ? phis[(kk + e) * Q + lane + 32 * j] : 0.f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int r = warp_row + row_warps * i;
+        if (r < rows) {  // warp-uniform
+          float v[4];
+          small_load4<T>(xs + r * S::X_PITCH + kk, v);
+#pragma unroll
+          for (int j = 0; j < ROUNDS; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[j][i] = fmaf(v[e], w[j][e], acc[j][i]);
+        }
+      }
+    }
+  }
+  cp_async_wait_all_but(0);
+  __syncthreads();  // the stages are free
+  float* red = (float*)smem;
+  if (k_part > 0) {  // k_warps > 1 only when rows <= row_warps: one row per warp, in acc[.][0]
+#pragma unroll
+    for (int j = 0; j < ROUNDS; ++j) red[((k_part - 1) * row_warps + warp_row) * ROUNDS * 32 + j * 32 + lane] = acc[j][0];
+  }
+#pragma unroll
+  for (int d = 1; d < 8; d <<= 1) sumsq += __shfl_xor_sync(0xffffffffu, sumsq, d);
+  __syncthreads();
+  float* out = p.partial + (split * p.batch + row0) * QP;
+  if (k_part == 0) {
+    for (int kp = 1; kp < k_warps; ++kp)  // a fixed order: deterministic
+#pragma unroll
+      for (int j = 0; j < ROUNDS; ++j) acc[j][0] += red[((kp - 1) * row_warps + warp_row) * ROUNDS * 32 + j * 32 + lane];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = warp_row + row_warps * i;
+      if (r < rows)
+#pragma unroll
+        for (int j = 0; j < ROUNDS; ++j)
+          if (lane + 32 * j < Q) out[r * QP + lane + 32 * j] = acc[j][i];
+    }
+  }
+  if (tid < rows * 8 && (tid & 7) == 0) out[(tid >> 3) * QP + Q] = sumsq;
+
+  // The group's last block: every split's partials are in, so the coefficients can be made.
+  __threadfence();  // this thread's partials are visible device-wide before the count moves
+  __syncthreads();
+  if (tid == 0) *is_last = atomicAdd(p.counter + COUNTER_TILES + group, 1u) == p.k_splits - 1;
+  __syncthreads();
+  if (!*is_last) return;
+  __threadfence();
+  float* sh_h = (float*)smem;
+  sum_partials<N>(p, row0, rows, sh_h, sh_scratch);
+  rows_rms<T, N>(p, sh_h, row0, rows);
+  tile_coefficients<N>(p, sh_h, row0, rows);
+  __threadfence();  // the coefficients are visible device-wide before the flag
+  __syncthreads();
+  const i64 groups = (p.batch + SMALL_ROWS - 1) / SMALL_ROWS;
+  if (tid == 0) store_release(p.counter + COUNTER_TILES + groups + group, 1u);
+}
+
+// The mix of one block's share of (row, 8 columns) units, once its groups' flags are up.
+template <typename T, int N>
+__device__ __forceinline__ void small_mix(const PreParams& p, i64 block) {
+  const i64 units = (p.c_x + 7) / 8;
+  const i64 first = block * PROJECT_THREADS, item = first + threadIdx.x;
+  const bool active = item < p.batch * units;
+  const i64 row = active ? item / units : 0, c0 = (item - row * units) * 8;
+  Raw8<T> raw[N];
+  if (active) load_unit<T, N>(p, row, c0, raw);  // in flight while the projection finishes
+  if (threadIdx.x == 0) {
+    const i64 groups = (p.batch + SMALL_ROWS - 1) / SMALL_ROWS;
+    const i64 last = first + PROJECT_THREADS - 1 < p.batch * units ? first + PROJECT_THREADS - 1 : p.batch * units - 1;
+    for (i64 g = first / units / SMALL_ROWS; g <= last / units / SMALL_ROWS; ++g)
+      wait_until_at_least(p.counter + COUNTER_TILES + groups + g, 1u);
+  }
+  __syncthreads();
+  if (active) mix_unit<T, N>(p, row, c0, raw, p.coef + row * Dims<N>::NC, true);
+}
+
+// Grid: groups * k_splits projection blocks, then ceil(batch * units / PROJECT_THREADS) mix
+// blocks (_mhc._pre_plan).
+template <typename T, int N>
+__global__ void __launch_bounds__(PROJECT_THREADS) mhc_pre_small(const PreParams p) {
+  __shared__ __align__(16) u32 smem[Small<T, N>::SMEM_WORDS];
+  __shared__ float sh_scratch[PROJECT_THREADS];
+  __shared__ int ticket, is_last;
+  if (threadIdx.x == 0) ticket = (int)atomicAdd(p.counter, 1u);
+  __syncthreads();
+  const i64 groups = (p.batch + SMALL_ROWS - 1) / SMALL_ROWS;
+  const i64 projection_blocks = groups * p.k_splits;
+  if (ticket < projection_blocks)
+    small_project<T, N>(p, smem, sh_scratch, &is_last, ticket);
+  else
+    small_mix<T, N>(p, ticket - projection_blocks);
+  __syncthreads();  // (the block's counter reads are all behind it)
+  if (threadIdx.x == 0 && atomicAdd(p.counter + 1, 1u) == gridDim.x - 1) {
+    // every other block is done with the counters: zero them for the next launch
+    for (i64 i = 0; i < COUNTER_TILES + 2 * groups; ++i) p.counter[i] = 0u;
+  }
 }
 
 // ------------------------------------------------------------------ post

@@ -5,8 +5,9 @@ launch planning (no GPU needed).
 A case that runs in both places is one test parametrized over the place (``_cases``): numpy
 and torch CPU inputs on the host, torch CUDA and CuPy on the device (``gpu``-marked: skipped
 without one). The device runs the shapes that pick its launch paths (one cooperative launch
-for batch <= 256, K split over tiles, the element-wise path for a c_x no vector width
-divides); the tests of streams, fused decode launches and device errors are device only.
+for batch <= 64, a cooperative one for batch <= 256, K split over tiles, the element-wise
+path for a c_x no vector width divides); the tests of streams, decode launches and device
+errors are device only.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from _mhc_oracle import (
 from _oracle import dtype_name, framework_name
 
 from tileops_cupy import _mhc
-from tileops_cupy._mhc import plan_geometry
+from tileops_cupy._mhc import plan_geometry, small_geometry
 from tileops_cupy.sequence_modeling import MHCPostFwdOp, MHCPreFwdOp, streams_of
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -52,12 +53,14 @@ def assert_placed(outputs, place: str, framework: str | None, dtypes) -> None:
 
 # --------------------------------------------------------------------------- pre
 
-# (c_x, batch). On the device, batch <= 256 runs as one cooperative launch (K split over every
-# multiprocessor; 200 is two tiles); 300 is three tiles whose K splits' last block computes the
-# coefficients; a c_x that no vector width divides (130) takes the element-wise path
+# (c_x, batch). On the device, batch <= 64 runs as one mhc_pre_small launch (37 and 64: two
+# groups of tokens, the second partial or full); batch <= 256 as one cooperative launch (K
+# split over every multiprocessor; 200 is two tiles); 300 is three tiles whose K splits' last
+# block computes the coefficients; a c_x that no vector width divides (130) takes the
+# element-wise path
 PRE_SHAPES = {
     "cpu": ((1000, 5), (130, 5)),
-    "cuda": ((1000, 1), (130, 4), (1000, 37), (136, 200), (130, 300), (64, 5)),
+    "cuda": ((1000, 1), (130, 4), (1000, 37), (136, 64), (136, 200), (130, 300), (64, 5)),
 }
 
 
@@ -230,8 +233,39 @@ def test_pre_on_a_side_stream_is_ordered_and_deterministic(rng):
 
 
 @GPU
+def test_pre_small_batches_on_two_streams_and_growing(rng):
+    """mhc_pre_small's workspace is per stream: launches on two streams at once, and a batch
+    that outgrows the stream's workspace, all without synchronising, stay bit-identical to
+    one call at a time."""
+    require("cuda", "torch")
+    import torch
+
+    case = random_pre_case(rng, 4, 1024, 64)
+    phi, x, b = (to_place(a, "cuda", "torch") for a in (case.phi, case.x, case.b))
+    op = MHCPreFwdOp(*case.alphas, case.repeat, case.eps)
+    batches = (1, 40, 3, 64, 2, 64)
+    expected = []
+    for batch in batches:
+        expected.append(op(phi, x[:batch], b))
+        torch.cuda.synchronize()
+    streams = (torch.cuda.Stream(), torch.cuda.Stream())
+    for stream in streams:
+        stream.wait_stream(torch.cuda.current_stream())
+    got = []
+    for i, batch in enumerate(batches * 2):
+        with torch.cuda.stream(streams[i % 2]):
+            got.append(op(phi, x[:batch], b))
+    for stream in streams:
+        torch.cuda.current_stream().wait_stream(stream)
+    for outputs, reference in zip(got, expected * 2, strict=True):
+        for g, e in zip(outputs, reference, strict=True):
+            assert torch.equal(g, e)
+    assert_pre_matches(case, got[-1])
+
+
+@GPU
 def test_pre_decode_back_to_back(rng):
-    """Fused launches reset their block counter: many in a row all stay correct."""
+    """Decode launches leave their counters zeroed: many in a row all stay correct."""
     case = random_pre_case(rng, 4, 1280, 2)
     phi, b = to_place(case.phi, "cuda", "torch"), to_place(case.b, "cuda", "torch")
     op = MHCPreFwdOp(*case.alphas, case.repeat, case.eps)
@@ -446,6 +480,16 @@ def test_plan_geometry_covers_k(batch, width, resident):
         assert tiles * k_splits <= resident
 
 
+@pytest.mark.parametrize("multiprocessors", (66, 132))
+@pytest.mark.parametrize("batch", (1, 4, 32, 33, 64))
+@pytest.mark.parametrize("width", (4 * 1280, 4 * 7168, 8 * 130, 64, 3))
+def test_small_geometry_covers_k(batch, width, multiprocessors):
+    k_range, k_splits, groups = small_geometry(batch, width, multiprocessors)
+    assert k_range % 32 == 0 and groups == -(-batch // 32)
+    assert (k_splits - 1) * k_range < width <= k_splits * k_range  # every split has work
+    assert groups * k_splits <= max(groups, 2 * multiprocessors)  # about two per multiprocessor
+
+
 def _device_operand(shape, dtype, strides=None, ptr=1 << 20):
     from tileops_cupy._arrays import Operand, contiguous_strides
 
@@ -460,7 +504,7 @@ def test_launch_values_pack_into_the_kernel_structs(dtype):
     n, c_x, batch = 4, 130, 3
     gates = MHCPreFwdOp(1.0, 1.0, 1.0, 20)._gates
     k_range, k_splits, fuse = plan_geometry(batch, n * c_x, 132)
-    plan = _mhc._PrePlan((), n, c_x, k_range, k_splits, fuse, (1, 1, 1, 1))
+    plan = _mhc._PrePlan((), n, c_x, k_range, k_splits, fuse, False, (1, 1, 1, 1))
     x = _device_operand((batch, n * c_x), dtype)
     phi = _device_operand((n * c_x, 24), "float32")
     b = _device_operand((24,), "float32")
@@ -473,6 +517,7 @@ def test_launch_values_pack_into_the_kernel_structs(dtype):
     fields = _mhc.PRE_PARAMS
     assert fields.read(params, "x") == x.ptr and fields.read(params, "pieces") == 4
     assert fields.read(params, "batch") == batch and fields.read(params, "c_x") == c_x
+    assert fields.read(params, "phi_dense") == 1
     params = _mhc.post_launch_params(outputs[1], outputs[2], outputs[0], outputs[0])
     assert len(params) == 104
     assert _mhc.POST_PARAMS.read(params, "n") == n

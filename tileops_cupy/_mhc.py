@@ -8,12 +8,13 @@ body (``kernels_cu/mhc.cu``, ``kernels_cu/mhc_backward.cu``) on the caller's cur
 stream. Validation belongs to the callers. Nothing here synchronises the host or
 allocates outside the caller's allocator, so every launch can be captured in a CUDA graph.
 
-Pre is three kernels per call (two when fused, for small batches; ``mhc.cu``'s header
-describes them); pre backward is five (phi's fragments; a first pass over x and the
-upstream gradients; the per-token chain rule; a second pass writing grad_x and grad_phi's
-partials; the fixed-order reductions); post and post backward one each. Scratch (partial
-sums, per-token coefficients, Sinkhorn checkpoints) is one fresh buffer of the caller's
-allocator per call.
+Pre is one kernel per call for batches up to 64 (decode), three beyond (two when fused,
+up to 256 tokens; ``mhc.cu``'s header describes them); pre backward is five (phi's
+fragments; a first pass over x and the upstream gradients; the per-token chain rule; a
+second pass writing grad_x and grad_phi's partials; the fixed-order reductions); post and
+post backward one each. Scratch (partial sums, per-token coefficients, Sinkhorn
+checkpoints) is one fresh buffer of the caller's allocator per call, except for the
+one-kernel pre, which keeps a workspace per stream (:func:`_scratch` says why).
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ POST_BWD_PARAMS = _cuda.ParamStruct.declared("mhc_backward", "PostBwdParams")
 # Launch geometry fixed by the kernels (TILE_ROWS, BLOCK_K, STAGE_PITCH, thread counts).
 _GEOMETRY = {
     "TILE_ROWS": 128, "BLOCK_K": 64, "STAGE_PITCH": 72, "STAGES": 3, "PROJECT_THREADS": 256,
-    "APPLY_THREADS": 256, "POST_THREADS": 256, "COUNTER_TILES": 4,
+    "APPLY_THREADS": 256, "POST_THREADS": 256, "COUNTER_TILES": 4, "SMALL_ROWS": 32,
+    "SMALL_CHUNK": 32,
 }  # fmt: skip
 _FORWARD_DEFINES = tuple(f"{name}={value}" for name, value in _GEOMETRY.items())
 _TILE_ROWS, _BLOCK_K, _STAGE_PITCH, _STAGES = (
@@ -62,6 +64,8 @@ _PROJECT_THREADS, _APPLY_THREADS, _POST_THREADS = (
 )
 _COUNTER_TILES = _GEOMETRY["COUNTER_TILES"]  # first per-tile counter word
 _MAX_FUSED_ROWS = 256  # batches this small: cooperative mhc_project, no mhc_apply launch
+_MAX_SMALL_ROWS = 64  # batches this small: mhc_pre_small, one ordinary launch
+_SMALL_ROWS, _SMALL_CHUNK = _GEOMETRY["SMALL_ROWS"], _GEOMETRY["SMALL_CHUNK"]
 
 
 # Launch geometry: NVRTC gets these as the BWD_* defines (one source of truth), and
@@ -103,9 +107,17 @@ def mhc_pre(
     c_x = width // n
     device = x.device
     plan = _pre_plan(device, x.dtype, n, c_x, batch)
-    scratch = _scratch(x, plan)
+    stream = stream_handle(phi)
+    keep, scratch = _scratch(plan, device, stream, lambda words: _operand_buffer(x, words))
     params = pre_launch_params(gates, plan, x, phi, b, x_res, x_layer, h_post, scratch)
-    return _cuda.launch(device, params, plan.steps, stream_handle(phi)), plan
+    launch = _cuda.launch(device, params, plan.steps, stream)
+    del keep  # (alive until the launch is on the stream)
+    return launch, plan
+
+
+def _operand_buffer(template: Operand, words: int) -> tuple[Operand, int]:
+    buffer = empty_like(template, (words,), "float32")
+    return buffer, buffer.ptr
 
 
 def mhc_post(
@@ -231,6 +243,7 @@ def pre_module(dtype: str, n: int) -> _cuda.ModuleSpec:
         f"mhc_phi_pieces<{n}>",
         f"mhc_project<{cuda_type}, {n}>",
         f"mhc_apply<{cuda_type}, {n}>",
+        f"mhc_pre_small<{cuda_type}, {n}>",
     )
     return _cuda.ModuleSpec("mhc", names, _FORWARD_DEFINES)
 
@@ -259,9 +272,10 @@ def scratch_sections(sizes: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
 
 @dataclass(frozen=True, slots=True)
 class _PrePlan:
-    """Launch geometry of one (device, dtype, n, c_x, batch), computed once: phi's
-    fragments, the projection (cooperative when fused: its blocks wait for each other, so
-    all must be resident at once), then the mix unless fused."""
+    """Launch geometry of one (device, dtype, n, c_x, batch), computed once. ``small``: one
+    mhc_pre_small launch, whose scratch is the stream's workspace (:func:`_scratch`).
+    Otherwise phi's fragments, the projection (cooperative when fused: its blocks wait for
+    each other, so all must be resident at once), then the mix unless fused."""
 
     steps: tuple[_cuda.Step, ...]
     n: int
@@ -269,6 +283,7 @@ class _PrePlan:
     k_range: int
     k_splits: int
     fuse: bool
+    small: bool
     scratch: tuple[int, int, int, int]  # words of partials, coefficients, counters, pieces
 
     @property
@@ -323,6 +338,16 @@ def plan_geometry(batch: int, width: int, resident_blocks: int) -> tuple[int, in
     return k_range, -(-width // k_range), batch <= _MAX_FUSED_ROWS
 
 
+def small_geometry(batch: int, width: int, multiprocessors: int) -> tuple[int, int, int]:
+    """(k_range, k_splits, groups) of mhc_pre_small: groups of SMALL_ROWS tokens, each
+    projected by k_splits blocks of K ranges of whole SMALL_CHUNKs, about two projection
+    blocks per multiprocessor in all (enough to read phi at full bandwidth)."""
+    groups = -(-batch // _SMALL_ROWS)
+    wanted = max(1, 2 * multiprocessors // groups)
+    k_range = max(_SMALL_CHUNK, -(-width // (wanted * _SMALL_CHUNK)) * _SMALL_CHUNK)
+    return k_range, -(-width // k_range), groups
+
+
 def _pre_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan:
     key = (device, dtype, n, c_x, batch)
     plan = _pre_plans.get(key)
@@ -333,22 +358,34 @@ def _pre_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan
             f"the CUDA mHC kernels take n <= {CUDA_STREAMS[-1]} streams, got n = {n} "
             "(phi width n*n+2n); run on the host (target='cpu' with host arrays) instead"
         )
+    items = batch * -(-c_x // 8)  # the mix: one thread per 8 columns of a row
+    if items >= 1 << 32:
+        raise ValueError(f"mHC pre takes batch * ceil(c_x / 8) < 2**32, got {items}")
     spec = pre_module(dtype, n)
-    pieces_name, project_name, apply_name = spec.name_expressions
-    project = _cuda.function(spec, project_name, device)
+    pieces_name, project_name, apply_name, small_name = spec.name_expressions
     width, q = n * c_x, n * n + 2 * n
+    threads = (_PROJECT_THREADS, 1, 1)
+    if batch <= _MAX_SMALL_ROWS:
+        k_range, k_splits, groups = small_geometry(batch, width, _multiprocessor_count(device))
+        blocks = groups * k_splits + -(-items // _PROJECT_THREADS)
+        small = _cuda.function(spec, small_name, device)
+        plan = _PrePlan(
+            steps=(_cuda.Step(small, (blocks, 1, 1), threads),),
+            n=n, c_x=c_x, k_range=k_range, k_splits=k_splits, fuse=False, small=True,
+            scratch=(
+                k_splits * batch * (q + 1), batch * (n + n * n), _COUNTER_TILES + 2 * groups, 0
+            ),
+        )  # fmt: skip
+        return _remember(key, plan)
+    project = _cuda.function(spec, project_name, device)
     piece_bytes = 4 * ((q + 7) // 8) * 3 * 32 * 8  # bf16 B fragments of one K block
     smem = _STAGES * (_TILE_ROWS * _STAGE_PITCH * ITEMSIZE[dtype] + piece_bytes)
     with _lock:
         per_multiprocessor = _raise_smem_limit(project, device, smem)
     resident = per_multiprocessor * _multiprocessor_count(device)
     k_range, k_splits, fuse = plan_geometry(batch, width, resident)
-    items = batch * -(-c_x // 8)  # mhc_apply: one thread per 8 columns of a row
-    if items >= 1 << 32:
-        raise ValueError(f"mHC pre takes batch * ceil(c_x / 8) < 2**32, got {items}")
     tiles = -(-batch // _TILE_ROWS)
     k_blocks = -(-width // _BLOCK_K)
-    threads = (_PROJECT_THREADS, 1, 1)
     steps = (
         _cuda.Step(_cuda.function(spec, pieces_name, device), (k_blocks, 1, 1), threads),
         _cuda.Step(project, (tiles * k_splits, 1, 1), threads, smem, cooperative=fuse),
@@ -357,33 +394,72 @@ def _pre_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan
         apply = _cuda.function(spec, apply_name, device)
         steps += (_cuda.Step(apply, (-(-items // _APPLY_THREADS), 1, 1), (_APPLY_THREADS, 1, 1)),)
     plan = _PrePlan(
-        steps=steps,
-        n=n,
-        c_x=c_x,
-        k_range=k_range,
-        k_splits=k_splits,
-        fuse=fuse,
+        steps=steps, n=n, c_x=c_x, k_range=k_range, k_splits=k_splits, fuse=fuse, small=False,
         scratch=(
             k_splits * batch * (q + 1),
             batch * (n + n * n),
             _COUNTER_TILES + tiles,
             k_blocks * piece_bytes // 4,
         ),
-    )
+    )  # fmt: skip
+    return _remember(key, plan)
+
+
+def _remember(key: tuple, plan: _PrePlan) -> _PrePlan:
     if len(_pre_plans) > 4096:  # shapes churn (e.g. growing prefill chunks): start over
         _pre_plans.clear()
     _pre_plans[key] = plan
     return plan
 
 
-def _scratch(template: Operand, plan: _PrePlan) -> tuple[int, ...]:
-    """Device pointers of (partials, coefficients, counters, pieces) for one call, carved
-    from one fresh buffer of the caller's allocator: stream-ordered, graph-capturable
-    (torch's allocator serves a capture from the graph's pool) and never shared between
-    concurrent calls. mhc_phi_pieces zeroes the counters, so nothing needs initialising."""
+# (device, stream) -> (buffer, words): mhc_pre_small's scratch, one per stream, its counters
+# left zeroed by every launch for the next
+_workspaces: dict[tuple[int, int], tuple[Any, int]] = {}
+
+
+class _Runtime:
+    """The two CUDA runtime calls the scratch needs, bound once."""
+
+    is_capturing: Any = None
+
+    @classmethod
+    def bind(cls) -> None:
+        runtime = cupy().cuda.runtime
+        cls.memset = runtime.memsetAsync
+        cls.is_capturing = runtime.streamIsCapturing
+
+
+def _scratch(
+    plan: _PrePlan, device: int, stream: int, allocate: Any
+) -> tuple[Any, tuple[int, ...]]:
+    """(what keeps it alive, the device pointers of (partials, coefficients, counters,
+    pieces)) of one call's scratch; ``allocate(words)`` returns (a fresh float32 buffer of
+    the caller's allocator, its address).
+
+    Fresh memory for the large-batch kernels (mhc_phi_pieces zeroes the counters):
+    stream-ordered, graph-capturable (torch's allocator serves a capture from the graph's
+    pool) and never shared between concurrent calls. mhc_pre_small needs its counters zeroed
+    when it starts and leaves them zeroed when it ends, so it runs on one workspace per
+    stream, zeroed once when made (launches on one stream never overlap); under CUDA-graph
+    capture it gets fresh memory and a captured memset instead, so that replays never share
+    the stream's workspace with eager calls."""
     words, offsets = plan.scratch_layout
-    buffer = empty_like(template, (words,), "float32")
-    return tuple(buffer.ptr + 4 * offset for offset in offsets)
+    if plan.small:
+        if _Runtime.is_capturing is None:
+            _Runtime.bind()
+        workspace = None if _Runtime.is_capturing(stream) else _workspaces.get((device, stream))
+        if workspace is None or workspace[1] < words:
+            keep, base = allocate(words)
+            counters = offsets[2]
+            _Runtime.memset(base + 4 * counters, 0, 4 * (offsets[3] - counters), stream)
+            if not _Runtime.is_capturing(stream):
+                with _lock:
+                    _workspaces[(device, stream)] = ((keep, base), words)
+        else:
+            keep, base = workspace[0]
+    else:
+        keep, base = allocate(words)
+    return keep, tuple(base + 4 * offset for offset in offsets)
 
 
 _PRE_RELAUNCH = PRE_PARAMS.field_writer(
@@ -405,21 +481,28 @@ def relaunch_pre(
     planned: tuple[_cuda.Launch, _PrePlan], phi: Any, x: Any, pointers: list[int]
 ) -> tuple:
     """mHC pre on torch tensors whose layout an earlier call validated and planned (phi,
-    x and b at ``pointers``): new outputs and scratch (as :func:`_scratch`), their
-    addresses patched into that launch."""
+    x and b at ``pointers``): new outputs and scratch (:func:`_scratch`), their addresses
+    patched into that launch."""
     launch, plan = planned
     phi_ptr, x_ptr, b_ptr = pointers
     batch, width = x.shape
     x_res, x_layer = x.new_empty((batch, width)), x.new_empty((batch, plan.c_x))
     h_post = phi.new_empty((batch, plan.n))
-    words, (partial, coef, counter, pieces) = plan.scratch_layout
-    scratch = phi.new_empty((words,)).data_ptr()
+    stream = torch_ops.current_stream(launch.device)
+    keep, (partial, coef, counter, pieces) = _scratch(
+        plan, launch.device, stream, lambda words: _torch_buffer(phi, words)
+    )
     launch.relaunch(
-        torch_ops.current_stream(launch.device), _PRE_RELAUNCH, x_ptr, phi_ptr, b_ptr,
-        scratch + 4 * partial, scratch + 4 * counter, scratch + 4 * coef,
-        scratch + 4 * pieces, x_res.data_ptr(), x_layer.data_ptr(), h_post.data_ptr(),
+        stream, _PRE_RELAUNCH, x_ptr, phi_ptr, b_ptr, partial, counter, coef, pieces,
+        x_res.data_ptr(), x_layer.data_ptr(), h_post.data_ptr(),
     )  # fmt: skip
+    del keep  # (alive until the launch is on the stream)
     return x_res, x_layer, h_post
+
+
+def _torch_buffer(template: Any, words: int) -> tuple[Any, int]:
+    buffer = template.new_empty((words,))
+    return buffer, buffer.data_ptr()
 
 
 def pre_launch_params(
@@ -439,6 +522,7 @@ def pre_launch_params(
     n = h_post.shape[1]
     c_x = width // n
     row_bytes = x.strides[0] * ITEMSIZE[x.dtype] if batch > 1 else 0
+    q = n * n + 2 * n
     partial, coef, counter, pieces = scratch
     return PRE_PARAMS.pack(
         x=x.ptr, phi=phi.ptr, bias=b.ptr, partial=partial, counter=counter, coef=coef,
@@ -446,7 +530,8 @@ def pre_launch_params(
         x_stride=x.strides[0], phi_stride_k=phi.strides[0], phi_stride_q=phi.strides[1],
         bias_stride=b.strides[0], batch=batch, c_x=c_x, k_range=plan.k_range,
         k_splits=plan.k_splits, vector_io=c_x % 8 == 0 and (x.ptr | row_bytes) % 16 == 0,
-        fuse=plan.fuse, repeat=gates.sinkhorn_repeat, unused=0,
+        fuse=plan.fuse, repeat=gates.sinkhorn_repeat,
+        phi_dense=phi.strides == (q, 1) and phi.ptr % 16 == 0,
         alpha_pre=gates.alpha_pre, alpha_post=gates.alpha_post, alpha_res=gates.alpha_res,
         eps=gates.sinkhorn_eps,
     )  # fmt: skip
