@@ -490,6 +490,19 @@ def test_small_geometry_covers_k(batch, width, multiprocessors):
     assert groups * k_splits <= max(groups, 2 * multiprocessors)  # about two per multiprocessor
 
 
+def test_small_scratch_counters_come_first():
+    """A stream's one workspace serves mhc_pre_small plans of every batch: their counters
+    must be the same words (zeroed by each launch), before anything else."""
+    sections = set()
+    for batch in (1, 33, 64):
+        plan = _mhc._PrePlan((), 4, 64, 32, 8, False, True, (8 * batch * 25, batch * 20, 8, 0))
+        words, (partial, coef, counter, _) = plan.scratch_layout
+        assert counter == 0 and min(partial, coef) >= _mhc._SMALL_COUNTER_WORDS
+        assert max(partial + 8 * batch * 25, coef + batch * 20) <= words
+        sections.add(plan.scratch[2])
+    assert sections == {_mhc._SMALL_COUNTER_WORDS}
+
+
 def _device_operand(shape, dtype, strides=None, ptr=1 << 20):
     from tileops_cupy._arrays import Operand, contiguous_strides
 

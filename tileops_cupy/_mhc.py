@@ -66,6 +66,8 @@ _COUNTER_TILES = _GEOMETRY["COUNTER_TILES"]  # first per-tile counter word
 _MAX_FUSED_ROWS = 256  # batches this small: cooperative mhc_project, no mhc_apply launch
 _MAX_SMALL_ROWS = 64  # batches this small: mhc_pre_small, one ordinary launch
 _SMALL_ROWS, _SMALL_CHUNK = _GEOMETRY["SMALL_ROWS"], _GEOMETRY["SMALL_CHUNK"]
+# mhc_pre_small's counters (mhc.cu): tickets, blocks finished, two per group of tokens
+_SMALL_COUNTER_WORDS = _COUNTER_TILES + 2 * -(-_MAX_SMALL_ROWS // _SMALL_ROWS)
 
 
 # Launch geometry: NVRTC gets these as the BWD_* defines (one source of truth), and
@@ -288,8 +290,15 @@ class _PrePlan:
 
     @property
     def scratch_layout(self) -> tuple[int, tuple[int, ...]]:
-        """(words, word offset of each scratch section) in one buffer."""
-        return scratch_sections(self.scratch)
+        """(words, word offset of the partials, coefficients, counters and pieces) in one
+        buffer. mhc_pre_small's counters come first, in a section of one size for every
+        plan: a stream's workspace serves plans of any batch, and each launch zeroes only
+        the counters it used, so every other word there must be a counter too."""
+        if not self.small:
+            return scratch_sections(self.scratch)
+        partials, coefficients, counters, _ = self.scratch
+        words, (counter, partial, coef) = scratch_sections((counters, partials, coefficients))
+        return words, (partial, coef, counter, words)
 
 
 _pre_plans: dict[tuple, _PrePlan] = {}
@@ -372,9 +381,7 @@ def _pre_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan
         plan = _PrePlan(
             steps=(_cuda.Step(small, (blocks, 1, 1), threads),),
             n=n, c_x=c_x, k_range=k_range, k_splits=k_splits, fuse=False, small=True,
-            scratch=(
-                k_splits * batch * (q + 1), batch * (n + n * n), _COUNTER_TILES + 2 * groups, 0
-            ),
+            scratch=(k_splits * batch * (q + 1), batch * (n + n * n), _SMALL_COUNTER_WORDS, 0),
         )  # fmt: skip
         return _remember(key, plan)
     project = _cuda.function(spec, project_name, device)
@@ -450,8 +457,7 @@ def _scratch(
         workspace = None if _Runtime.is_capturing(stream) else _workspaces.get((device, stream))
         if workspace is None or workspace[1] < words:
             keep, base = allocate(words)
-            counters = offsets[2]
-            _Runtime.memset(base + 4 * counters, 0, 4 * (offsets[3] - counters), stream)
+            _Runtime.memset(base + 4 * offsets[2], 0, 4 * plan.scratch[2], stream)
             if not _Runtime.is_capturing(stream):
                 with _lock:
                     _workspaces[(device, stream)] = ((keep, base), words)
