@@ -856,15 +856,20 @@ __global__ void __launch_bounds__(APPLY_THREADS) mhc_apply(const PreParams p) {
 // lower tickets, which are resident or done: progress needs no co-residency.
 //   tickets [0, groups * k_splits)  projection: group g = ticket / k_splits (SMALL_ROWS
 //       tokens), K range ticket % k_splits: h = x @ phi and sum(x*x) in float32 on the CUDA
-//       cores into partial [k_splits, batch, Q+1]. The group's last block to finish sums
-//       the partials in a fixed order, computes the group's gates, Sinkhorn matrices and
-//       h_post (the large-batch path's own routines), then raises the group's flag.
+//       cores, into slice `split` of partial. The partials are summed by a two-level tree
+//       in a fixed order (deterministic): the last block of each SMALL_FAN_IN splits to
+//       finish sums theirs into slice k_splits + (split / SMALL_FAN_IN); the last of those
+//       sums them and computes the group's gates, Sinkhorn matrices and h_post (the
+//       large-batch path's routines), then raises the group's flag. Each sum has every
+//       thread's loads in flight at once (16-byte loads): a reduction is one round trip.
 //   later tickets  mix: one thread per 8 columns of a row, as mhc_apply; x is loaded before
 //       waiting on the flags of the groups its rows belong to.
 // The last block to finish zeroes the counters, so the next launch on the stream finds them
 // zeroed: the scratch is a per-stream workspace that persists between calls (_mhc).
-// Counters: [0] tickets, [1] blocks finished, [COUNTER_TILES + g] projection blocks of
-// group g finished, [COUNTER_TILES + groups + g] group g's flag.
+// partial: slices of batch * (Q+1) floats rounded up to 4 (16-byte aligned), each a
+// [batch, Q+1] of sums. Counters: [0] tickets, [1] blocks finished, then SMALL_FAN_IN + 2
+// per group g at COUNTER_TILES + g * (SMALL_FAN_IN + 2): the splits finished of each
+// SMALL_FAN_IN, the fan-in sums finished, the flag.
 template <typename T, int N>
 struct Small {
   typedef typename Io<T>::elem E;
@@ -874,11 +879,11 @@ struct Small {
   static constexpr int X_WORDS = SMALL_ROWS * X_PITCH * (int)sizeof(E) / 4;
   static constexpr int PHI_WORDS = (SMALL_CHUNK * Q + 3) / 4 * 4;  // [SMALL_CHUNK][Q] packed
   static constexpr int STAGE_WORDS = X_WORDS + PHI_WORDS;
-  static constexpr int FIT = 46 * 1024 / (4 * STAGE_WORDS);  // stages in 46 KB of static smem
+  static constexpr int FIT = 43 * 1024 / (4 * STAGE_WORDS);  // stages in 43 KB of static smem
   static constexpr int PIPELINE = FIT > 3 ? 3 : FIT;        // cp_async_wait_all_but takes <= 2
   static constexpr int SMEM_WORDS = PIPELINE * STAGE_WORDS;
   static_assert(PIPELINE >= 2, "two pipeline stages must fit");
-  static_assert(SMEM_WORDS >= SMALL_ROWS * Dims<N>::QP, "sh_h reuses the stages");
+  static_assert(SMEM_WORDS >= SMALL_ROWS * Dims<N>::QP + 3, "sh_h reuses the stages");
   static_assert(SMEM_WORDS >= 8 * ROUNDS * 32, "the k-split reduction reuses the stages");
 };
 static_assert(SMALL_ROWS == 32 && SMALL_CHUNK == 32 && PROJECT_THREADS == 256,
@@ -945,6 +950,77 @@ __device__ __forceinline__ void small_load4(const typename Io<T>::elem* p, float
     v[1] = __uint_as_float(w.y);
     v[2] = __uint_as_float(w.z);
     v[3] = __uint_as_float(w.w);
+  }
+}
+
+// This block's writes are done; counts it on `arrived` and tells whether it was the last of
+// `expected` (then the others' writes are visible to it). Every thread calls it.
+__device__ __forceinline__ bool small_arrive(unsigned int* arrived, int expected, int* is_last) {
+  __threadfence();  // this thread's writes are visible device-wide before the count moves
+  __syncthreads();
+  if (threadIdx.x == 0) *is_last = atomicAdd(arrived, 1u) == (unsigned int)expected - 1u;
+  __syncthreads();
+  if (*is_last) __threadfence();
+  return *is_last;
+}
+
+__device__ __forceinline__ float4 load_cg4(const float* p) {
+  float4 v;
+  asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// dst[0 .. floats) = the sum of `count` (<= SMALL_FAN_IN) slices src + s * stride, in a fixed
+// order (each thread sums its slices in order, then the threads of a column in order). src
+// and stride are 16-byte aligned; reads run to `floats` rounded up to 4 (inside the slice).
+// dst: shared or global memory, 16-byte aligned. Every thread calls it; `tmp` holds
+// PROJECT_THREADS float4s.
+__device__ void sum_slices(const float* src, i64 stride, int count, int floats, float* dst, float4* tmp) {
+  const int columns = (floats + 3) / 4, tid = threadIdx.x;
+  const int per = columns >= PROJECT_THREADS ? 1 : PROJECT_THREADS / columns;  // threads a column
+  const int sub = tid % per, col = tid / per, span = PROJECT_THREADS / per;
+  for (int c0 = 0; c0 < columns; c0 += span) {  // block-uniform
+    const int c = c0 + col;
+    float4 total = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (col < span && c < columns) {
+      float4 v[SMALL_FAN_IN];
+#pragma unroll
+      for (int i = 0; i < SMALL_FAN_IN; ++i) {  // every load issued before any sum
+        const int s = sub + i * per;
+        v[i] = s < count ? load_cg4(src + s * stride + 4 * c) : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int i = 0; i < SMALL_FAN_IN; ++i) {
+        total.x += v[i].x;
+        total.y += v[i].y;
+        total.z += v[i].z;
+        total.w += v[i].w;
+      }
+    }
+    tmp[tid] = total;
+    __syncthreads();
+    if (tid < span && c0 + tid < columns) {
+      float4 t = tmp[tid * per];
+      for (int j = 1; j < per; ++j) {
+        const float4 u = tmp[tid * per + j];
+        t.x += u.x;
+        t.y += u.y;
+        t.z += u.z;
+        t.w += u.w;
+      }
+      float* d = dst + 4 * (c0 + tid);
+      const int valid = floats - 4 * (c0 + tid);  // the last column may be partial: its
+      if (valid >= 4) {                           // neighbours belong to another group
+        *(float4*)d = t;
+      } else {
+        d[0] = t.x;
+        if (valid > 1) d[1] = t.y;
+        if (valid > 2) d[2] = t.z;
+      }
+    }
+    __syncthreads();
   }
 }
 
@@ -1027,7 +1103,8 @@ __device__ __forceinline__ void small_project(const PreParams& p, u32* smem, flo
 #pragma unroll
   for (int d = 1; d < 8; d <<= 1) sumsq += __shfl_xor_sync(0xffffffffu, sumsq, d);
   __syncthreads();
-  float* out = p.partial + (split * p.batch + row0) * QP;
+  const i64 slice = (p.batch * QP + 3) & ~(i64)3;  // floats: 16-byte aligned slices
+  float* out = p.partial + split * slice + row0 * QP;
   if (k_part == 0) {
     for (int kp = 1; kp < k_warps; ++kp)  // a fixed order: deterministic
 #pragma unroll
@@ -1043,21 +1120,29 @@ __device__ __forceinline__ void small_project(const PreParams& p, u32* smem, flo
   }
   if (tid < rows * 8 && (tid & 7) == 0) out[(tid >> 3) * QP + Q] = sumsq;
 
-  // The group's last block: every split's partials are in, so the coefficients can be made.
-  __threadfence();  // this thread's partials are visible device-wide before the count moves
-  __syncthreads();
-  if (tid == 0) *is_last = atomicAdd(p.counter + COUNTER_TILES + group, 1u) == p.k_splits - 1;
-  __syncthreads();
-  if (!*is_last) return;
-  __threadfence();
+  // The partials' tree: the last of each SMALL_FAN_IN splits sums theirs, the last of those
+  // sums the fan-in sums, then makes the coefficients.
+  unsigned int* counters = p.counter + COUNTER_TILES + group * (SMALL_FAN_IN + 2);
+  const i64 fan_ins = (p.k_splits + SMALL_FAN_IN - 1) / SMALL_FAN_IN;
+  const i64 fan_in = split / SMALL_FAN_IN, first = fan_in * SMALL_FAN_IN;
+  const int count = (int)(p.k_splits - first < SMALL_FAN_IN ? p.k_splits - first : SMALL_FAN_IN);
+  if (!small_arrive(counters + fan_in, count, is_last)) return;
   float* sh_h = (float*)smem;
-  sum_partials<N>(p, row0, rows, sh_h, sh_scratch);
+  const float* group_partial = p.partial + row0 * QP;
+  if (fan_ins == 1) {
+    sum_slices(group_partial, slice, count, rows * QP, sh_h, (float4*)sh_scratch);
+  } else {
+    sum_slices(group_partial + first * slice, slice, count, rows * QP,
+               p.partial + (p.k_splits + fan_in) * slice + row0 * QP, (float4*)sh_scratch);
+    if (!small_arrive(counters + SMALL_FAN_IN, (int)fan_ins, is_last)) return;
+    sum_slices(group_partial + p.k_splits * slice, slice, (int)fan_ins, rows * QP, sh_h,
+               (float4*)sh_scratch);
+  }
   rows_rms<T, N>(p, sh_h, row0, rows);
   tile_coefficients<N>(p, sh_h, row0, rows);
   __threadfence();  // the coefficients are visible device-wide before the flag
   __syncthreads();
-  const i64 groups = (p.batch + SMALL_ROWS - 1) / SMALL_ROWS;
-  if (tid == 0) store_release(p.counter + COUNTER_TILES + groups + group, 1u);
+  if (tid == 0) store_release(counters + SMALL_FAN_IN + 1, 1u);
 }
 
 // The mix of one block's share of (row, 8 columns) units, once its groups' flags are up.
@@ -1070,10 +1155,9 @@ __device__ __forceinline__ void small_mix(const PreParams& p, i64 block) {
   Raw8<T> raw[N];
   if (active) load_unit<T, N>(p, row, c0, raw);  // in flight while the projection finishes
   if (threadIdx.x == 0) {
-    const i64 groups = (p.batch + SMALL_ROWS - 1) / SMALL_ROWS;
     const i64 last = first + PROJECT_THREADS - 1 < p.batch * units ? first + PROJECT_THREADS - 1 : p.batch * units - 1;
     for (i64 g = first / units / SMALL_ROWS; g <= last / units / SMALL_ROWS; ++g)
-      wait_until_at_least(p.counter + COUNTER_TILES + groups + g, 1u);
+      wait_until_at_least(p.counter + COUNTER_TILES + g * (SMALL_FAN_IN + 2) + SMALL_FAN_IN + 1, 1u);
   }
   __syncthreads();
   if (active) mix_unit<T, N>(p, row, c0, raw, p.coef + row * Dims<N>::NC, true);
@@ -1084,20 +1168,20 @@ __device__ __forceinline__ void small_mix(const PreParams& p, i64 block) {
 template <typename T, int N>
 __global__ void __launch_bounds__(PROJECT_THREADS) mhc_pre_small(const PreParams p) {
   __shared__ __align__(16) u32 smem[Small<T, N>::SMEM_WORDS];
-  __shared__ float sh_scratch[PROJECT_THREADS];
+  __shared__ float4 sh_scratch[PROJECT_THREADS];
   __shared__ int ticket, is_last;
   if (threadIdx.x == 0) ticket = (int)atomicAdd(p.counter, 1u);
   __syncthreads();
   const i64 groups = (p.batch + SMALL_ROWS - 1) / SMALL_ROWS;
   const i64 projection_blocks = groups * p.k_splits;
   if (ticket < projection_blocks)
-    small_project<T, N>(p, smem, sh_scratch, &is_last, ticket);
+    small_project<T, N>(p, smem, (float*)sh_scratch, &is_last, ticket);
   else
     small_mix<T, N>(p, ticket - projection_blocks);
   __syncthreads();  // (the block's counter reads are all behind it)
   if (threadIdx.x == 0 && atomicAdd(p.counter + 1, 1u) == gridDim.x - 1) {
     // every other block is done with the counters: zero them for the next launch
-    for (i64 i = 0; i < COUNTER_TILES + 2 * groups; ++i) p.counter[i] = 0u;
+    for (i64 i = 0; i < COUNTER_TILES + groups * (SMALL_FAN_IN + 2); ++i) p.counter[i] = 0u;
   }
 }
 

@@ -480,7 +480,7 @@ def test_plan_geometry_covers_k(batch, width, resident):
         assert tiles * k_splits <= resident
 
 
-@pytest.mark.parametrize("multiprocessors", (66, 132))
+@pytest.mark.parametrize("multiprocessors", (66, 132, 200))
 @pytest.mark.parametrize("batch", (1, 4, 32, 33, 64))
 @pytest.mark.parametrize("width", (4 * 1280, 4 * 7168, 8 * 130, 64, 3))
 def test_small_geometry_covers_k(batch, width, multiprocessors):
@@ -488,19 +488,19 @@ def test_small_geometry_covers_k(batch, width, multiprocessors):
     assert k_range % 32 == 0 and groups == -(-batch // 32)
     assert (k_splits - 1) * k_range < width <= k_splits * k_range  # every split has work
     assert groups * k_splits <= max(groups, 2 * multiprocessors)  # about two per multiprocessor
+    assert k_splits <= 16 * 16  # the partials' two-level tree
 
 
 def test_small_scratch_counters_come_first():
     """A stream's one workspace serves mhc_pre_small plans of every batch: their counters
     must be the same words (zeroed by each launch), before anything else."""
-    sections = set()
+    counters = _mhc._SMALL_COUNTER_WORDS
     for batch in (1, 33, 64):
-        plan = _mhc._PrePlan((), 4, 64, 32, 8, False, True, (8 * batch * 25, batch * 20, 8, 0))
+        sizes = (8 * batch * 25, batch * 20, counters, 0)
+        plan = _mhc._PrePlan((), 4, 64, 32, 8, False, True, sizes)
         words, (partial, coef, counter, _) = plan.scratch_layout
-        assert counter == 0 and min(partial, coef) >= _mhc._SMALL_COUNTER_WORDS
-        assert max(partial + 8 * batch * 25, coef + batch * 20) <= words
-        sections.add(plan.scratch[2])
-    assert sections == {_mhc._SMALL_COUNTER_WORDS}
+        assert counter == 0 and min(partial, coef) >= counters
+        assert max(partial + sizes[0], coef + sizes[1]) <= words
 
 
 def _device_operand(shape, dtype, strides=None, ptr=1 << 20):

@@ -53,7 +53,7 @@ POST_BWD_PARAMS = _cuda.ParamStruct.declared("mhc_backward", "PostBwdParams")
 _GEOMETRY = {
     "TILE_ROWS": 128, "BLOCK_K": 64, "STAGE_PITCH": 72, "STAGES": 3, "PROJECT_THREADS": 256,
     "APPLY_THREADS": 256, "POST_THREADS": 256, "COUNTER_TILES": 4, "SMALL_ROWS": 32,
-    "SMALL_CHUNK": 32,
+    "SMALL_CHUNK": 32, "SMALL_FAN_IN": 16,
 }  # fmt: skip
 _FORWARD_DEFINES = tuple(f"{name}={value}" for name, value in _GEOMETRY.items())
 _TILE_ROWS, _BLOCK_K, _STAGE_PITCH, _STAGES = (
@@ -65,9 +65,12 @@ _PROJECT_THREADS, _APPLY_THREADS, _POST_THREADS = (
 _COUNTER_TILES = _GEOMETRY["COUNTER_TILES"]  # first per-tile counter word
 _MAX_FUSED_ROWS = 256  # batches this small: cooperative mhc_project, no mhc_apply launch
 _MAX_SMALL_ROWS = 64  # batches this small: mhc_pre_small, one ordinary launch
-_SMALL_ROWS, _SMALL_CHUNK = _GEOMETRY["SMALL_ROWS"], _GEOMETRY["SMALL_CHUNK"]
-# mhc_pre_small's counters (mhc.cu): tickets, blocks finished, two per group of tokens
-_SMALL_COUNTER_WORDS = _COUNTER_TILES + 2 * -(-_MAX_SMALL_ROWS // _SMALL_ROWS)
+_SMALL_ROWS, _SMALL_CHUNK, _FAN_IN = (
+    _GEOMETRY[name] for name in ("SMALL_ROWS", "SMALL_CHUNK", "SMALL_FAN_IN")
+)
+# mhc_pre_small's counters (mhc.cu): tickets, blocks finished, then per group of tokens the
+# splits finished of each fan-in, the fan-in sums finished and the group's flag
+_SMALL_COUNTER_WORDS = _COUNTER_TILES + (_FAN_IN + 2) * -(-_MAX_SMALL_ROWS // _SMALL_ROWS)
 
 
 # Launch geometry: NVRTC gets these as the BWD_* defines (one source of truth), and
@@ -350,9 +353,10 @@ def plan_geometry(batch: int, width: int, resident_blocks: int) -> tuple[int, in
 def small_geometry(batch: int, width: int, multiprocessors: int) -> tuple[int, int, int]:
     """(k_range, k_splits, groups) of mhc_pre_small: groups of SMALL_ROWS tokens, each
     projected by k_splits blocks of K ranges of whole SMALL_CHUNKs, about two projection
-    blocks per multiprocessor in all (enough to read phi at full bandwidth)."""
+    blocks per multiprocessor in all (enough to read phi at full bandwidth), and at most
+    SMALL_FAN_IN**2 per group (the partials' two-level tree)."""
     groups = -(-batch // _SMALL_ROWS)
-    wanted = max(1, 2 * multiprocessors // groups)
+    wanted = min(_FAN_IN * _FAN_IN, max(1, 2 * multiprocessors // groups))
     k_range = max(_SMALL_CHUNK, -(-width // (wanted * _SMALL_CHUNK)) * _SMALL_CHUNK)
     return k_range, -(-width // k_range), groups
 
@@ -381,7 +385,12 @@ def _pre_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan
         plan = _PrePlan(
             steps=(_cuda.Step(small, (blocks, 1, 1), threads),),
             n=n, c_x=c_x, k_range=k_range, k_splits=k_splits, fuse=False, small=True,
-            scratch=(k_splits * batch * (q + 1), batch * (n + n * n), _SMALL_COUNTER_WORDS, 0),
+            scratch=(
+                (k_splits + -(-k_splits // _FAN_IN)) * -(-batch * (q + 1) // 4) * 4,
+                batch * (n + n * n),
+                _SMALL_COUNTER_WORDS,
+                0,
+            ),
         )  # fmt: skip
         return _remember(key, plan)
     project = _cuda.function(spec, project_name, device)
