@@ -463,21 +463,28 @@ __device__ __forceinline__ void load_unit(const PreParams& p, i64 row, i64 c0, R
 // coefficients at coef (h_pre then M). x is held in its raw format and widened per use, and
 // the weights are read as they are needed: few registers, so many threads keep loads in
 // flight. `coherent`: the coefficients were written by this very launch, so they bypass L1.
-template <typename T, int N>
+template <typename T, int N, bool coherent>
 __device__ __forceinline__ void mix_unit(const PreParams& p, i64 row, i64 c0, const Raw8<T> (&raw)[N],
-                                         const float* coef, bool coherent) {
+                                         const float* coef) {
   typedef typename Io<T>::elem E;
   const int count = p.c_x - c0 < 8 ? (int)(p.c_x - c0) : 8;
   E* layer = (E*)p.x_layer + row * p.c_x + c0;
   E* res = (E*)p.x_res + row * (N * p.c_x) + c0;
+  // coherent: all the weights loaded at once (one round trip; the loads are volatile, so
+  // loading each where it is used would wait for them one by one)
+  float weights[coherent ? Dims<N>::NC : 1];
+  if (coherent) {
+#pragma unroll
+    for (int j = 0; j < Dims<N>::NC; ++j) weights[j] = load_cg(coef + j);
+  }
 #pragma unroll
   for (int i = 0; i <= N; ++i) {  // i == 0: x_layer with h_pre; i > 0: x_res stream i-1 with M
-    const float* w = coef + (i == 0 ? 0 : N + (i - 1) * N);
+    const int w = i == 0 ? 0 : N + (i - 1) * N;
     E* out = i == 0 ? layer : res + (i - 1) * p.c_x;
     float o[8];
 #pragma unroll
     for (int k = 0; k < N; ++k) {
-      const float wk = coherent ? load_cg(w + k) : w[k];
+      const float wk = coherent ? weights[w + k] : coef[w + k];
       float v[8];
       unpack8<T>(raw[k], v);
 #pragma unroll
@@ -490,12 +497,11 @@ __device__ __forceinline__ void mix_unit(const PreParams& p, i64 row, i64 c0, co
   }
 }
 
-template <typename T, int N>
-__device__ __forceinline__ void apply_unit(const PreParams& p, i64 row, i64 c0, const float* coef,
-                                           bool coherent) {
+template <typename T, int N, bool coherent>
+__device__ __forceinline__ void apply_unit(const PreParams& p, i64 row, i64 c0, const float* coef) {
   Raw8<T> raw[N];
   load_unit<T, N>(p, row, c0, raw);
-  mix_unit<T, N>(p, row, c0, raw, coef, coherent);
+  mix_unit<T, N, coherent>(p, row, c0, raw, coef);
 }
 
 // ------------------------------------------------------------------ projection
@@ -809,7 +815,7 @@ __global__ void __launch_bounds__(PROJECT_THREADS, N <= 4 && Io<T>::x_pieces == 
     for (i64 item = (i64)blockIdx.x * PROJECT_THREADS + tid; item < p.batch * units;
          item += (i64)gridDim.x * PROJECT_THREADS) {
       const i64 row = item / units, u = item - row * units;
-      apply_unit<T, N>(p, row, u * 8, p.coef + row * NC, true);
+      apply_unit<T, N, true>(p, row, u * 8, p.coef + row * NC);
     }
     return;
   }
@@ -845,7 +851,7 @@ __global__ void __launch_bounds__(APPLY_THREADS) mhc_apply(const PreParams p) {
   const u32 r = (u32)item / (u32)units;
   const i64 u = (i64)item - (i64)r * units;
   const i64 row = p.batch - 1 - r;
-  apply_unit<T, N>(p, row, u * 8, p.coef + row * Dims<N>::NC, false);
+  apply_unit<T, N, false>(p, row, u * 8, p.coef + row * Dims<N>::NC);
 }
 
 // ------------------------------------------------------------------ pre, small batches
@@ -1160,7 +1166,7 @@ __device__ __forceinline__ void small_mix(const PreParams& p, i64 block) {
       wait_until_at_least(p.counter + COUNTER_TILES + g * (SMALL_FAN_IN + 2) + SMALL_FAN_IN + 1, 1u);
   }
   __syncthreads();
-  if (active) mix_unit<T, N>(p, row, c0, raw, p.coef + row * Dims<N>::NC, true);
+  if (active) mix_unit<T, N, true>(p, row, c0, raw, p.coef + row * Dims<N>::NC);
 }
 
 // Grid: groups * k_splits projection blocks, then ceil(batch * units / PROJECT_THREADS) mix
