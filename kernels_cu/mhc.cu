@@ -128,6 +128,8 @@ __device__ __forceinline__ unsigned int load_acquire(const unsigned int* p) {
   return v;
 }
 
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+
 __device__ __forceinline__ void store_release(unsigned int* p, unsigned int v) {
   asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
@@ -961,12 +963,17 @@ __device__ __forceinline__ void small_load4(const typename Io<T>::elem* p, float
 
 // This block's writes are done; counts it on `arrived` and tells whether it was the last of
 // `expected` (then the others' writes are visible to it). Every thread calls it.
+// (The block's barrier orders its threads' writes before thread 0's release fence and count,
+// as in a cooperative grid sync: one fence per block, and acq_rel, not the sequentially
+// consistent fence of __threadfence.)
 __device__ __forceinline__ bool small_arrive(unsigned int* arrived, int expected, int* is_last) {
-  __threadfence();  // this thread's writes are visible device-wide before the count moves
   __syncthreads();
-  if (threadIdx.x == 0) *is_last = atomicAdd(arrived, 1u) == (unsigned int)expected - 1u;
+  if (threadIdx.x == 0) {
+    fence_acq_rel_gpu();
+    *is_last = atomicAdd(arrived, 1u) == (unsigned int)expected - 1u;
+    if (*is_last) fence_acq_rel_gpu();
+  }
   __syncthreads();
-  if (*is_last) __threadfence();
   return *is_last;
 }
 
@@ -1146,8 +1153,7 @@ __device__ __forceinline__ void small_project(const PreParams& p, u32* smem, flo
   }
   rows_rms<T, N>(p, sh_h, row0, rows);
   tile_coefficients<N>(p, sh_h, row0, rows);
-  __threadfence();  // the coefficients are visible device-wide before the flag
-  __syncthreads();
+  __syncthreads();  // every thread's coefficients before thread 0's release
   if (tid == 0) store_release(counters + SMALL_FAN_IN + 1, 1u);
 }
 
