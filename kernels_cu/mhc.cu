@@ -107,13 +107,17 @@ __device__ __forceinline__ void cp_async4_fill(void* smem, const void* gmem, int
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
 __device__ __forceinline__ void cp_async_wait_all_but(int pending) {
-  // wait_group takes an immediate; the pipeline depth is a launch parameter (2..4 stages)
+  // wait_group takes an immediate; pipeline depths are 2..5 stages
   if (pending <= 0)
     asm volatile("cp.async.wait_group 0;" ::: "memory");
   else if (pending == 1)
     asm volatile("cp.async.wait_group 1;" ::: "memory");
-  else
+  else if (pending == 2)
     asm volatile("cp.async.wait_group 2;" ::: "memory");
+  else if (pending == 3)
+    asm volatile("cp.async.wait_group 3;" ::: "memory");
+  else
+    asm volatile("cp.async.wait_group 4;" ::: "memory");
 }
 
 __device__ __forceinline__ float load_cg(const float* p) {
@@ -328,66 +332,80 @@ __device__ void rows_rms(const PreParams& p, float* sh_h, i64 row0, int rows) {
   __syncthreads();
 }
 
+// x / d, correctly rounded, from r = 1/d (correctly rounded): the last step of an IEEE
+// division (one residual, one correction), so that every division by one sum costs one
+// reciprocal and three multiply-adds.
+__device__ __forceinline__ float divide_by(float x, float d, float r) {
+  const float q = x * r;
+  return fmaf(fmaf(-q, d, x), r, q);
+}
+
 // Gates and Sinkhorn matrix of rows row0 .. row0+rows-1 from sh_h [rows][Q+1] (h, then the
-// RMS from rows_rms), into p.coef [row][n + n*n] and p.h_post. Each warp takes 32/N tokens at
-// a time: lane i of a token's group owns row i of its matrix, and column sums are shuffles
-// within the group, so the Sinkhorn loop stays in registers. Not inlined: one compiled body
-// for every caller.
+// RMS from rows_rms), into p.coef [row][n + n*n] and p.h_post. One thread per token holds its
+// whole matrix in registers, so a Sinkhorn step is sums and divisions within the thread (no
+// shuffles, one reciprocal per row or column sum): the 20 steps of a decode token are
+// latency, and this keeps them short. Sums run in index order, as on the host. Not inlined:
+// one compiled body for every caller.
 template <int N>
 __device__ __attribute__((noinline)) void tile_coefficients(const PreParams& p, const float* sh_h,
                                                              i64 row0, int rows) {
   constexpr int Q = Dims<N>::Q, QP = Dims<N>::QP, NC = Dims<N>::NC;
-  constexpr int PER_WARP = 32 / N;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  const int slot = lane / N, i = lane - slot * N;
-  const int group = slot * N;  // first lane of this token's group
-  for (int t0 = warp * PER_WARP; t0 < rows; t0 += warps * PER_WARP) {  // warp-uniform
-    const int t = t0 + slot;
-    const bool active = slot < PER_WARP && t < rows;  // idle lanes shadow token t0
-    const float* h = sh_h + (active ? t : t0) * QP;
+  const float alpha_pre = p.alpha_pre, alpha_post = p.alpha_post, alpha_res = p.alpha_res;
+  const float eps = p.eps;
+  const int repeat = p.repeat;
+  for (int t = threadIdx.x; t < rows; t += blockDim.x) {
+    const float* h = sh_h + t * QP;
     const float rms = h[Q] + 1e-4f;
-    const float pre = sigmoid(p.alpha_pre * h[i] / rms + p.bias[i * p.bias_stride]);
-    const float post = 2.f * sigmoid(p.alpha_post * h[N + i] / rms + p.bias[(N + i) * p.bias_stride]);
-    float m[N];
-    float row_max = __uint_as_float(0xff800000u);  // -inf
+    const i64 row = row0 + t;
+    float* dst = p.coef + row * NC;
 #pragma unroll
-    for (int k = 0; k < N; ++k) {
-      const int j = 2 * N + i * N + k;
-      m[k] = p.alpha_res * h[j] / rms + p.bias[j * p.bias_stride];
-      row_max = fmaxf(row_max, m[k]);
+    for (int i = 0; i < N; ++i) {
+      dst[i] = sigmoid(alpha_pre * h[i] / rms + p.bias[i * p.bias_stride]);
+      p.h_post[row * N + i] = 2.f * sigmoid(alpha_post * h[N + i] / rms + p.bias[(N + i) * p.bias_stride]);
     }
+    float m[N][N];
 #pragma unroll
-    for (int k = 0; k < N; ++k) m[k] = expf(m[k] - row_max);
-    for (int it = 0; it < p.repeat; ++it) {
+    for (int i = 0; i < N; ++i) {
+      float row_max = __uint_as_float(0xff800000u);  // -inf
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        const int j = 2 * N + i * N + k;
+        m[i][k] = alpha_res * h[j] / rms + p.bias[j * p.bias_stride];
+        row_max = fmaxf(row_max, m[i][k]);
+      }
+#pragma unroll
+      for (int k = 0; k < N; ++k) m[i][k] = expf(m[i][k] - row_max);
+    }
+    for (int it = 0; it < repeat; ++it) {
       // A sum of non-negative entries plus eps is 0 only when every entry is 0 (eps = 0
       // and the exponentials underflowed): dividing by 1 keeps those zeros, not 0/0.
-      float s = 0.f;
 #pragma unroll
-      for (int k = 0; k < N; ++k) s += m[k];
-      s += p.eps;
-      s = s == 0.f ? 1.f : s;
+      for (int i = 0; i < N; ++i) {
+        float s = 0.f;
 #pragma unroll
-      for (int k = 0; k < N; ++k) m[k] = m[k] / s;
-      float col[N];
+        for (int k = 0; k < N; ++k) s += m[i][k];
+        s += eps;
+        s = s == 0.f ? 1.f : s;
+        const float r = 1.f / s;
+#pragma unroll
+        for (int k = 0; k < N; ++k) m[i][k] = divide_by(m[i][k], s, r);
+      }
 #pragma unroll
       for (int k = 0; k < N; ++k) {
         float c = 0.f;
 #pragma unroll
-        for (int src = 0; src < N; ++src) c += __shfl_sync(0xffffffffu, m[k], (group + src) & 31);
-        c += p.eps;
-        col[k] = c == 0.f ? 1.f : c;
+        for (int i = 0; i < N; ++i) c += m[i][k];
+        c += eps;
+        c = c == 0.f ? 1.f : c;
+        const float r = 1.f / c;
+#pragma unroll
+        for (int i = 0; i < N; ++i) m[i][k] = divide_by(m[i][k], c, r);
       }
-#pragma unroll
-      for (int k = 0; k < N; ++k) m[k] = m[k] / col[k];
     }
-    if (active) {
-      const i64 row = row0 + t;
-      float* dst = p.coef + row * NC;
-      dst[i] = pre;
 #pragma unroll
-      for (int k = 0; k < N; ++k) dst[N + i * N + k] = m[k];
-      p.h_post[row * N + i] = post;
-    }
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+      for (int k = 0; k < N; ++k) dst[N + i * N + k] = m[i][k];
   }
 }
 
@@ -888,7 +906,7 @@ struct Small {
   static constexpr int PHI_WORDS = (SMALL_CHUNK * Q + 3) / 4 * 4;  // [SMALL_CHUNK][Q] packed
   static constexpr int STAGE_WORDS = X_WORDS + PHI_WORDS;
   static constexpr int FIT = 43 * 1024 / (4 * STAGE_WORDS);  // stages in 43 KB of static smem
-  static constexpr int PIPELINE = FIT > 3 ? 3 : FIT;        // cp_async_wait_all_but takes <= 2
+  static constexpr int PIPELINE = FIT > 5 ? 5 : FIT;  // decode's K range in flight at once
   static constexpr int SMEM_WORDS = PIPELINE * STAGE_WORDS;
   static_assert(PIPELINE >= 2, "two pipeline stages must fit");
   static_assert(SMEM_WORDS >= SMALL_ROWS * Dims<N>::QP + 3, "sh_h reuses the stages");
