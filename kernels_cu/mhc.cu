@@ -332,80 +332,96 @@ __device__ void rows_rms(const PreParams& p, float* sh_h, i64 row0, int rows) {
   __syncthreads();
 }
 
-// x / d, correctly rounded, from r = 1/d (correctly rounded): the last step of an IEEE
-// division (one residual, one correction), so that every division by one sum costs one
-// reciprocal and three multiply-adds.
-__device__ __forceinline__ float divide_by(float x, float d, float r) {
-  const float q = x * r;
-  return fmaf(fmaf(-q, d, x), r, q);
-}
-
 // Gates and Sinkhorn matrix of rows row0 .. row0+rows-1 from sh_h [rows][Q+1] (h, then the
-// RMS from rows_rms), into p.coef [row][n + n*n] and p.h_post. One thread per token holds its
-// whole matrix in registers, so a Sinkhorn step is sums and divisions within the thread (no
-// shuffles, one reciprocal per row or column sum): the 20 steps of a decode token are
-// latency, and this keeps them short. Sums run in index order, as on the host. Not inlined:
-// one compiled body for every caller.
+// RMS from rows_rms), into p.coef [row][n + n*n] and p.h_post. A decode token's 20 Sinkhorn
+// steps are pure latency, so its matrix is spread over lanes: for n*n <= 32 one lane per
+// entry (a step: the row's or column's entries gathered by n shuffles, summed in index order
+// as on the host, one division), else one lane per row (column sums by n*n shuffles).
+// Not inlined: one compiled body for every caller.
 template <int N>
 __device__ __attribute__((noinline)) void tile_coefficients(const PreParams& p, const float* sh_h,
                                                              i64 row0, int rows) {
   constexpr int Q = Dims<N>::Q, QP = Dims<N>::QP, NC = Dims<N>::NC;
-  const float alpha_pre = p.alpha_pre, alpha_post = p.alpha_post, alpha_res = p.alpha_res;
+  constexpr bool PER_ENTRY = N * N <= 32;
+  constexpr int LANES = PER_ENTRY ? N * N : N;  // lanes of one token
+  constexpr int PER_WARP = 32 / LANES;
+  constexpr int R = PER_ENTRY ? 1 : N;  // entries a lane holds: m[k] of row i (per row), else m[0]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const int slot = lane / LANES, e = lane - slot * LANES;
+  const int group = slot * LANES;  // first lane of this token's group
+  const int i = PER_ENTRY ? e / N : e, k0 = PER_ENTRY ? e - (e / N) * N : 0;
   const float eps = p.eps;
   const int repeat = p.repeat;
-  for (int t = threadIdx.x; t < rows; t += blockDim.x) {
-    const float* h = sh_h + t * QP;
+  for (int t0 = warp * PER_WARP; t0 < rows; t0 += warps * PER_WARP) {  // warp-uniform
+    const int t = t0 + slot;
+    const bool active = slot < PER_WARP && t < rows;  // idle lanes shadow token t0
+    const float* h = sh_h + (active ? t : t0) * QP;
     const float rms = h[Q] + 1e-4f;
-    const i64 row = row0 + t;
-    float* dst = p.coef + row * NC;
+    const float pre = sigmoid(p.alpha_pre * h[i] / rms + p.bias[i * p.bias_stride]);
+    const float post = 2.f * sigmoid(p.alpha_post * h[N + i] / rms + p.bias[(N + i) * p.bias_stride]);
+    float m[R];
 #pragma unroll
-    for (int i = 0; i < N; ++i) {
-      dst[i] = sigmoid(alpha_pre * h[i] / rms + p.bias[i * p.bias_stride]);
-      p.h_post[row * N + i] = 2.f * sigmoid(alpha_post * h[N + i] / rms + p.bias[(N + i) * p.bias_stride]);
+    for (int r = 0; r < R; ++r) {
+      const int j = 2 * N + i * N + k0 + r;
+      m[r] = p.alpha_res * h[j] / rms + p.bias[j * p.bias_stride];
     }
-    float m[N][N];
+    // the row's max, then the exponentials
+    float row_max = __uint_as_float(0xff800000u);  // -inf
+    if constexpr (PER_ENTRY) {
 #pragma unroll
-    for (int i = 0; i < N; ++i) {
-      float row_max = __uint_as_float(0xff800000u);  // -inf
+      for (int k = 0; k < N; ++k)
+        row_max = fmaxf(row_max, __shfl_sync(0xffffffffu, m[0], (group + i * N + k) & 31));
+    } else {
 #pragma unroll
-      for (int k = 0; k < N; ++k) {
-        const int j = 2 * N + i * N + k;
-        m[i][k] = alpha_res * h[j] / rms + p.bias[j * p.bias_stride];
-        row_max = fmaxf(row_max, m[i][k]);
-      }
-#pragma unroll
-      for (int k = 0; k < N; ++k) m[i][k] = expf(m[i][k] - row_max);
+      for (int k = 0; k < N; ++k) row_max = fmaxf(row_max, m[k]);
     }
+#pragma unroll
+    for (int r = 0; r < R; ++r) m[r] = expf(m[r] - row_max);
     for (int it = 0; it < repeat; ++it) {
       // A sum of non-negative entries plus eps is 0 only when every entry is 0 (eps = 0
       // and the exponentials underflowed): dividing by 1 keeps those zeros, not 0/0.
-#pragma unroll
-      for (int i = 0; i < N; ++i) {
+      if constexpr (PER_ENTRY) {
         float s = 0.f;
 #pragma unroll
-        for (int k = 0; k < N; ++k) s += m[i][k];
+        for (int k = 0; k < N; ++k) s += __shfl_sync(0xffffffffu, m[0], (group + i * N + k) & 31);
         s += eps;
-        s = s == 0.f ? 1.f : s;
-        const float r = 1.f / s;
-#pragma unroll
-        for (int k = 0; k < N; ++k) m[i][k] = divide_by(m[i][k], s, r);
-      }
-#pragma unroll
-      for (int k = 0; k < N; ++k) {
+        m[0] = m[0] / (s == 0.f ? 1.f : s);
         float c = 0.f;
 #pragma unroll
-        for (int i = 0; i < N; ++i) c += m[i][k];
+        for (int r = 0; r < N; ++r) c += __shfl_sync(0xffffffffu, m[0], (group + r * N + k0) & 31);
         c += eps;
-        c = c == 0.f ? 1.f : c;
-        const float r = 1.f / c;
+        m[0] = m[0] / (c == 0.f ? 1.f : c);
+      } else {
+        float s = 0.f;
 #pragma unroll
-        for (int i = 0; i < N; ++i) m[i][k] = divide_by(m[i][k], c, r);
+        for (int k = 0; k < N; ++k) s += m[k];
+        s += eps;
+        s = s == 0.f ? 1.f : s;
+#pragma unroll
+        for (int k = 0; k < N; ++k) m[k] = m[k] / s;
+        float col[N];
+#pragma unroll
+        for (int k = 0; k < N; ++k) {
+          float c = 0.f;
+#pragma unroll
+          for (int src = 0; src < N; ++src) c += __shfl_sync(0xffffffffu, m[k], (group + src) & 31);
+          c += eps;
+          col[k] = c == 0.f ? 1.f : c;
+        }
+#pragma unroll
+        for (int k = 0; k < N; ++k) m[k] = m[k] / col[k];
       }
     }
+    if (active) {
+      const i64 row = row0 + t;
+      float* dst = p.coef + row * NC;
+      if (k0 == 0) {
+        dst[i] = pre;
+        p.h_post[row * N + i] = post;
+      }
 #pragma unroll
-    for (int i = 0; i < N; ++i)
-#pragma unroll
-      for (int k = 0; k < N; ++k) dst[N + i * N + k] = m[i][k];
+      for (int r = 0; r < R; ++r) dst[N + i * N + k0 + r] = m[r];
+    }
   }
 }
 
@@ -906,7 +922,7 @@ struct Small {
   static constexpr int PHI_WORDS = (SMALL_CHUNK * Q + 3) / 4 * 4;  // [SMALL_CHUNK][Q] packed
   static constexpr int STAGE_WORDS = X_WORDS + PHI_WORDS;
   static constexpr int FIT = 43 * 1024 / (4 * STAGE_WORDS);  // stages in 43 KB of static smem
-  static constexpr int PIPELINE = FIT > 5 ? 5 : FIT;  // decode's K range in flight at once
+  static constexpr int PIPELINE = FIT > 3 ? 3 : FIT;
   static constexpr int SMEM_WORDS = PIPELINE * STAGE_WORDS;
   static_assert(PIPELINE >= 2, "two pipeline stages must fit");
   static_assert(SMEM_WORDS >= SMALL_ROWS * Dims<N>::QP + 3, "sh_h reuses the stages");
