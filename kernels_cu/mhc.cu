@@ -2,8 +2,8 @@
 // and the post-layer mix. Header-free: NVRTC here has no toolkit headers, so 16-bit floats
 // are converted with inline PTX and the tensor-core product is inline PTX `mma.sync`.
 //
-// Pre is one kernel per call for batches of up to 64 tokens (mhc_pre_small, below: decode),
-// otherwise three kernels, two when the batch is up to 256 tokens:
+// Pre is one kernel per call for small batches (mhc_pre_small, below: decode; _mhc._pre_plan
+// says how small), otherwise three kernels, two when the batch is up to 256 tokens:
 //   mhc_phi_pieces  phi as bf16 B fragments (below), once per call.
 //   mhc_project  h = x @ phi and sum(x*x) for a tile of 128 tokens over one range of K.
 //                phi is split into three bf16 pieces (hi + mid + lo == phi exactly), x into

@@ -4,9 +4,9 @@ launch planning (no GPU needed).
 
 A case that runs in both places is one test parametrized over the place (``_cases``): numpy
 and torch CPU inputs on the host, torch CUDA and CuPy on the device (``gpu``-marked: skipped
-without one). The device runs the shapes that pick its launch paths (one cooperative launch
-for batch <= 64, a cooperative one for batch <= 256, K split over tiles, the element-wise
-path for a c_x no vector width divides); the tests of streams, decode launches and device
+without one). The device runs the shapes that pick its launch paths (one ordinary launch for
+decode batches, one cooperative launch for batch <= 256, K split over tiles, the
+element-wise path for a c_x no vector width divides); the tests of streams, decode launches and device
 errors are device only.
 """
 
@@ -53,8 +53,9 @@ def assert_placed(outputs, place: str, framework: str | None, dtypes) -> None:
 
 # --------------------------------------------------------------------------- pre
 
-# (c_x, batch). On the device, batch <= 64 runs as one mhc_pre_small launch (37 and 64: two
-# groups of tokens, the second partial or full); batch <= 256 as one cooperative launch (K
+# (c_x, batch). On the device, a batch of <= 64 tokens and <= 2**18 elements runs as one
+# mhc_pre_small launch (37 and 64: two groups of tokens, the second partial or full; 1000 x 37
+# with n = 8 is too large), batch <= 256 as one cooperative launch (K
 # split over every multiprocessor; 200 is two tiles); 300 is three tiles whose K splits' last
 # block computes the coefficients; a c_x that no vector width divides (130) takes the
 # element-wise path

@@ -8,13 +8,14 @@ body (``kernels_cu/mhc.cu``, ``kernels_cu/mhc_backward.cu``) on the caller's cur
 stream. Validation belongs to the callers. Nothing here synchronises the host or
 allocates outside the caller's allocator, so every launch can be captured in a CUDA graph.
 
-Pre is one kernel per call for batches up to 64 (decode), three beyond (two when fused,
-up to 256 tokens; ``mhc.cu``'s header describes them); pre backward is five (phi's
-fragments; a first pass over x and the upstream gradients; the per-token chain rule; a
-second pass writing grad_x and grad_phi's partials; the fixed-order reductions); post and
-post backward one each. Scratch (partial sums, per-token coefficients, Sinkhorn
-checkpoints) is one fresh buffer of the caller's allocator per call, except for the
-one-kernel pre, which keeps a workspace per stream (:func:`_scratch` says why).
+Pre is one kernel per call for small batches (decode: up to 64 tokens and 2**18 elements
+of x), three beyond (two when fused, up to 256 tokens; ``mhc.cu``'s header describes them);
+pre backward is five (phi's fragments; a first pass over x and the upstream gradients; the
+per-token chain rule; a second pass writing grad_x and grad_phi's partials; the fixed-order
+reductions); post and post backward one each. Scratch (partial sums, per-token
+coefficients, Sinkhorn checkpoints) is one fresh buffer of the caller's allocator per call,
+except for the one-kernel pre, which keeps a workspace per stream (:func:`_scratch` says
+why).
 """
 
 from __future__ import annotations
@@ -64,7 +65,11 @@ _PROJECT_THREADS, _APPLY_THREADS, _POST_THREADS = (
 )
 _COUNTER_TILES = _GEOMETRY["COUNTER_TILES"]  # first per-tile counter word
 _MAX_FUSED_ROWS = 256  # batches this small: cooperative mhc_project, no mhc_apply launch
-_MAX_SMALL_ROWS = 64  # batches this small: mhc_pre_small, one ordinary launch
+# mhc_pre_small, one ordinary launch, for batches of at most _MAX_SMALL_ROWS tokens and
+# _SMALL_WORK elements of x: its projection runs on the CUDA cores, which beyond that lose to
+# the tensor-core path (H200, n = 4, device time: B32 c_x1280 27.7 us vs 30.3 fused, B4
+# c_x7168 27.6 vs 32.8; B16 c_x7168 34.9 vs 31.5)
+_MAX_SMALL_ROWS, _SMALL_WORK = 64, 1 << 18
 _SMALL_ROWS, _SMALL_CHUNK, _FAN_IN = (
     _GEOMETRY[name] for name in ("SMALL_ROWS", "SMALL_CHUNK", "SMALL_FAN_IN")
 )
@@ -378,7 +383,7 @@ def _pre_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan
     pieces_name, project_name, apply_name, small_name = spec.name_expressions
     width, q = n * c_x, n * n + 2 * n
     threads = (_PROJECT_THREADS, 1, 1)
-    if batch <= _MAX_SMALL_ROWS:
+    if batch <= _MAX_SMALL_ROWS and batch * width <= _SMALL_WORK:
         k_range, k_splits, groups = small_geometry(batch, width, _multiprocessor_count(device))
         blocks = groups * k_splits + -(-items // _PROJECT_THREADS)
         small = _cuda.function(spec, small_name, device)
