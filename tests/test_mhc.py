@@ -6,8 +6,8 @@ A case that runs in both places is one test parametrized over the place (``_case
 and torch CPU inputs on the host, torch CUDA and CuPy on the device (``gpu``-marked: skipped
 without one). The device runs the shapes that pick its launch paths (one ordinary launch for
 decode batches, one cooperative launch for batch <= 256, K split over tiles, the
-element-wise path for a c_x no vector width divides); the tests of streams, decode launches and device
-errors are device only.
+element-wise path for a c_x no vector width divides); the tests of streams, decode launches
+and device errors are device only.
 """
 
 from __future__ import annotations
