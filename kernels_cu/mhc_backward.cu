@@ -1098,43 +1098,24 @@ __global__ void __launch_bounds__(BWD_POST_THREADS) mhc_post_bwd(const PostBwdPa
     float gate[N], dot[N];
 #pragma unroll
     for (int i = 0; i < N; ++i) gate[i] = gates[i * p.h_stride_col], dot[i] = 0.f;
-    // Two units a thread per round, every load of the round issued before its first store (a
-    // load after a store waits for it: the compiler cannot tell that they never overlap),
-    // held raw to keep registers few; the units and streams are summed in the same order.
-    for (i64 u0 = tid; u0 < p.units; u0 += 2 * BWD_POST_THREADS) {
-      Raw8<T> raw_layer[2], raw_grad[2][N];
+    for (i64 u = tid; u < p.units; u += BWD_POST_THREADS) {
+      const i64 c0 = u * 8;
+      const int count = p.c_x - c0 < 8 ? (int)(p.c_x - c0) : 8;
+      float xl[8], acc[8];
+      load8_or_some<T>(layer + c0, vector, count, xl);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const i64 c0 = (u0 + h * BWD_POST_THREADS) * 8;
-        if (c0 < p.c_x) {
-          const int count = p.c_x - c0 < 8 ? (int)(p.c_x - c0) : 8;
-          load_raw8<T>(layer + c0, vector, count, raw_layer[h]);
+      for (int e = 0; e < 8; ++e) acc[e] = 0.f;
 #pragma unroll
-          for (int i = 0; i < N; ++i) load_raw8<T>(grad + i * p.c_x + c0, vector, count, raw_grad[h][i]);
+      for (int i = 0; i < N; ++i) {
+        float v[8];
+        load8_or_some<T>(grad + i * p.c_x + c0, vector, count, v);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          acc[e] = fmaf(gate[i], v[e], acc[e]);
+          dot[i] = fmaf(xl[e], v[e], dot[i]);
         }
       }
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const i64 c0 = (u0 + h * BWD_POST_THREADS) * 8;
-        if (c0 < p.c_x) {
-          const int count = p.c_x - c0 < 8 ? (int)(p.c_x - c0) : 8;
-          float xl[8], acc[8];
-          unpack8<T>(raw_layer[h], xl);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) acc[e] = 0.f;
-#pragma unroll
-          for (int i = 0; i < N; ++i) {
-            float v[8];
-            unpack8<T>(raw_grad[h][i], v);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-              acc[e] = fmaf(gate[i], v[e], acc[e]);
-              dot[i] = fmaf(xl[e], v[e], dot[i]);
-            }
-          }
-          store8_or_some<T>(out_layer + c0, vector, count, acc);
-        }
-      }
+      store8_or_some<T>(out_layer + c0, vector, count, acc);
     }
     block_sums<N>(dot, scratch, out_gates);
   } else {
