@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from . import _cuda
@@ -118,7 +118,7 @@ def mhc_pre(
     device = x.device
     plan = _pre_plan(device, x.dtype, n, c_x, batch)
     stream = stream_handle(phi)
-    keep, scratch = _scratch(plan, device, stream, lambda words: _operand_buffer(x, words))
+    keep, scratch = _scratch(plan, device, stream, _operand_buffer, x)
     params = pre_launch_params(gates, plan, x, phi, b, x_res, x_layer, h_post, scratch)
     launch = _cuda.launch(device, params, plan.steps, stream)
     del keep  # (alive until the launch is on the stream)
@@ -295,18 +295,20 @@ class _PrePlan:
     fuse: bool
     small: bool
     scratch: tuple[int, int, int, int]  # words of partials, coefficients, counters, pieces
+    # (words, word offset of the partials, coefficients, counters and pieces) in one buffer
+    scratch_layout: tuple[int, tuple[int, ...]] = field(init=False)
 
-    @property
-    def scratch_layout(self) -> tuple[int, tuple[int, ...]]:
-        """(words, word offset of the partials, coefficients, counters and pieces) in one
-        buffer. mhc_pre_small's counters come first, in a section of one size for every
-        plan: a stream's workspace serves plans of any batch, and each launch zeroes only
-        the counters it used, so every other word there must be a counter too."""
-        if not self.small:
-            return scratch_sections(self.scratch)
-        partials, coefficients, counters, _ = self.scratch
-        words, (counter, partial, coef) = scratch_sections((counters, partials, coefficients))
-        return words, (partial, coef, counter, words)
+    def __post_init__(self) -> None:
+        # mhc_pre_small's counters come first, in a section of one size for every plan: a
+        # stream's workspace serves plans of any batch, and each launch zeroes only the
+        # counters it used, so every other word there must be a counter too
+        if self.small:
+            partials, coefficients, counters, _ = self.scratch
+            words, (counter, partial, coef) = scratch_sections((counters, partials, coefficients))
+            layout = words, (partial, coef, counter, words)
+        else:
+            layout = scratch_sections(self.scratch)
+        object.__setattr__(self, "scratch_layout", layout)
 
 
 _pre_plans: dict[tuple, _PrePlan] = {}
@@ -451,11 +453,11 @@ class _Runtime:
 
 
 def _scratch(
-    plan: _PrePlan, device: int, stream: int, allocate: Any
+    plan: _PrePlan, device: int, stream: int, allocate: Any, template: Any
 ) -> tuple[Any, tuple[int, ...]]:
     """(what keeps it alive, the device pointers of (partials, coefficients, counters,
-    pieces)) of one call's scratch; ``allocate(words)`` returns (a fresh float32 buffer of
-    the caller's allocator, its address).
+    pieces)) of one call's scratch; ``allocate(template, words)`` returns (a fresh float32
+    buffer of the caller's allocator, its address).
 
     Fresh memory for the large-batch kernels (mhc_phi_pieces zeroes the counters):
     stream-ordered, graph-capturable (torch's allocator serves a capture from the graph's
@@ -465,20 +467,21 @@ def _scratch(
     capture it gets fresh memory and a captured memset instead, so that replays never share
     the stream's workspace with eager calls."""
     words, offsets = plan.scratch_layout
-    if plan.small:
-        if _Runtime.is_capturing is None:
-            _Runtime.bind()
-        workspace = None if _Runtime.is_capturing(stream) else _workspaces.get((device, stream))
-        if workspace is None or workspace[1] < words:
-            keep, base = allocate(words)
-            _Runtime.memset(base + 4 * offsets[2], 0, 4 * plan.scratch[2], stream)
-            if not _Runtime.is_capturing(stream):
-                with _lock:
-                    _workspaces[(device, stream)] = ((keep, base), words)
-        else:
-            keep, base = workspace[0]
+    if not plan.small:
+        keep, base = allocate(template, words)
+        return keep, tuple(base + 4 * offset for offset in offsets)
+    if _Runtime.is_capturing is None:
+        _Runtime.bind()
+    capturing = _Runtime.is_capturing(stream)
+    workspace = None if capturing else _workspaces.get((device, stream))
+    if workspace is not None and workspace[1] >= words:
+        keep, base = workspace[0]
     else:
-        keep, base = allocate(words)
+        keep, base = allocate(template, words)
+        _Runtime.memset(base + 4 * offsets[2], 0, 4 * plan.scratch[2], stream)
+        if not capturing:
+            with _lock:
+                _workspaces[(device, stream)] = ((keep, base), words)
     return keep, tuple(base + 4 * offset for offset in offsets)
 
 
@@ -510,7 +513,7 @@ def relaunch_pre(
     h_post = phi.new_empty((batch, plan.n))
     stream = torch_ops.current_stream(launch.device)
     keep, (partial, coef, counter, pieces) = _scratch(
-        plan, launch.device, stream, lambda words: _torch_buffer(phi, words)
+        plan, launch.device, stream, _torch_buffer, phi
     )
     launch.relaunch(
         stream, _PRE_RELAUNCH, x_ptr, phi_ptr, b_ptr, partial, counter, coef, pieces,
