@@ -107,17 +107,13 @@ __device__ __forceinline__ void cp_async4_fill(void* smem, const void* gmem, int
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
 __device__ __forceinline__ void cp_async_wait_all_but(int pending) {
-  // wait_group takes an immediate; pipeline depths are 2..5 stages
+  // wait_group takes an immediate; the pipeline depth is a launch parameter (2..4 stages)
   if (pending <= 0)
     asm volatile("cp.async.wait_group 0;" ::: "memory");
   else if (pending == 1)
     asm volatile("cp.async.wait_group 1;" ::: "memory");
-  else if (pending == 2)
-    asm volatile("cp.async.wait_group 2;" ::: "memory");
-  else if (pending == 3)
-    asm volatile("cp.async.wait_group 3;" ::: "memory");
   else
-    asm volatile("cp.async.wait_group 4;" ::: "memory");
+    asm volatile("cp.async.wait_group 2;" ::: "memory");
 }
 
 __device__ __forceinline__ float load_cg(const float* p) {
@@ -202,7 +198,7 @@ struct PreParams {
   const void* x;          // [batch, n*c_x], rows x_stride elements apart, columns dense
   const float* phi;       // [n*c_x, Q] through (phi_stride_k, phi_stride_q)
   const float* bias;      // [Q] through bias_stride
-  float* partial;         // scratch [k_splits, batch, Q+1]
+  float* partial;         // scratch [k_splits, batch, Q+1] (small: slices, see there)
   unsigned int* counter;  // COUNTER_TILES + tiles words, zeroed by mhc_phi_pieces (small: see there)
   float* coef;            // scratch [batch, n + n*n]: h_pre, then M row-major
   u32* pieces;            // scratch: phi as bf16 B fragments, K block by K block (mhc_phi_pieces)
@@ -345,7 +341,7 @@ __device__ __attribute__((noinline)) void tile_coefficients(const PreParams& p, 
   constexpr bool PER_ENTRY = N * N <= 32;
   constexpr int LANES = PER_ENTRY ? N * N : N;  // lanes of one token
   constexpr int PER_WARP = 32 / LANES;
-  constexpr int R = PER_ENTRY ? 1 : N;  // entries a lane holds: m[k] of row i (per row), else m[0]
+  constexpr int R = PER_ENTRY ? 1 : N;  // entries a lane holds: its own, or its row's m[k]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int slot = lane / LANES, e = lane - slot * LANES;
   const int group = slot * LANES;  // first lane of this token's group
@@ -922,7 +918,7 @@ struct Small {
   static constexpr int PHI_WORDS = (SMALL_CHUNK * Q + 3) / 4 * 4;  // [SMALL_CHUNK][Q] packed
   static constexpr int STAGE_WORDS = X_WORDS + PHI_WORDS;
   static constexpr int FIT = 43 * 1024 / (4 * STAGE_WORDS);  // stages in 43 KB of static smem
-  static constexpr int PIPELINE = FIT > 3 ? 3 : FIT;
+  static constexpr int PIPELINE = FIT > 3 ? 3 : FIT;  // (five measured no faster)
   static constexpr int SMEM_WORDS = PIPELINE * STAGE_WORDS;
   static_assert(PIPELINE >= 2, "two pipeline stages must fit");
   static_assert(SMEM_WORDS >= SMALL_ROWS * Dims<N>::QP + 3, "sh_h reuses the stages");

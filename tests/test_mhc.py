@@ -504,6 +504,52 @@ def test_small_scratch_counters_come_first():
         assert max(partial + sizes[0], coef + sizes[1]) <= words
 
 
+def test_small_scratch_is_the_streams_workspace(monkeypatch):
+    """The one-launch pre's scratch (no GPU needed: the runtime calls recorded): one
+    workspace per (device, stream), zeroed once when made and reused; a larger plan makes a
+    larger one; under graph capture fresh memory with its counters zeroed on the stream,
+    never kept; the large-batch plans fresh memory on every call."""
+    capturing, memsets, allocations = set(), [], []
+    monkeypatch.setattr(_mhc._Runtime, "is_capturing", lambda stream: stream in capturing)
+    monkeypatch.setattr(_mhc._Runtime, "memset", lambda *args: memsets.append(args), raising=False)
+    monkeypatch.setattr(_mhc, "_workspaces", {})
+
+    def allocate(template, words):
+        base = (len(allocations) + 1) << 32
+        allocations.append((template, words))
+        return ("buffer", base), base
+
+    def plan(batch, small=True):
+        sizes = (8 * batch * 28, batch * 20, _mhc._SMALL_COUNTER_WORDS, 0 if small else 99)
+        return _mhc._PrePlan((), 4, 64, 32, 8, False, small, sizes)
+
+    def scratch(plan, stream, device=0):
+        return _mhc._scratch(plan, device, stream, allocate, "template")
+
+    small, larger = plan(4), plan(64)
+    _, first = scratch(small, stream=7)
+    counters_bytes = 4 * _mhc._SMALL_COUNTER_WORDS
+    assert memsets == [(first[2], 0, counters_bytes, 7)] and len(allocations) == 1
+    assert scratch(small, stream=7)[1] == first  # reused: no allocation, no memset
+    assert len(allocations) == 1 and len(memsets) == 1
+    _, other = scratch(small, stream=8)  # another stream: its own
+    assert other[2] != first[2] and len(allocations) == 2
+    _, grown = scratch(larger, stream=7)  # outgrown: a new one, zeroed
+    assert len(allocations) == 3 and memsets[-1] == (grown[2], 0, counters_bytes, 7)
+    assert scratch(small, stream=7)[1][2] == grown[2]  # the larger one serves smaller plans
+    capturing.add(7)
+    for _ in range(2):  # fresh each time, zeroed on the stream, not kept
+        _, captured = scratch(small, stream=7)
+        assert captured[2] != grown[2] and memsets[-1] == (captured[2], 0, counters_bytes, 7)
+    assert len(allocations) == 5
+    capturing.clear()
+    assert scratch(small, stream=7)[1][2] == grown[2]
+    before = len(memsets)
+    for _ in range(2):  # the large-batch kernels: fresh, zeroed by mhc_phi_pieces
+        scratch(plan(300, small=False), stream=7)
+    assert len(allocations) == 7 and len(memsets) == before
+
+
 def _device_operand(shape, dtype, strides=None, ptr=1 << 20):
     from tileops_cupy._arrays import Operand, contiguous_strides
 
