@@ -64,11 +64,12 @@ def measure_row(
     ceiling: float,
     small: bool = False,
     with_compile: bool = True,
-    note: str = "",
+    note: str | Callable[[dict], str] = "",
 ) -> dict:
     """Time ``ours`` and the torch ``reference`` (eager and compiled), print and return a row.
 
-    ``small`` rows are latency rows: end-to-end time of one Python call."""
+    ``small`` rows are latency rows: end-to-end time of one Python call. ``note``: its text,
+    or a function that makes it from the row (its times and floor) before it is printed."""
     timer = call_us if small else median_us
     ours_us = timer(ours)
     eager_us = timer(reference) if reference is not None else None
@@ -77,7 +78,8 @@ def measure_row(
         reference_compiled = compiled(reference)
         reference_compiled()
         compile_us = timer(reference_compiled)
-    row = make_row(name, ours_us, eager_us, compile_us, bytes_moved, ceiling, note)
+    row = make_row(name, ours_us, eager_us, compile_us, bytes_moved, ceiling)
+    row["note"] = note(row) if callable(note) else note
     print(format_row(row), flush=True)
     return row
 
