@@ -447,6 +447,24 @@ def test_torch_is_not_imported_by_the_host_path():
     assert_runs_in_own_process(script)
 
 
+@pytest.mark.parametrize("shape", [(1, 1), (3, 1), (1, 4), (5, 7), (2, 3, 4), (0, 3), (4, 0)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_outputs_from_a_shape_template_are_fresh_and_contiguous(shape, dtype):
+    """The decode relaunch's outputs (``torch.empty_like`` of a ``shape_template``): the
+    shape, dtype and device asked for, torch's contiguous strides, new memory every call."""
+    from tileops_cupy import _torch_ops
+
+    template = _torch_ops.shape_template(torch.zeros(3, dtype=dtype), shape)
+    first, second = torch.empty_like(template), torch.empty_like(template)
+    expected = torch.empty(shape, dtype=dtype)
+    for made in (first, second):
+        assert (made.shape, made.stride(), made.dtype) == (shape, expected.stride(), dtype)
+        assert not made.requires_grad
+    assert template.untyped_storage().nbytes() <= dtype.itemsize
+    if first.numel():
+        assert first.data_ptr() != second.data_ptr()
+
+
 # --------------------------------------------------------------------------- CUDA graphs
 
 # Each capture runs in its own process: a failed capture poisons the CUDA context.

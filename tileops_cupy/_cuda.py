@@ -192,9 +192,11 @@ class _ThreadLaunchState(threading.local):
     this thread has bound."""
 
     def __init__(self) -> None:
-        self.params = ctypes.create_string_buffer(_PARAM_BYTES)
-        self.address = ctypes.addressof(self.params)
-        self.pointers = (ctypes.c_void_p * 1)(self.address)
+        buffer = ctypes.create_string_buffer(_PARAM_BYTES)
+        # written through a memoryview (which keeps it alive): a slice copy costs a
+        # fraction of a ctypes.memmove call, and every launch makes one
+        self.params = memoryview(buffer).cast("B")
+        self.pointers = (ctypes.c_void_p * 1)(ctypes.addressof(buffer))
         self.pointers_address = ctypes.addressof(self.pointers)
         self.devices: set[int] = set()
 
@@ -240,11 +242,12 @@ class Launch:
     def relaunch(
         self, stream: int, writers: tuple[tuple[int, struct.Struct, int], ...] = (), *values: Any
     ) -> None:
-        """Launch again on ``stream`` with ``values`` (in order) written at ``writers`` (from
-        :meth:`ParamStruct.field_writer`), the other fields as before."""
+        """Launch (again) on ``stream`` with ``values`` (in order) written at ``writers``
+        (from :meth:`ParamStruct.field_writer`), the other fields as before."""
         state = _thread_state
         buffer = state.params
-        ctypes.memmove(state.address, self.params, len(self.params))
+        params = self.params
+        buffer[: len(params)] = params
         if len(writers) == 1:  # the usual case: the fields that change form one run
             offset, packer, _ = writers[0]
             packer.pack_into(buffer, offset, *values)
@@ -253,7 +256,28 @@ class Launch:
             for offset, packer, count in writers:
                 packer.pack_into(buffer, offset, *values[start : start + count])
                 start += count
-        _launch_buffer(self, stream, state)
+        # the launch itself, inline: a decode step's host time is mostly calls like this one
+        driver = _Driver
+        if driver.get_device is None:
+            driver.bind()
+        device = self.device
+        previous = driver.get_device()
+        if device not in state.devices:
+            driver.set_device(device)
+            driver.free(0)  # binds the device's primary context to this thread for the driver
+            state.devices.add(device)
+        elif previous != device:
+            driver.set_device(device)
+        try:
+            pointers = state.pointers_address
+            for cooperative, arguments in self.calls:
+                if cooperative:
+                    driver.launch_cooperative(*arguments, stream, pointers)
+                else:
+                    driver.launch(*arguments, stream, pointers, 0)
+        finally:
+            if previous != device:
+                driver.set_device(previous)
 
 
 def launch(device: int, params: bytes, steps: tuple[Step, ...], stream: int) -> Launch:
@@ -261,9 +285,7 @@ def launch(device: int, params: bytes, steps: tuple[Step, ...], stream: int) -> 
     ``params`` (:meth:`ParamStruct.pack`), through the driver, on ``device`` and the raw
     ``stream``. Returns the :class:`Launch`, for :meth:`Launch.relaunch`."""
     done = Launch(device, params, steps)
-    state = _thread_state
-    ctypes.memmove(state.address, params, len(params))
-    _launch_buffer(done, stream, state)
+    done.relaunch(stream)
     return done
 
 
@@ -282,31 +304,6 @@ class _Driver:
             cp.cuda.driver.launchKernel,
             cp.cuda.driver.launchCooperativeKernel,
         )
-
-
-def _launch_buffer(done: Launch, stream: int, state: _ThreadLaunchState) -> None:
-    """Run ``done``'s steps with the parameters now in ``state``'s buffer."""
-    driver = _Driver
-    if driver.get_device is None:
-        driver.bind()
-    device = done.device
-    previous = driver.get_device()
-    if device not in state.devices:
-        driver.set_device(device)
-        driver.free(0)  # binds the device's primary context to this thread for the driver
-        state.devices.add(device)
-    elif previous != device:
-        driver.set_device(device)
-    try:
-        pointers = state.pointers_address
-        for cooperative, arguments in done.calls:
-            if cooperative:
-                driver.launch_cooperative(*arguments, stream, pointers)
-            else:
-                driver.launch(*arguments, stream, pointers, 0)
-    finally:
-        if previous != device:
-            driver.set_device(previous)
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +39,7 @@ from ._mhc_host import (
 )
 
 __all__ = [
-    "mhc_pre", "mhc_post", "mhc_pre_backward", "mhc_post_backward", "relaunch_pre",
+    "mhc_pre", "mhc_post", "mhc_pre_backward", "mhc_post_backward", "pre_relauncher",
     "relaunch_post", "zero_fill",
 ]  # fmt: skip
 
@@ -469,20 +470,21 @@ def _scratch(
     words, offsets = plan.scratch_layout
     if not plan.small:
         keep, base = allocate(template, words)
-        return keep, tuple(base + 4 * offset for offset in offsets)
-    if _Runtime.is_capturing is None:
-        _Runtime.bind()
-    capturing = _Runtime.is_capturing(stream)
-    workspace = None if capturing else _workspaces.get((device, stream))
-    if workspace is not None and workspace[1] >= words:
-        keep, base = workspace[0]
     else:
-        keep, base = allocate(template, words)
-        _Runtime.memset(base + 4 * offsets[2], 0, 4 * plan.scratch[2], stream)
-        if not capturing:
-            with _lock:
-                _workspaces[(device, stream)] = ((keep, base), words)
-    return keep, tuple(base + 4 * offset for offset in offsets)
+        if _Runtime.is_capturing is None:
+            _Runtime.bind()
+        capturing = _Runtime.is_capturing(stream)
+        workspace = None if capturing else _workspaces.get((device, stream))
+        if workspace is not None and workspace[1] >= words:
+            keep, base = workspace[0]
+        else:
+            keep, base = allocate(template, words)
+            _Runtime.memset(base + 4 * offsets[2], 0, 4 * plan.scratch[2], stream)
+            if not capturing:
+                with _lock:
+                    _workspaces[(device, stream)] = ((keep, base), words)
+    partial, coef, counter, pieces = offsets
+    return keep, (base + 4 * partial, base + 4 * coef, base + 4 * counter, base + 4 * pieces)
 
 
 _PRE_RELAUNCH = PRE_PARAMS.field_writer(
@@ -500,27 +502,52 @@ def relaunch_post(launch: _cuda.Launch, pointers: list[int], x_res: Any) -> Any:
     return x_out
 
 
-def relaunch_pre(
-    planned: tuple[_cuda.Launch, _PrePlan], phi: Any, x: Any, pointers: list[int]
-) -> tuple:
-    """mHC pre on torch tensors whose layout an earlier call validated and planned (phi,
-    x and b at ``pointers``): new outputs and scratch (:func:`_scratch`), their addresses
-    patched into that launch."""
+def pre_relauncher(
+    planned: tuple[_cuda.Launch, _PrePlan], phi: Any, x: Any
+) -> Callable[[list[int]], tuple]:
+    """``run(pointers)``: mHC pre on torch tensors of the layout that ``planned``'s call
+    (on ``phi`` and ``x``) validated and planned, with phi, x and b at ``pointers``: new
+    outputs and scratch (:func:`_scratch`), their addresses patched into that launch.
+
+    Made once per layout so that a decode step does only what it must: the outputs are
+    ``torch.empty_like`` of templates of their shapes (:func:`_torch_ops.shape_template`)."""
+    import torch  # (x is a torch tensor)
+
     launch, plan = planned
-    phi_ptr, x_ptr, b_ptr = pointers
     batch, width = x.shape
-    x_res, x_layer = x.new_empty((batch, width)), x.new_empty((batch, plan.c_x))
-    h_post = phi.new_empty((batch, plan.n))
-    stream = torch_ops.current_stream(launch.device)
-    keep, (partial, coef, counter, pieces) = _scratch(
-        plan, launch.device, stream, _torch_buffer, phi
-    )
-    launch.relaunch(
-        stream, _PRE_RELAUNCH, x_ptr, phi_ptr, b_ptr, partial, counter, coef, pieces,
-        x_res.data_ptr(), x_layer.data_ptr(), h_post.data_ptr(),
-    )  # fmt: skip
-    del keep  # (alive until the launch is on the stream)
-    return x_res, x_layer, h_post
+    x_res_like = torch_ops.shape_template(x, (batch, width))
+    x_layer_like = torch_ops.shape_template(x, (batch, plan.c_x))
+    h_post_like = torch_ops.shape_template(phi, (batch, plan.n))
+    device, relaunch = launch.device, launch.relaunch
+    new_like, current_stream = torch.empty_like, torch._C._cuda_getCurrentRawStream
+    if _Runtime.is_capturing is None:
+        _Runtime.bind()
+    is_capturing = _Runtime.is_capturing
+    # a small plan's last (stream, scratch pointers, what keeps them alive): its stream's
+    # workspace, fit for every later call there (even once _scratch has grown a new one:
+    # each launch leaves its counters zeroed, and launches on one stream never overlap)
+    last_workspace: tuple = (None, None, None)
+
+    def run(pointers: list[int]) -> tuple:
+        nonlocal last_workspace
+        phi_ptr, x_ptr, b_ptr = pointers
+        x_res, x_layer, h_post = new_like(x_res_like), new_like(x_layer_like), new_like(h_post_like)
+        stream = current_stream(device)
+        capturing = is_capturing(stream)
+        workspace_stream, scratch, keep = last_workspace
+        if workspace_stream != stream or capturing:
+            keep, scratch = _scratch(plan, device, stream, _torch_buffer, h_post_like)
+            if plan.small and not capturing:
+                last_workspace = (stream, scratch, keep)
+        partial, coef, counter, pieces = scratch
+        relaunch(
+            stream, _PRE_RELAUNCH, x_ptr, phi_ptr, b_ptr, partial, counter, coef, pieces,
+            x_res.data_ptr(), x_layer.data_ptr(), h_post.data_ptr(),
+        )  # fmt: skip
+        del keep  # (alive until the launch is on the stream)
+        return x_res, x_layer, h_post
+
+    return run
 
 
 def _torch_buffer(template: Any, words: int) -> tuple[Any, int]:

@@ -174,6 +174,17 @@ def current_stream(device: int) -> int:
     return _raw_stream(device)
 
 
+def shape_template(tensor: Any, shape: tuple[int, ...]) -> Any:
+    """A tensor of ``shape`` with ``tensor``'s dtype and device over at most one element:
+    ``torch.empty_like`` of it is a fresh contiguous tensor, and costs less than
+    ``new_empty(shape)`` (no shape to parse: a visible share of a decode step). Stride 0
+    along every dimension longer than 1 makes its elements overlap, which empty_like
+    answers with contiguous strides (a one-element shape gets torch's own)."""
+    if 0 in shape:
+        return tensor.new_empty(shape)
+    return tensor.new_empty_strided(shape, tuple(0 if size > 1 else 1 for size in shape))
+
+
 def new_contiguous(tensor: Any) -> Any:
     """A fresh contiguous tensor of ``tensor``'s shape, dtype and device."""
     return _empty_like(tensor, memory_format=_contiguous_format)

@@ -103,7 +103,7 @@ class _PreSettings:
             float(alpha_pre), float(alpha_post), float(alpha_res), int(sinkhorn_repeat),
             float(sinkhorn_eps), self.target or "",
         )  # fmt: skip
-        self._relaunches: dict[tuple, Any] = {}  # torch layouts -> (launch, plan)
+        self._relaunches: dict[tuple, Any] = {}  # torch layouts -> _mhc.pre_relauncher
         torch_ops.register_if_torch_imported()
 
     def __repr__(self) -> str:
@@ -161,6 +161,9 @@ class MHCPreFwdOp(_PreSettings):
         layout = torch_ops.classify(phi, x, b)
         if layout is torch_ops.DISPATCH:  # autograd's backward: MHCPreBwdOp
             return torch_ops.mhc_pre(self.config, phi, x, b)
+        relaunch = self._relaunches.get(layout[0])
+        if relaunch is not None:  # direct's first step, inline: decode pays for every call
+            return relaunch(layout[1])
         return self.direct(phi, x, b, layout)
 
     def direct(
@@ -169,9 +172,9 @@ class MHCPreFwdOp(_PreSettings):
         """:meth:`forward` without the torch dispatcher (what its custom op runs);
         ``layout``: ``_torch_ops.layouts(phi, x, b)`` when the caller has it."""
         keys, pointers = layout or torch_ops.layouts(phi, x, b)
-        fast = self._relaunches.get(keys)
-        if fast is not None:  # this layout was validated and planned by an earlier call
-            return _mhc.relaunch_pre(fast, phi, x, pointers)
+        relaunch = self._relaunches.get(keys)
+        if relaunch is not None:  # this layout was validated and planned by an earlier call
+            return relaunch(pointers)
         phi_op, x_op, b_op = as_operand(phi, "phi"), as_operand(x, "x"), as_operand(b, "b")
         n, c_x = _check_pre(phi_op, x_op, b_op)
         place = select_place(self.target, {"phi": phi_op, "x": x_op, "b": b_op})
@@ -185,7 +188,7 @@ class MHCPreFwdOp(_PreSettings):
         if batch:
             planned = _mhc.mhc_pre(place, self._gates, phi_op, x_op, b_op, x_res, x_layer, h_post)
             if planned is not None and None not in keys and x_op.last_dim_contiguous:
-                self._relaunches[keys] = planned
+                self._relaunches[keys] = _mhc.pre_relauncher(planned, phi, x)
         return to_caller(x_res), to_caller(x_layer), to_caller(h_post)
 
     __call__ = forward
