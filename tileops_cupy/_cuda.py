@@ -13,6 +13,7 @@ no GPU. This module imports no primitive.
 from __future__ import annotations
 
 import ctypes
+import functools
 import re
 import struct
 import threading
@@ -232,11 +233,23 @@ class Launch:
     device: int
     params: bytes
     steps: tuple[Step, ...]
-    # per step: (cooperative, the driver call's leading arguments), derived once
-    calls: tuple[tuple[bool, tuple], ...] = field(init=False)
+    # per step: (cooperative, its driver call with the leading arguments bound), made once
+    calls: tuple[tuple[bool, Any], ...] = field(init=False)
 
     def __post_init__(self) -> None:
-        calls = tuple((step.cooperative, step.driver_arguments) for step in self.steps)
+        driver = _Driver
+        if driver.get_device is None:
+            driver.bind()
+        calls = tuple(
+            (
+                step.cooperative,
+                functools.partial(
+                    driver.launch_cooperative if step.cooperative else driver.launch,
+                    *step.driver_arguments,
+                ),
+            )
+            for step in self.steps
+        )
         object.__setattr__(self, "calls", calls)
 
     def relaunch(
@@ -258,8 +271,6 @@ class Launch:
                 start += count
         # the launch itself, inline: a decode step's host time is mostly calls like this one
         driver = _Driver
-        if driver.get_device is None:
-            driver.bind()
         device = self.device
         previous = driver.get_device()
         if device not in state.devices:
@@ -270,11 +281,11 @@ class Launch:
             driver.set_device(device)
         try:
             pointers = state.pointers_address
-            for cooperative, arguments in self.calls:
+            for cooperative, call in self.calls:
                 if cooperative:
-                    driver.launch_cooperative(*arguments, stream, pointers)
+                    call(stream, pointers)
                 else:
-                    driver.launch(*arguments, stream, pointers, 0)
+                    call(stream, pointers, 0)  # (no extra launch options)
         finally:
             if previous != device:
                 driver.set_device(previous)
