@@ -40,7 +40,7 @@ from ._mhc_host import (
 
 __all__ = [
     "mhc_pre", "mhc_post", "mhc_pre_backward", "mhc_post_backward", "pre_relauncher",
-    "relaunch_post", "zero_fill",
+    "relaunch_post", "relaunch_post_backward", "zero_fill",
 ]  # fmt: skip
 
 CUDA_TYPES = _cuda.CUDA_TYPES
@@ -220,15 +220,17 @@ def mhc_post_backward(
     grad_x_out: Operand,
     grad_layer: Operand,
     grad_gates: Operand,
-) -> None:
+) -> _cuda.Launch | None:
     """Fill grad_x_layer_out and grad_h_post (fresh contiguous arrays) from validated inputs
-    with batch and c_x >= 1, on ``place``. (grad_x_res is grad_x_out itself.)"""
+    with batch and c_x >= 1, on ``place``. (grad_x_res is grad_x_out itself.) Returns the
+    CUDA launch (None on the host)."""
     if place == "cpu":
         mhc_post_backward_host(
             layer.host, gates.host, grad_x_out.host, grad_layer.host, grad_gates.host
         )
-    else:
-        post_backward_cuda(layer, gates, grad_x_out, grad_layer, grad_gates, stream_handle(layer))
+        return None
+    stream = stream_handle(layer)
+    return post_backward_cuda(layer, gates, grad_x_out, grad_layer, grad_gates, stream)
 
 
 def zero_fill(output: Operand) -> None:
@@ -502,6 +504,27 @@ def relaunch_post(launch: _cuda.Launch, pointers: list[int], x_res: Any) -> Any:
     return x_out
 
 
+_POST_BWD_RELAUNCH = POST_BWD_PARAMS.field_writer(
+    "x_layer_out", "h_post", "grad_x_out", "grad_x_layer_out", "grad_h_post"
+)
+
+
+def relaunch_post_backward(
+    launch: _cuda.Launch, pointers: list[int], x_layer_out: Any, h_post: Any
+) -> tuple[Any, Any]:
+    """mHC post backward on torch tensors whose layout an earlier call validated and
+    planned (x_layer_out, h_post, x_res and grad_x_out at ``pointers``): new
+    ``(grad_x_layer_out, grad_h_post)`` patched into that launch."""
+    grad_layer = torch_ops.new_contiguous(x_layer_out)
+    grad_gates = torch_ops.new_contiguous(h_post)
+    layer_ptr, gates_ptr, _, grad_ptr = pointers
+    launch.relaunch(
+        torch_ops.current_stream(launch.device), _POST_BWD_RELAUNCH, layer_ptr, gates_ptr,
+        grad_ptr, grad_layer.data_ptr(), grad_gates.data_ptr(),
+    )  # fmt: skip
+    return grad_layer, grad_gates
+
+
 def pre_relauncher(
     planned: tuple[_cuda.Launch, _PrePlan], phi: Any, x: Any
 ) -> Callable[[list[int]], tuple]:
@@ -632,9 +655,9 @@ def post_backward_cuda(
     grad_x_layer_out: Operand,
     grad_h_post: Operand,
     stream: int,
-) -> None:
+) -> _cuda.Launch:
     """Fill ``grad_x_layer_out [B, c_x]`` and ``grad_h_post [B, n]`` (float32) for
-    ``x_out = h_post[i] * x_layer_out + x_res[i]``."""
+    ``x_out = h_post[i] * x_layer_out + x_res[i]``; returns the launch."""
     layer, grad = (
         operand if operand.last_dim_contiguous else contiguous(operand)
         for operand in (x_layer_out, grad_x_out)
@@ -660,7 +683,7 @@ def post_backward_cuda(
     )  # fmt: skip
     kernel = _cuda.function(spec, name, layer.device)
     step = _cuda.Step(kernel, (batch, 1, 1), (_POST_THREADS, 1, 1))
-    _cuda.launch(layer.device, params, (step,), stream)
+    return _cuda.launch(layer.device, params, (step,), stream)
 
 
 # --------------------------------------------------------------------------- modules

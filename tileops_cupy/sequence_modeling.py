@@ -400,6 +400,7 @@ class MHCPostBwdOp:
 
     def __init__(self, *, target: str | None = None) -> None:
         self.target = check_target(target)
+        self._relaunches: dict[tuple, Any] = {}  # torch layouts -> launch
         torch_ops.register_if_torch_imported()
 
     def forward(
@@ -407,14 +408,26 @@ class MHCPostBwdOp:
     ) -> tuple[Array, Array, Array]:
         """``(grad_x_layer_out, grad_h_post, grad_x_res)``; see the class docstring."""
         tensors = (x_layer_out, h_post, x_res, grad_x_out)
-        if torch_ops.classify(*tensors) is torch_ops.DISPATCH:
+        layout = torch_ops.classify(*tensors)
+        if layout is torch_ops.DISPATCH:
             return torch_ops.mhc_post_bwd(self.target or "", *tensors)
-        return self.direct(*tensors)
+        return self.direct(*tensors, layout)
 
     def direct(
-        self, x_layer_out: Array, h_post: Array, x_res: Array, grad_x_out: Array
+        self,
+        x_layer_out: Array,
+        h_post: Array,
+        x_res: Array,
+        grad_x_out: Array,
+        layout: tuple | None = None,
     ) -> tuple[Array, Array, Array]:
-        """:meth:`forward` without the torch dispatcher."""
+        """:meth:`forward` without the torch dispatcher; ``layout``:
+        ``_torch_ops.layouts(...)`` of the arguments when the caller has it."""
+        keys, pointers = layout or torch_ops.layouts(x_layer_out, h_post, x_res, grad_x_out)
+        launch = self._relaunches.get(keys)
+        if launch is not None:  # this layout was validated and planned by an earlier call
+            grads = _mhc.relaunch_post_backward(launch, pointers, x_layer_out, h_post)
+            return (*grads, grad_x_out)
         layer_op = as_operand(x_layer_out, "x_layer_out")
         gates_op = as_operand(h_post, "h_post")
         res_op = as_operand(x_res, "x_res")
@@ -428,7 +441,10 @@ class MHCPostBwdOp:
             empty_like(layer_op, gates_op.shape, "float32"),
         )
         if res_op.shape[0] and res_op.shape[1]:
-            _mhc.mhc_post_backward(place, layer_op, gates_op, up_op, *grads)
+            launch = _mhc.mhc_post_backward(place, layer_op, gates_op, up_op, *grads)
+            read_in_place = layer_op.last_dim_contiguous and up_op.last_dim_contiguous
+            if launch is not None and None not in keys and read_in_place:
+                self._relaunches[keys] = launch
         else:  # nothing to sum: grad_h_post is 0 (and empty with the batch)
             for grad in grads:
                 _mhc.zero_fill(grad)
