@@ -86,7 +86,7 @@ _STATS_TILE = 128  # tokens per mhc_bwd_stats block: two threads per token
 _GRAD_TILE = 32  # tokens per mhc_bwd_grad item: two 16-token m-tiles
 _TOKEN_THREADS = 64  # mhc_bwd_token: one thread per token, small blocks spread over the SMs
 _REDUCE_THREADS = 256
-_POST_THREADS = 256
+_POST_BWD_THREADS = 256  # mhc_post_bwd: one block per token row
 _MAX_STAGES = 3  # cp.async pipeline depth where shared memory allows (at least 2)
 _SCRATCH_ALIGN_WORDS = 64  # 256-byte sections: the scratch rows are read by 16-byte cp.async
 _SINKHORN_KEPT_FLOATS = 1024  # per token: every Sinkhorn step's input kept up to this
@@ -682,7 +682,7 @@ def post_backward_cuda(
         vector_io=c_x % 8 == 0 and alignment % 16 == 0, unused=0,
     )  # fmt: skip
     kernel = _cuda.function(spec, name, layer.device)
-    step = _cuda.Step(kernel, (batch, 1, 1), (_POST_THREADS, 1, 1))
+    step = _cuda.Step(kernel, (batch, 1, 1), (_POST_BWD_THREADS, 1, 1))
     return _cuda.launch(layer.device, params, (step,), stream)
 
 
@@ -769,7 +769,7 @@ def post_backward_module(dtype: str) -> _cuda.ModuleSpec:
     """The post-backward kernel of one dtype, for n = 1 .. 8 unrolled and for any n (0)."""
     cuda_type = CUDA_TYPES[dtype]
     names = tuple(f"mhc_post_bwd<{cuda_type}, {n}>" for n in range(9))
-    defines = (*_FORWARD_DEFINES, f"BWD_POST_THREADS={_POST_THREADS}")
+    defines = (*_FORWARD_DEFINES, f"BWD_POST_THREADS={_POST_BWD_THREADS}")
     return _cuda.ModuleSpec("mhc_backward", names, defines, prelude=("mhc",))
 
 
