@@ -542,6 +542,7 @@ def pre_relauncher(
     x_layer_like = torch_ops.shape_template(x, (batch, plan.c_x))
     h_post_like = torch_ops.shape_template(phi, (batch, plan.n))
     device, relaunch = launch.device, launch.relaunch
+    # torch's own entry points, bound here: a decode step pays for every call in between
     new_like, current_stream = torch.empty_like, torch._C._cuda_getCurrentRawStream
     if _Runtime.is_capturing is None:
         _Runtime.bind()
