@@ -79,8 +79,9 @@ def upstream_grads(rng, case) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     )
 
 
-def pre_backward(place: str, case, upstream):
-    op = MHCPreBwdOp(*case.alphas, case.repeat, case.eps)
+def pre_backward(place: str, case, upstream, op=None):
+    """The case's gradients from ``op`` (a new MHCPreBwdOp of the case's settings if None)."""
+    op = op or MHCPreBwdOp(*case.alphas, case.repeat, case.eps)
     with poisoned():
         return op(*(on(place, a) for a in (case.phi, case.x, case.b, *upstream)))
 
@@ -120,10 +121,17 @@ def test_pre_backward_matches_oracle(rng, place, n, repeat, dtype):
 # past one and two 128-row tiles
 @pytest.mark.parametrize("place", PLACES)
 def test_pre_backward_shapes(rng, place):
+    """Each shape twice on one op with fresh data: the second call of a torch CUDA layout
+    relaunches the first call's kernels with new addresses and scratch."""
     for c_x, batch in ((1000, 1), (130, 4), (1000, 37), (136, 200), (64, 300)):
-        case = random_pre_case(rng, 4, c_x, batch)
-        upstream = upstream_grads(rng, case)
-        assert_pre_backward_matches(case, upstream, pre_backward(place, case, upstream))
+        first = random_pre_case(rng, 4, c_x, batch)
+        op = MHCPreBwdOp(*first.alphas, first.repeat, first.eps)
+        for case in (first, random_pre_case(rng, 4, c_x, batch)):
+            case.alphas = first.alphas  # (the op's)
+            upstream = upstream_grads(rng, case)
+            grads = pre_backward(place, case, upstream, op)
+            check_pre_layouts(place, case, grads)
+            assert_pre_backward_matches(case, upstream, grads)
 
 
 # Saturated logits at widths where float32 and float64 agree on which Sinkhorn entries

@@ -40,6 +40,7 @@ from ._mhc_host import (
 
 __all__ = [
     "mhc_pre", "mhc_post", "mhc_pre_backward", "mhc_post_backward", "pre_relauncher",
+    "pre_backward_relauncher",
     "relaunch_post", "relaunch_post_backward", "zero_fill",
 ]  # fmt: skip
 
@@ -155,19 +156,20 @@ def mhc_pre_backward(
     grad_x: Operand,
     grad_b: Operand,
     grad_alpha: Operand,
-) -> None:
+) -> tuple[_cuda.Launch, tuple[int, tuple[int, ...]]] | None:
     """Fill the gradients (fresh contiguous arrays) from validated inputs with batch >= 1,
     on ``place``: ``grad_phi [n*c_x, Q]`` (float32), ``grad_x [B, n*c_x]`` (x's dtype),
     ``grad_b [Q]`` (float32) and ``grad_alpha [3]`` (float32: pre, post, res), the exact
     gradient of mHC pre (SPEC section 8) for the upstream gradients ``grad_x_res``
     ``[B, n*c_x]`` and ``grad_x_layer`` ``[B, c_x]`` (x's dtype) and ``grad_h_post``
-    ``[B, n]`` (float32). Reductions over the batch are deterministic."""
+    ``[B, n]`` (float32). Reductions over the batch are deterministic. Returns the CUDA
+    launch and its scratch layout (words, word offset of each section; None on the host)."""
     if place == "cpu":
         mhc_pre_backward_host(
             phi.host, x.host, b.host, gates, grad_x_res.host, grad_x_layer.host,
             grad_h_post.host, grad_phi.host, grad_x.host, grad_b.host, grad_alpha.host,
         )  # fmt: skip
-        return
+        return None
     x, grad_x_res, grad_x_layer = (
         operand if operand.last_dim_contiguous else contiguous(operand)
         for operand in (x, grad_x_res, grad_x_layer)
@@ -210,7 +212,7 @@ def mhc_pre_backward(
         alpha_pre=gates.alpha_pre, alpha_post=gates.alpha_post, alpha_res=gates.alpha_res,
         eps=gates.sinkhorn_eps,
     )  # fmt: skip
-    _cuda.launch(device, params, plan.steps, stream_handle(phi))
+    return _cuda.launch(device, params, plan.steps, stream_handle(phi)), (words, offsets)
 
 
 def mhc_post_backward(
@@ -523,6 +525,47 @@ def relaunch_post_backward(
         grad_ptr, grad_layer.data_ptr(), grad_gates.data_ptr(),
     )  # fmt: skip
     return grad_layer, grad_gates
+
+
+# the scratch sections in mhc_pre_backward's order of scratch_sections
+_PRE_BWD_RELAUNCH = PRE_BWD_PARAMS.field_writer(
+    "x", "phi", "bias", "grad_x_res", "grad_x_layer", "grad_h_post", "grad_phi", "grad_x",
+    "grad_b", "grad_alpha", "pieces", "stats", "coef", "dh_pieces", "per_token",
+    "phi_partial", "sinkhorn",
+)  # fmt: skip
+
+
+def pre_backward_relauncher(
+    planned: tuple[_cuda.Launch, tuple[int, tuple[int, ...]]], phi: Any, x: Any, b: Any
+) -> Callable[[list[int]], tuple]:
+    """``run(pointers)``: mHC pre backward on torch tensors of the layout that
+    ``planned``'s call (on ``phi``, ``x`` and ``b``) validated and planned, with phi, x, b
+    and the three upstream gradients at ``pointers``: new gradients and scratch patched
+    into that launch (outputs made as :func:`pre_relauncher` makes them)."""
+    import torch  # (x is a torch tensor)
+
+    launch, (words, offsets) = planned
+    templates = tuple(
+        torch_ops.shape_template(like, shape)
+        for like, shape in ((phi, phi.shape), (x, x.shape), (phi, b.shape), (phi, (3,)))
+    )
+    scratch_like = torch_ops.shape_template(phi, (words,))
+    byte_offsets = tuple(4 * offset for offset in offsets)
+    device, relaunch = launch.device, launch.relaunch
+    new_like, current_stream = torch.empty_like, torch._C._cuda_getCurrentRawStream
+
+    def run(pointers: list[int]) -> tuple:
+        grads = tuple(new_like(template) for template in templates)
+        scratch = new_like(scratch_like)  # (freed on return: stream-ordered, like the grads)
+        base = scratch.data_ptr()
+        relaunch(
+            current_stream(device), _PRE_BWD_RELAUNCH, pointers[1], pointers[0], pointers[2],
+            *pointers[3:], *(grad.data_ptr() for grad in grads),
+            *(base + offset for offset in byte_offsets),
+        )  # fmt: skip
+        return grads
+
+    return run
 
 
 def pre_relauncher(

@@ -103,7 +103,7 @@ class _PreSettings:
             float(alpha_pre), float(alpha_post), float(alpha_res), int(sinkhorn_repeat),
             float(sinkhorn_eps), self.target or "",
         )  # fmt: skip
-        self._relaunches: dict[tuple, Any] = {}  # torch layouts -> _mhc.pre_relauncher
+        self._relaunches: dict[tuple, Any] = {}  # torch layouts -> their _mhc relauncher
         torch_ops.register_if_torch_imported()
 
     def __repr__(self) -> str:
@@ -315,15 +315,22 @@ class MHCPreBwdOp(_PreSettings):
     ) -> tuple[Array, Array, Array, Array]:  # fmt: skip
         """``(grad_phi, grad_x, grad_b, grad_alpha)``; see the class docstring."""
         upstream = (grad_x_res, grad_x_layer, grad_h_post)
-        if torch_ops.classify(phi, x, b, *upstream) is torch_ops.DISPATCH:
+        layout = torch_ops.classify(phi, x, b, *upstream)
+        if layout is torch_ops.DISPATCH:
             return torch_ops.mhc_pre_bwd(self.config, phi, x, b, *upstream)
-        return self.direct(phi, x, b, *upstream)
+        return self.direct(phi, x, b, *upstream, layout)
 
     def direct(
         self, phi: Array, x: Array, b: Array, grad_x_res: Array, grad_x_layer: Array,
-        grad_h_post: Array,
+        grad_h_post: Array, layout: tuple | None = None,
     ) -> tuple[Array, Array, Array, Array]:  # fmt: skip
-        """:meth:`forward` without the torch dispatcher."""
+        """:meth:`forward` without the torch dispatcher; ``layout``:
+        ``_torch_ops.layouts(...)`` of the arguments when the caller has it."""
+        upstream = (grad_x_res, grad_x_layer, grad_h_post)
+        keys, pointers = layout or torch_ops.layouts(phi, x, b, *upstream)
+        relaunch = self._relaunches.get(keys)
+        if relaunch is not None:  # this layout was validated and planned by an earlier call
+            return relaunch(pointers)
         phi_op, x_op, b_op = as_operand(phi, "phi"), as_operand(x, "x"), as_operand(b, "b")
         up_res = as_operand(grad_x_res, "grad_x_res")
         up_layer = as_operand(grad_x_layer, "grad_x_layer")
@@ -344,9 +351,12 @@ class MHCPreBwdOp(_PreSettings):
         )
         grads = [empty_like(phi_op, shape, dtype) for shape, dtype in layouts]
         if batch:
-            _mhc.mhc_pre_backward(
+            planned = _mhc.mhc_pre_backward(
                 place, self._gates, phi_op, x_op, b_op, up_res, up_layer, up_post, *grads
             )
+            read_in_place = all(a.last_dim_contiguous for a in (x_op, up_res, up_layer))
+            if planned is not None and None not in keys and read_in_place:
+                self._relaunches[keys] = _mhc.pre_backward_relauncher(planned, phi, x, b)
         else:
             for grad in grads:
                 _mhc.zero_fill(grad)
