@@ -715,15 +715,16 @@ def post_backward_cuda(
     if batch > 1:
         alignment |= (layer.strides[0] | grad.strides[0]) * size
     spec = post_backward_module(layer.dtype)
-    # n streams unrolled up to 8; a kernel for any n beyond
-    name = f"mhc_post_bwd<{CUDA_TYPES[layer.dtype]}, {n if n <= 8 else 0}>"
+    # n streams unrolled up to 8, a kernel for any n beyond; 16-byte accesses where the
+    # columns and rows allow them
+    vector = c_x % 8 == 0 and alignment % 16 == 0
+    name = post_backward_kernel(layer.dtype, n, vector)
     params = POST_BWD_PARAMS.pack(
         x_layer_out=layer.ptr, h_post=h_post.ptr, grad_x_out=grad.ptr,
         grad_x_layer_out=grad_x_layer_out.ptr, grad_h_post=grad_h_post.ptr,
         layer_stride=layer.strides[0],
         h_stride_row=h_post.strides[0], h_stride_col=h_post.strides[1],
         grad_stride=grad.strides[0], batch=batch, n=n, c_x=c_x, units=-(-c_x // 8),
-        vector_io=c_x % 8 == 0 and alignment % 16 == 0, unused=0,
     )  # fmt: skip
     kernel = _cuda.function(spec, name, layer.device)
     step = _cuda.Step(kernel, (batch, 1, 1), (_POST_BWD_THREADS, 1, 1))
@@ -809,10 +810,18 @@ def pre_backward_module(dtype: str, n: int) -> _cuda.ModuleSpec:
     return _cuda.ModuleSpec("mhc_backward", names, defines, prelude=("mhc",))
 
 
+def post_backward_kernel(dtype: str, n: int, vector: bool) -> str:
+    """The name expression of mhc_post_bwd for ``dtype``, ``n`` streams (unrolled up to 8,
+    0: any n) and 16-byte accesses or not."""
+    return f"mhc_post_bwd<{CUDA_TYPES[dtype]}, {n if n <= 8 else 0}, {str(vector).lower()}>"
+
+
 def post_backward_module(dtype: str) -> _cuda.ModuleSpec:
-    """The post-backward kernel of one dtype, for n = 1 .. 8 unrolled and for any n (0)."""
-    cuda_type = CUDA_TYPES[dtype]
-    names = tuple(f"mhc_post_bwd<{cuda_type}, {n}>" for n in range(9))
+    """The post-backward kernels of one dtype: n = 1 .. 8 unrolled and any n (0), each with
+    and without 16-byte accesses."""
+    names = tuple(
+        post_backward_kernel(dtype, n, vector) for n in range(9) for vector in (True, False)
+    )
     defines = (*_FORWARD_DEFINES, f"BWD_POST_THREADS={_POST_BWD_THREADS}")
     return _cuda.ModuleSpec("mhc_backward", names, defines, prelude=("mhc",))
 
