@@ -116,40 +116,53 @@ struct Chunk {
 
 // What the NORM instantiations need beyond the rotation (unused by the others).
 struct RowNorm {
-  const void* q_weight;
-  const void* k_weight;
-  int q_weight_is_float32;  // else q's weight has the data's type
-  int k_weight_is_float32;  // the same of k's
+  // (weight + offset) in float32 of every column, q's row then k's: the block's shared copy
+  // (stage_norm_weights). Read from global memory at each use, the weights waited behind the
+  // row's stores (they may alias) and missed the L1 that the streaming rows evict: the
+  // kernel reached half the copy ceiling.
+  const float* weights;
   float eps;
-  float weight_offset;
   int q_heads;        // rows below this are q's (q's weight), the rest k's
   int rotate_chunks;  // chunks of pairs in a row
   int tail_chunks;    // VEC-wide chunks past rotary_dim
   int rotary_dim;
   int head_dim;
+  float inverse_head_dim;  // 1/head_dim: exact for the usual power-of-two head_dims
+  unsigned group_mask;     // the lanes of this thread's row group (group_mask_of())
+  bool has_others;         // some lane holds more of a row than its first chunk
+  bool live;               // this thread's token exists (a thread past the last one stays
+                           // for the reductions: the warp shuffles with a constant mask)
+  bool full_warps;         // the block is whole warps (else shuffles name the group's lanes)
+
+  // The lanes (a power-of-two group of blockDim.x <= 32, aligned in the warp) sharing
+  // this thread's row.
+  __device__ __forceinline__ static unsigned group_mask_of() {
+    const unsigned lanes = blockDim.x;
+    const unsigned thread = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+    return lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1) << ((thread & 31) & ~(lanes - 1));
+  }
 
   // (weight + offset) of VEC columns from `column`, of k's weight when is_k
   template <typename T, int VEC>
-  __device__ __forceinline__ void weights(bool is_k, int column, float (&w)[VEC]) const {
-    const void* weight = is_k ? k_weight : q_weight;
-    if (is_k ? k_weight_is_float32 : q_weight_is_float32) {
+  __device__ __forceinline__ void weights_of(bool is_k, int column, float (&w)[VEC]) const {
+    const float* from = weights + (is_k ? head_dim : 0) + column;
+    if constexpr (VEC % 4 == 0) {  // 16-byte shared loads: the plan makes head_dim and column
+#pragma unroll                     // multiples of VEC for these widths
+      for (int i = 0; i < VEC; i += 4) {
+        const float4 four = *reinterpret_cast<const float4*>(from + i);
+        w[i] = four.x, w[i + 1] = four.y, w[i + 2] = four.z, w[i + 3] = four.w;
+      }
+    } else {
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) w[i] = static_cast<const float*>(weight)[column + i];
-    } else {  // the launch plan checked these VEC-wide loads aligned
-      const Pack<T, VEC> packed =
-          *reinterpret_cast<const Pack<T, VEC>*>(static_cast<const T*>(weight) + column);
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) w[i] = to_float(packed.v[i]);
+      for (int i = 0; i < VEC; ++i) w[i] = from[i];
     }
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) w[i] += weight_offset;
   }
 
   template <typename T, bool NEOX, int VEC>
   __device__ __forceinline__ void chunk_weights(const Chunk<T, NEOX, VEC>& c, bool is_k,
                                                 float (&w)[Chunk<T, NEOX, VEC>::LOADS][VEC]) const {
 #pragma unroll
-    for (int l = 0; l < Chunk<T, NEOX, VEC>::LOADS; ++l) weights<T, VEC>(is_k, c.column[l], w[l]);
+    for (int l = 0; l < Chunk<T, NEOX, VEC>::LOADS; ++l) weights_of<T, VEC>(is_k, c.column[l], w[l]);
   }
 
   template <typename T, int VEC>
@@ -180,18 +193,42 @@ struct RowNorm {
     return sum;
   }
 
-  // 1/rms of a row from each lane's share of its sum of squares: a butterfly over the group
-  // (every lane ends with the same sum: each step adds the same two values in either order).
-  __device__ __forceinline__ float inverse_rms(float sum) const {
-    const unsigned lanes = blockDim.x;
-    const unsigned thread = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
-    const unsigned lane = thread & 31;
-    const unsigned mask =
-        lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1) << (lane & ~(lanes - 1));
-    for (unsigned offset = lanes / 2; offset > 0; offset /= 2) {
-      sum += __shfl_xor_sync(mask, sum, offset, lanes);
+  // The sum over the group: a butterfly whose depth is picked once (blockDim.x is the same
+  // for the whole block); each xor offset is below the group's width, so every exchange stays
+  // inside the group. FULL: every lane of the warp is here (a constant mask: a shuffle with a
+  // run-time mask costs five more instructions, to check the warp's convergence).
+  template <bool FULL>
+  __device__ __forceinline__ float group_sum(float sum) const {
+    const unsigned mask = FULL ? 0xffffffffu : group_mask;
+    switch (blockDim.x) {
+      case 32:
+        sum += __shfl_xor_sync(mask, sum, 16);
+        [[fallthrough]];
+      case 16:
+        sum += __shfl_xor_sync(mask, sum, 8);
+        [[fallthrough]];
+      case 8:
+        sum += __shfl_xor_sync(mask, sum, 4);
+        [[fallthrough]];
+      case 4:
+        sum += __shfl_xor_sync(mask, sum, 2);
+        [[fallthrough]];
+      case 2:
+        sum += __shfl_xor_sync(mask, sum, 1);
+        break;
+      default:
+        break;
     }
-    return 1.f / sqrtf(sum / head_dim + eps);
+    return sum;
+  }
+
+  // 1/rms of a row from each lane's share of its sum of squares (every lane of the group
+  // ends with the same sum: each butterfly step adds the same two values in either order).
+  // rsqrtf (within 2 float32 units) where 1/sqrtf(sum/head_dim) cost three IEEE slow-path
+  // calls a row, most of the kernel's instructions; the contract allows 4e-6 relative.
+  __device__ __forceinline__ float inverse_rms(float sum) const {
+    sum = full_warps ? group_sum<true>(sum) : group_sum<false>(sum);
+    return rsqrtf(fmaf(sum, inverse_head_dim, eps));
   }
 
   // Write what this lane holds of the row beyond its first chunk: the later rounds' chunks
@@ -212,7 +249,7 @@ struct RowNorm {
     for (int t = threadIdx.x; t < tail_chunks; t += blockDim.x) {
       const int column = rotary_dim + t * VEC;
       float w[VEC];
-      weights<T, VEC>(is_k, column, w);
+      weights_of<T, VEC>(is_k, column, w);
       const Pack<T, VEC> x = *reinterpret_cast<const Pack<T, VEC>*>(in + column);
       Pack<T, VEC> y;
 #pragma unroll
@@ -232,10 +269,14 @@ __device__ __forceinline__ void rotate_chunk(int chunk, int pairs, CosSinOf cos_
                                              float sin_sign, int total_heads, RowIn row_in,
                                              RowOut row_out, const RowNorm& norm) {
   typedef Chunk<T, NEOX, VEC> C;
-  const bool active = !NORM || chunk < norm.rotate_chunks;
+  const bool active = !NORM || (chunk < norm.rotate_chunks && norm.live);
+  const bool others = NORM && norm.has_others && norm.live;
   const C c(active ? chunk : 0, pairs, cos_sin_of, sin_sign);
 
-  for (int h0 = threadIdx.y; h0 < total_heads; h0 += blockDim.y * HEADS_IN_FLIGHT) {
+  // (the same number of rounds for every thread of the block: NORM's shuffles need the
+  // whole warp at each)
+  for (int first = 0; first < total_heads; first += blockDim.y * HEADS_IN_FLIGHT) {
+    const int h0 = first + threadIdx.y;
     typename C::Data data[HEADS_IN_FLIGHT];
 #pragma unroll
     for (int u = 0; u < HEADS_IN_FLIGHT; ++u) {
@@ -253,7 +294,7 @@ __device__ __forceinline__ void rotate_chunk(int chunk, int pairs, CosSinOf cos_
 #pragma unroll
             for (int l = 0; l < C::LOADS; ++l) sum += RowNorm::squares<T, VEC>(data[u][l]);
           }
-          sum += norm.other_squares<T, NEOX, VEC>(row_in(h), pairs, cos_sin_of);
+          if (others) sum += norm.other_squares<T, NEOX, VEC>(row_in(h), pairs, cos_sin_of);
         }
         scale[u] = norm.inverse_rms(sum);
       }
@@ -263,13 +304,13 @@ __device__ __forceinline__ void rotate_chunk(int chunk, int pairs, CosSinOf cos_
       const int h = h0 + u * blockDim.y;
       if (h >= total_heads) break;
       const bool is_k = NORM && h >= norm.q_heads;
-      if constexpr (NORM) {
+      if (others) {
         norm.write_others<T, NEOX, VEC>(row_in(h), row_out(h), is_k, scale[u], pairs,
                                         cos_sin_of, sin_sign);
       }
       if (active) {
-        // NORM: the row's weights, read here (L1-resident) rather than held for q and k from
-        // the start: holding both cost 70 registers a thread, half the kernel's occupancy
+        // NORM: the row's weights, read here from shared memory rather than held for q and
+        // k from the start: holding both cost 70 registers a thread, half the occupancy
         float weight[C::LOADS][VEC];
         if constexpr (NORM) norm.chunk_weights(c, is_k, weight);
         c.template rotate_store<NORM>(data[u], row_out(h), scale[u], weight);
@@ -332,6 +373,26 @@ struct RopeParams {
 
 static_assert(sizeof(RopeParams) == 280, "RopeParams changed size: update this number");
 
+// NORM: the block copies (weight + offset) of q's row, then k's, into `shared` as float32
+// (RowNorm::weights; the launch gives 2 * head_dim floats of dynamic shared memory).
+template <typename T>
+__device__ __forceinline__ void stage_norm_weights(const RopeParams& p, int head_dim,
+                                                   float* shared) {
+  const int threads = blockDim.x * blockDim.y * blockDim.z;
+  const int thread = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+  const int rows = p.k_norm_weight != nullptr ? 2 : 1;
+  for (int i = thread; i < rows * head_dim; i += threads) {
+    const bool is_k = i >= head_dim;
+    const int column = is_k ? i - head_dim : i;
+    const void* weight = is_k ? p.k_norm_weight : p.q_norm_weight;
+    const bool is_float32 = is_k ? p.k_norm_weight_is_float32 : p.q_norm_weight_is_float32;
+    const float w = is_float32 ? static_cast<const float*>(weight)[column]
+                               : to_float(static_cast<const T*>(weight)[column]);
+    shared[i] = w + p.norm_weight_offset;
+  }
+  __syncthreads();
+}
+
 // Where cos/sin of (token, pair) come from: the two-level tables at the token's position; the
 // same at one of three position rows chosen per pair (MRoPE); or the caller's cos_sin_cache.
 constexpr int TABLE_TWO_LEVEL = 0;
@@ -385,22 +446,36 @@ __global__ void __launch_bounds__(ROPE_THREADS, NORM ? ROPE_NORM_MIN_BLOCKS : RO
   const int pairs = rotary_dim / 2;
   const int rotate_chunks = pairs / (NEOX || VEC == 1 ? VEC : VEC / 2);
 
-  const long long token = static_cast<long long>(blockIdx.x) * blockDim.z + threadIdx.z;
-  if (token >= static_cast<long long>(batch) * seq) return;
+  extern __shared__ __align__(16) float norm_weights[];  // NORM: stage_norm_weights
+  if constexpr (NORM) stage_norm_weights<T>(p, rotary_dim + tail_chunks * VEC, norm_weights);
+
+  const long long tokens = static_cast<long long>(batch) * seq;
+  const long long thread_token = static_cast<long long>(blockIdx.x) * blockDim.z + threadIdx.z;
+  const bool live = thread_token < tokens;
+  if (!NORM && !live) return;
+  // NORM: a thread past the last token stays for its warp's shuffles, reading the last token
+  // (always in bounds) and writing nothing
+  const long long token = live ? thread_token : tokens - 1;
   const int b = static_cast<int>(token / seq);
   const int s = static_cast<int>(token - static_cast<long long>(b) * seq);
 
   const int total_heads = q_heads + k_heads;
+  // Row h of the token: q's heads, then k's. The token's part of each address is formed once
+  // (a full 64-bit address per row cost a fifth of the kernel's instructions); the choice
+  // between q and k is a select, not a branch.
+  const T* const q_in_token = q_in + b * p.q_in_stride[0] + s * p.q_in_stride[1];
+  T* const q_out_token = q_out + b * p.q_out_stride[0] + s * p.q_out_stride[1];
+  const T* const k_in_first = k_in + b * p.k_in_stride[0] + s * p.k_in_stride[1];
+  T* const k_out_first = k_out + b * p.k_out_stride[0] + s * p.k_out_stride[1];
   auto row_in = [&](int h) -> const T* {
-    return h < q_heads ? q_in + b * p.q_in_stride[0] + s * p.q_in_stride[1] + h * p.q_in_stride[2]
-                       : k_in + b * p.k_in_stride[0] + s * p.k_in_stride[1] +
-                             (h - q_heads) * p.k_in_stride[2];
+    const bool is_q = h < q_heads;
+    return (is_q ? q_in_token : k_in_first) +
+           (is_q ? h : h - q_heads) * (is_q ? p.q_in_stride[2] : p.k_in_stride[2]);
   };
   auto row_out = [&](int h) -> T* {
-    return h < q_heads ? q_out + b * p.q_out_stride[0] + s * p.q_out_stride[1] +
-                             h * p.q_out_stride[2]
-                       : k_out + b * p.k_out_stride[0] + s * p.k_out_stride[1] +
-                             (h - q_heads) * p.k_out_stride[2];
+    const bool is_q = h < q_heads;
+    return (is_q ? q_out_token : k_out_first) +
+           (is_q ? h : h - q_heads) * (is_q ? p.q_out_stride[2] : p.k_out_stride[2]);
   };
 
   // Columns at or past rotary_dim are copied unchanged (out-of-place launches only; NORM
@@ -422,10 +497,11 @@ __global__ void __launch_bounds__(ROPE_THREADS, NORM ? ROPE_NORM_MIN_BLOCKS : RO
   };
   auto rotate_all = [&](auto cos_sin_of) {
     if constexpr (NORM) {  // each lane: its first chunk, the rest of its share of every row
-      const RowNorm norm{p.q_norm_weight, p.k_norm_weight, p.q_norm_weight_is_float32,
-                         p.k_norm_weight_is_float32, p.norm_eps, p.norm_weight_offset,
-                         q_heads, rotate_chunks, tail_chunks, rotary_dim,
-                         rotary_dim + tail_chunks * VEC};
+      const int head_dim = rotary_dim + tail_chunks * VEC;
+      const RowNorm norm{norm_weights, p.norm_eps, q_heads, rotate_chunks, tail_chunks,
+                         rotary_dim, head_dim, 1.f / head_dim, RowNorm::group_mask_of(),
+                         rotate_chunks > static_cast<int>(blockDim.x) || tail_chunks > 0, live,
+                         blockDim.x * blockDim.y * blockDim.z % 32 == 0};
       rotate_chunk<T, NEOX, VEC, true>(threadIdx.x, pairs, cos_sin_of, p.sin_sign, total_heads,
                                        row_in, row_out, norm);
     } else {

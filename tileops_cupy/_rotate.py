@@ -44,6 +44,7 @@ _TWO_ROUND_THREADS = 1 << 18
 # keep it from spilling. rope.cu's launch bounds get them as minimum blocks of
 # _THREADS_PER_BLOCK threads per multiprocessor (65536 registers).
 _REGISTERS, _NORM_REGISTERS = 96, 128
+_SHARED_BYTES = 48 * 1024  # dynamic shared memory any launch may take without opting in
 _DEFINES = (
     f"HEADS_IN_FLIGHT={_HEADS_IN_FLIGHT}",
     f"ROPE_THREADS={_THREADS_PER_BLOCK}",
@@ -361,18 +362,14 @@ def _vector_width(
     head_dim: int,
     copy_tail: bool,
     rows: list[HeadRows],
-    weights: tuple[int, ...] = (),
 ) -> int:
     """16-byte accesses where every row, stride and column boundary allows; else one
-    element per access (any view whose last dimension is contiguous). ``weights``: addresses
-    of norm weights read in the data's type, with the same accesses."""
+    element per access (any view whose last dimension is contiguous)."""
     itemsize = ITEMSIZE[dtype]
     # OR-ing every byte offset that must be a multiple of the access size: one test per width
     offsets = (rotary_dim // 2 if neox else rotary_dim) * itemsize
     if copy_tail:
         offsets |= (head_dim - rotary_dim) * itemsize
-    for pointer in weights:
-        offsets |= pointer
     for r in rows:
         offsets |= r.operand.ptr
         for stride, size in zip(r.strides[:3], r.shape[:3], strict=True):
@@ -433,14 +430,11 @@ def _plan(
 ) -> _LaunchPlan:
     q_in = rows[0]
     dtype, device = q_in.operand.dtype, q_in.operand.device
-    # norm weights in the data's type are read with the data's accesses: their alignment counts
-    weights = () if norm is None else tuple(w.ptr for w in norm.weights if w.dtype == dtype)
     alignment = 0
-    for pointer in (*(r.operand.ptr for r in rows), *weights):
-        alignment |= pointer & 15
-    norm_key = None if norm is None else tuple(w.dtype for w in norm.weights)
+    for r in rows:
+        alignment |= r.operand.ptr & 15
     key = (
-        dtype, neox, rotary_dim, mode, device, copy_tail, alignment, norm_key,
+        dtype, neox, rotary_dim, mode, device, copy_tail, alignment, norm is not None,
         tuple((r.shape, r.strides) for r in rows),
     )  # fmt: skip
     plan = _plans.get(key)
@@ -448,14 +442,22 @@ def _plan(
         return plan
     batch, seq, q_heads, head_dim = q_in.shape
     copy_tail = copy_tail or norm is not None  # a normed tail is always written
-    vec = _vector_width(dtype, neox, rotary_dim, head_dim, copy_tail, rows, weights)
+    vec = _vector_width(dtype, neox, rotary_dim, head_dim, copy_tail, rows)
     spec, name = _kernel(dtype, neox, vec, rotary_dim, mode, norm is not None)
     total_heads = q_heads + (rows[2].shape[2] if len(rows) > 2 else 0)
     grid, block, tail_chunks = _geometry(
         neox, vec, rotary_dim, head_dim, copy_tail, total_heads, batch * seq, norm is not None
     )
     kernel = _cuda.function(spec, name, device)
-    plan = _LaunchPlan(steps=(_cuda.Step(kernel, grid, block),), tail_chunks=tail_chunks)
+    # the norm's weights, staged per block as float32 (rope.cu's stage_norm_weights)
+    shared = 0 if norm is None else 2 * head_dim * 4
+    if shared > _SHARED_BYTES:
+        raise ValueError(
+            f"the fused QK-norm on CUDA takes head_dim <= {_SHARED_BYTES // 8} (its weights "
+            f"are staged in shared memory), got head_dim={head_dim}; use the host path"
+        )
+    step = _cuda.Step(kernel, grid, block, shared)
+    plan = _LaunchPlan(steps=(step,), tail_chunks=tail_chunks)
     if len(_plans) > 4096:  # shapes churn (e.g. growing prefill chunks): start over
         _plans.clear()
     _plans[key] = plan
