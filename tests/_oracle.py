@@ -229,6 +229,7 @@ def sequence_positions(shape: tuple[int, ...], input_layout: str) -> np.ndarray:
 # --------------------------------------------------------------------------- SPEC 5 bound
 
 FP32_CONTRACT = 4e-6
+FP32_SUBNORMAL_SPACING = 2.0**-149  # (the float32 error floor below the smallest normal)
 """SPEC 5: fp32 outputs within ``4e-6 * max|x|`` of float64, at any position < 2**24."""
 
 FP64_PER_RADIAN = 2.0**-44
@@ -256,7 +257,10 @@ def contract_tolerance(
 ) -> np.ndarray:
     """Element-wise bound on ``|y - y64|`` for an op output ``y`` in ``dtype`` (SPEC 5).
 
-    - float32: ``4e-6 * max|x|`` (the contract, taken literally: max over the whole input).
+    - float32: ``4e-6 * max|x|`` (the contract, taken literally: max over the whole input),
+      but never below float32's own spacing at the bottom of its range, 2**-149: a float32
+      computation on data below 2**-126 errs by up to that much (two roundings of half of it:
+      a product, then a sum), however exact its method.
     - float16 / bfloat16, "within one unit of the output dtype at the data's scale": the op
       computes in float32 (within ``e = 4e-6 * max|x|`` of float64, the float32 contract;
       this term also covers cancellation in ``x1*cos - x2*sin``, where the float32 error
@@ -270,7 +274,7 @@ def contract_tolerance(
     if dtype == "float64":
         bound = FP64_PER_RADIAN * (1.0 + max_angle) * max(amplitude, 1.0) * scale
         return np.full(np.shape(y64), bound)
-    e32 = FP32_CONTRACT * scale
+    e32 = max(FP32_CONTRACT * scale, FP32_SUBNORMAL_SPACING)
     if dtype == "float32":
         return np.full(np.shape(y64), e32)
     return 0.5 * ulp(np.abs(y64) + e32, dtype) + e32

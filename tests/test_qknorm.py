@@ -19,6 +19,7 @@ import torch
 from _cases import PLACES, assert_runs_in_own_process
 from _compile import backends, compile_counting
 from _oracle import (
+    BF16,
     assert_norm_rope_matches_oracle,
     pair_columns,
     random_data,
@@ -143,6 +144,22 @@ def test_prefill_matches_oracle(rng, case, weights, dtype, place):
     positions = np.broadcast_to(offset + np.arange(T), (B, T))
     _check(q, q64, q_w64, rope, frequencies, neox, positions, dtype, "q")
     _check(k, k64, k_w64, rope, frequencies, neox, positions, dtype, "k")
+
+
+@pytest.mark.parametrize("place", PLACES)
+def test_subnormal_rows_are_normalised_not_flushed(rng, place):
+    """bf16 rows below the smallest normal float32 (their squares underflow to 0, so the
+    scale is 1/sqrt(eps)) come out at full precision: the CUDA kernels are compiled without
+    CuPy's default ``-ftz=true``, which flushed them to zero."""
+    rope, head_dim, frequencies, neox = _rope("D64-neox")
+    host = (random_data(rng, (B, T, HEADS * head_dim), "float64") * 2.0**-130).astype(BF16)
+    q, q64 = to_framework(host, _framework(place)), host.astype(np.float64)
+    weight, w64 = _weight(rng, head_dim, "bfloat16", "qwen3", place)
+    rope.prefill(q, None, 0, q_norm_weight=weight)
+    _synchronize(place)
+    assert np.count_nonzero(to_float64(q)) > 0.9 * host.size
+    positions = np.broadcast_to(np.arange(T), (B, T))
+    _check(q, q64, w64, rope, frequencies, neox, positions, "bfloat16", "q")
 
 
 @pytest.mark.parametrize("place", PLACES)

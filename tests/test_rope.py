@@ -46,6 +46,7 @@ from _oracle import (
     llama31_frequencies,
     longrope_frequencies,
     max_angle,
+    numpy_dtype,
     random_data,
     random_position_ids,
     raw_bytes,
@@ -199,6 +200,25 @@ def test_bfloat16_results_are_rounded_to_nearest_even(rng):
     np.testing.assert_array_equal(y_bf16.view(np.uint16), y_fp32.astype(BF16).view(np.uint16))
     t = to_framework(host, "torch")
     np.testing.assert_array_equal(to_host(RoPEFwdOp()(t)).view(np.uint16), y_bf16.view(np.uint16))
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize(
+    ("place", "dtype"), per_place({place: ("bfloat16", "float32") for place in ("cpu", "cuda")})
+)
+def test_subnormal_data_is_not_flushed_to_zero(rng, place, dtype, direction):
+    """Data below the smallest normal float32 (2**-126) is rotated at full precision, never
+    flushed to zero: the CUDA kernels are compiled without CuPy's default ``-ftz=true``
+    (``contract_tolerance`` floors the float32 error at float32's spacing there)."""
+    shape = (2, 16, 3, 64)
+    host = (random_data(rng, shape, "float64") * 2.0**-130).astype(numpy_dtype(dtype))
+    op = RoPEFwdOp(input_layout="2d") if direction == "Fwd" else RoPEBwdOp(input_layout="2d")
+    y = op(to_place(host, place))
+    assert np.count_nonzero(to_float64(y)) > 0.9 * host.size  # (the data is subnormal)
+    assert_matches_oracle(
+        y, host.astype(np.float64), sequence_positions(shape, "2d"),
+        standard_frequencies(64, 10000.0), dtype, inverse=direction == "Bwd",
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- position ids

@@ -1,9 +1,12 @@
 """The CUDA launcher: templated sources from ``kernels_cu/`` compiled once per module and device.
 
 A :class:`ModuleSpec` names one source file and the template instantiations compiled
-together (``cupy.RawModule(..., name_expressions=...)``); CuPy keeps the cubin in its
-on-disk cache, so a second process start compiles nothing. Loaded functions are cached
-per (spec, device) behind a lock, so threads and devices never share a half-built module.
+together. NVRTC compiles it here, with exactly :data:`COMPILE_OPTIONS` (CuPy's own
+``RawModule`` adds ``-ftz=true``, which flushes subnormal floats to zero: the kernels would
+miss the accuracy contract on tiny data), for the device's architecture; the image is kept
+on disk beside CuPy's kernel cache (``$CUPY_CACHE_DIR/tileops_cupy``), so a second process
+start compiles nothing. Loaded functions are cached per (spec, device) behind a lock, so
+threads and devices never share a half-built module.
 
 Each primitive lists the specs it can launch (``module_specs()``); ``_catalogue`` joins
 them, and the NVRTC test compiles that whole catalogue for sm_80 and sm_90 on machines with
@@ -14,8 +17,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
+import json
+import os
 import re
 import struct
+import tempfile
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,8 +34,11 @@ from ._cache import build_once
 
 # The CUDA type of each float dtype the kernels take (kernels_cu/common.cuh declares them).
 CUDA_TYPES = {"bfloat16": "bfloat16_t", "float16": "half_t", "float32": "float"}
-# No --use_fast_math: the angles and the mHC exponentials must keep full float32 accuracy.
-COMPILE_OPTIONS = ("--std=c++17",)
+# No --use_fast_math: the angles and the mHC exponentials must keep full float32 accuracy;
+# -ftz=false (NVRTC's default, said here): subnormal data keeps its precision. Functions
+# without an execution space are device functions (as under CuPy's RawModule: some NVRTC
+# versions take a generic lambda in a kernel for a host function otherwise).
+COMPILE_OPTIONS = ("--std=c++17", "-ftz=false", "--device-as-default-execution-space")
 
 
 @dataclass(frozen=True)
@@ -62,14 +72,95 @@ _lock = threading.Lock()
 def _load(spec: ModuleSpec, device: int) -> dict[str, Any]:
     cp = cupy()
     with cp.cuda.Device(device):
-        module = cp.RawModule(
-            code=spec.code, options=spec.options, name_expressions=list(spec.name_expressions)
-        )
-        loaded = {}
+        arch = _device_arch(cp.cuda.Device(device).compute_capability)
+        lowered, image = _cached_image(spec, arch)
+        module = cp.cuda.function.Module()
+        module.load(image)
+        # (each Function keeps its module loaded)
+        return {name: module.get_function(lowered[name]) for name in spec.name_expressions}
+
+
+def _device_arch(compute_capability: str) -> str:
+    """NVRTC's -arch for a device: its own SASS ("sm_90") where this NVRTC knows the
+    architecture, else PTX of the newest one it knows below it, for the driver to compile."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    capability = int(compute_capability)
+    known = [arch for arch in nvrtc.getSupportedArchs() if arch <= capability]
+    if capability in known or not known:
+        return f"sm_{capability}"
+    return f"compute_{max(known)}"
+
+
+_CACHE_FORMAT = 1  # bump when the file layout below changes
+
+
+def _cached_image(spec: ModuleSpec, arch: str) -> tuple[dict[str, str], bytes]:
+    """(lowered name of each name expression, cubin or PTX) of ``spec`` for ``arch``, from
+    the disk cache or compiled (and stored there). A file is one JSON line of the lowered
+    names, then the image; it is written whole or not at all, and an unreadable cache
+    only costs a compile."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    key = json.dumps(
+        [_CACHE_FORMAT, nvrtc.getVersion(), arch, spec.options, spec.name_expressions, spec.code]
+    )
+    directory = os.path.join(
+        os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache")),
+        "tileops_cupy",
+    )
+    path = os.path.join(directory, hashlib.sha256(key.encode()).hexdigest() + ".bin")
+    try:
+        with open(path, "rb") as file:
+            header, image = file.read().split(b"\n", 1)
+        lowered = json.loads(header)
+        if sorted(lowered) == sorted(spec.name_expressions) and image:
+            return lowered, image
+    except (OSError, ValueError):
+        pass
+    lowered, image, _ = nvrtc_compile(spec, arch)
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, delete=False) as file:
+            file.write(json.dumps(lowered).encode() + b"\n" + image)
+        os.replace(file.name, path)
+    except OSError:
+        pass
+    return lowered, image
+
+
+def _whole(cubin: bytes) -> bytes:
+    """``cubin`` from CuPy's ``nvrtc.getCUBIN``, which drops its last byte (a zero: it is
+    read as a C string), padded with zeros to the end of its last ELF header table."""
+    section_table, program_table = struct.unpack_from("<QQ", cubin, 0x20)[::-1]
+    program_entry, programs, section_entry, sections = struct.unpack_from("<HHHH", cubin, 0x36)
+    end = max(section_table + section_entry * sections, program_table + program_entry * programs)
+    return cubin + bytes(max(0, end - len(cubin)))
+
+
+def nvrtc_compile(
+    spec: ModuleSpec, arch: str, extra_options: tuple[str, ...] = ()
+) -> tuple[dict[str, str], bytes, str]:
+    """Compile ``spec`` with NVRTC for ``arch`` ("sm_90": a cubin; "compute_90": PTX), no
+    device needed: (lowered name of each name expression, the image, NVRTC's log). Raises
+    RuntimeError with the log on a compile error."""
+    from cupy_backends.cuda.libs import nvrtc
+
+    program = nvrtc.createProgram(spec.code, f"{spec.source}.cu", [], [])
+    try:
         for name in spec.name_expressions:
-            function = module.get_function(name)
-            loaded[name] = getattr(function, "kernel", function)  # RawKernel -> cuda Function
-        return loaded
+            nvrtc.addNameExpression(program, name)
+        try:
+            nvrtc.compileProgram(program, [*spec.options, f"-arch={arch}", *extra_options])
+        except Exception as error:
+            raise RuntimeError(
+                f"NVRTC failed on {spec.source}.cu for {arch}:\n{nvrtc.getProgramLog(program)}"
+            ) from error
+        lowered = {name: nvrtc.getLoweredName(program, name) for name in spec.name_expressions}
+        image = _whole(nvrtc.getCUBIN(program)) if arch.startswith("sm_") else nvrtc.getPTX(program)
+        return lowered, image, nvrtc.getProgramLog(program)
+    finally:
+        nvrtc.destroyProgram(program)
 
 
 def function(spec: ModuleSpec, name_expression: str, device: int) -> Any:
@@ -336,27 +427,13 @@ def compile_without_device(spec: ModuleSpec, arch: str) -> DevicelessBuild:
     """Compile ``spec`` with NVRTC for ``arch`` (e.g. "sm_90") with no GPU or driver needed,
     ptxas reporting each kernel's resources. Raises RuntimeError with the NVRTC log on a
     compile error."""
-    from cupy_backends.cuda.libs import nvrtc
-
-    program = nvrtc.createProgram(spec.code, f"{spec.source}.cu", [], [])
-    try:
-        for name in spec.name_expressions:
-            nvrtc.addNameExpression(program, name)
-        try:
-            nvrtc.compileProgram(program, [*spec.options, f"-arch={arch}", "-Xptxas=-v"])
-        except Exception as error:
-            raise RuntimeError(
-                f"NVRTC failed on {spec.source}.cu for {arch}:\n{nvrtc.getProgramLog(program)}"
-            ) from error
-        lowered = {name: nvrtc.getLoweredName(program, name) for name in spec.name_expressions}
-        registers, spill_stores, function = {}, {}, None
-        for line in nvrtc.getProgramLog(program).splitlines():
-            if match := _PTXAS_FUNCTION.search(line):
-                function = match.group(1)
-            elif (match := _PTXAS_SPILLS.search(line)) and function is not None:
-                spill_stores[function] = int(match.group(1))
-            elif (match := _PTXAS_REGISTERS.search(line)) and function is not None:
-                registers[function] = int(match.group(1))
-        return DevicelessBuild(lowered, registers, spill_stores)
-    finally:
-        nvrtc.destroyProgram(program)
+    lowered, _, log = nvrtc_compile(spec, arch, ("-Xptxas=-v",))
+    registers, spill_stores, function = {}, {}, None
+    for line in log.splitlines():
+        if match := _PTXAS_FUNCTION.search(line):
+            function = match.group(1)
+        elif (match := _PTXAS_SPILLS.search(line)) and function is not None:
+            spill_stores[function] = int(match.group(1))
+        elif (match := _PTXAS_REGISTERS.search(line)) and function is not None:
+            registers[function] = int(match.group(1))
+    return DevicelessBuild(lowered, registers, spill_stores)
