@@ -1,4 +1,4 @@
-"""CUDA sources of tileops_cupy, compiled at run time by NVRTC through ``cupy.RawModule``.
+"""CUDA sources of tileops_cupy, compiled at run time by NVRTC (``tileops_cupy._cuda``).
 
 This package holds no Python logic beyond reading a source by name, so that a wheel
 install and a source checkout find the ``.cu`` files the same way.

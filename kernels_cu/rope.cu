@@ -429,8 +429,9 @@ struct TwoLevelRows {
 };
 
 // Blocks of ROPE_THREADS; the minimum blocks per SM cap the registers (defines from
-// tileops_cupy._rotate, which sizes the launch and says why): the run-time rotary_dim 16-bit
-// neox kernels spill 4 bytes for the plain cap, the MRoPE+norm kernel 4 for the norm's.
+// tileops_cupy._rotate, which sizes the launch and says why): the 16-bit neox norm kernels
+// spill 8-28 bytes (sm_90) at the norm's cap, the run-time rotary_dim MRoPE ones 32 at the
+// plain cap (tests/test_nvrtc.py keeps the counts); more registers cost more than the spills.
 template <typename T, bool NEOX, int VEC, int ROTARY_DIM, int TABLE, bool NORM = false>
 __global__ void __launch_bounds__(ROPE_THREADS, NORM ? ROPE_NORM_MIN_BLOCKS : ROPE_MIN_BLOCKS)
     rope_rotate(const RopeParams p) {

@@ -79,6 +79,10 @@ _SMALL_ROWS, _SMALL_CHUNK, _FAN_IN = (
 # splits finished of each fan-in, the fan-in sums finished and the group's flag
 _SMALL_COUNTER_WORDS = _COUNTER_TILES + (_FAN_IN + 2) * -(-_MAX_SMALL_ROWS // _SMALL_ROWS)
 
+# The sections of mHC pre backward's scratch, in their order in the one buffer (each a
+# PreBwdParams pointer; the Sinkhorn checkpoints, last, are sized per call).
+_PRE_BWD_SCRATCH = ("pieces", "stats", "coef", "dh_pieces", "per_token", "phi_partial", "sinkhorn")
+
 
 # Launch geometry: NVRTC gets these as the BWD_* defines (one source of truth), and
 # mhc_backward.cu asserts the stage sizes it derives against the ones _geometry computes.
@@ -189,9 +193,7 @@ def mhc_pre_backward(
     segment, slots = sinkhorn_checkpoints(gates.sinkhorn_repeat, n)
     words, offsets = scratch_sections((*plan.scratch, slots * n * n * batch))
     base = empty_like(x, (words,), "float32").ptr
-    pieces, stats, coef, dh_pieces, per_token, phi_partial, sinkhorn = (
-        base + 4 * offset for offset in offsets
-    )
+    scratch = {name: base + 4 * at for name, at in zip(_PRE_BWD_SCRATCH, offsets, strict=True)}
     size = ITEMSIZE[x.dtype]
     alignment = x.ptr | grad_x_res.ptr | grad_x_layer.ptr | grad_x.ptr
     if batch > 1:
@@ -199,9 +201,8 @@ def mhc_pre_backward(
     params = PRE_BWD_PARAMS.pack(
         x=x.ptr, phi=phi.ptr, bias=b.ptr, grad_x_res=grad_x_res.ptr,
         grad_x_layer=grad_x_layer.ptr, grad_h_post=grad_h_post.ptr, grad_phi=grad_phi.ptr,
-        grad_x=grad_x.ptr, grad_b=grad_b.ptr, grad_alpha=grad_alpha.ptr, pieces=pieces,
-        stats=stats, coef=coef, dh_pieces=dh_pieces, per_token=per_token, sinkhorn=sinkhorn,
-        phi_partial=phi_partial, x_stride=x.strides[0], gxr_stride=grad_x_res.strides[0],
+        grad_x=grad_x.ptr, grad_b=grad_b.ptr, grad_alpha=grad_alpha.ptr, **scratch,
+        x_stride=x.strides[0], gxr_stride=grad_x_res.strides[0],
         gxl_stride=grad_x_layer.strides[0], ghp_stride_row=grad_h_post.strides[0],
         ghp_stride_col=grad_h_post.strides[1], phi_stride_k=phi.strides[0],
         phi_stride_q=phi.strides[1], bias_stride=b.strides[0], batch=batch, c_x=c_x,
@@ -527,11 +528,9 @@ def relaunch_post_backward(
     return grad_layer, grad_gates
 
 
-# the scratch sections in mhc_pre_backward's order of scratch_sections
 _PRE_BWD_RELAUNCH = PRE_BWD_PARAMS.field_writer(
     "x", "phi", "bias", "grad_x_res", "grad_x_layer", "grad_h_post", "grad_phi", "grad_x",
-    "grad_b", "grad_alpha", "pieces", "stats", "coef", "dh_pieces", "per_token",
-    "phi_partial", "sinkhorn",
+    "grad_b", "grad_alpha", *_PRE_BWD_SCRATCH,
 )  # fmt: skip
 
 
@@ -858,7 +857,7 @@ class _PreBackwardPlan:
     grad_items: int  # second pass: (column chunk, token tile) items ...
     grad_blocks: int  # ... shared evenly by this many blocks
     slot_cap: int  # most blocks sharing one chunk (grad_phi partials per chunk)
-    scratch: tuple[int, ...]  # words: pieces, stats, coef, dh_pieces, per_token, phi_partial
+    scratch: tuple[int, ...]  # words of each _PRE_BWD_SCRATCH section but the last (per call)
 
 
 _pre_backward_plans: dict[tuple, _PreBackwardPlan] = {}

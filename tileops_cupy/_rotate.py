@@ -40,9 +40,11 @@ _HEADS_IN_FLIGHT = 4  # loads of this many heads per thread in flight: rope.cu's
 # MRoPE 75% -> 92% of the copy ceiling, per-token positions 90% -> 95%, the fused norm 45%
 # -> 54%; decode-sized launches keep one round (fewer threads would lengthen them).
 _TWO_ROUND_THREADS = 1 << 18
-# Registers a thread may hold (ptxas -v, sm_90): the plain rotation needs 96; the norm's 128
-# keep it from spilling. rope.cu's launch bounds get them as minimum blocks of
-# _THREADS_PER_BLOCK threads per multiprocessor (65536 registers).
+# Registers a thread may hold (ptxas -v, sm_90): the plain rotation needs 96; the norm 128,
+# where it spills 8-28 bytes (it would take 144). Measured on an H200, fused norm at 8192 /
+# 32768 tokens: 65/75% of the copy ceiling at 128; 52/59% at 144 (fewer blocks per SM);
+# 60-61/69% at 96 with 2-3 heads in flight (heavier spills). rope.cu's launch bounds get
+# them as minimum blocks of _THREADS_PER_BLOCK threads per multiprocessor (65536 registers).
 _REGISTERS, _NORM_REGISTERS = 96, 128
 _SHARED_BYTES = 48 * 1024  # dynamic shared memory any launch may take without opting in
 _DEFINES = (
