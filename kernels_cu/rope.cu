@@ -117,9 +117,8 @@ struct Chunk {
 // What the NORM instantiations need beyond the rotation (unused by the others).
 struct RowNorm {
   // (weight + offset) in float32 of every column, q's row then k's: the block's shared copy
-  // (stage_norm_weights). Read from global memory at each use, the weights waited behind the
-  // row's stores (they may alias) and missed the L1 that the streaming rows evict: the
-  // kernel reached half the copy ceiling.
+  // (stage_norm_weights), so one path reads float32 and data-typed weights alike, and a
+  // weight read is not ordered behind the row stores it might alias, as a global load is.
   const float* weights;
   float eps;
   int q_heads;        // rows below this are q's (q's weight), the rest k's

@@ -290,3 +290,12 @@ def test_image_cache_compiles_once_and_survives_a_bad_file(tmp_path, monkeypatch
     stored.write_bytes(stored.read_bytes()[:10])
     assert _cuda._cached_image(spec, "sm_90") == (lowered, image) and len(compiles) == 2
     assert _cuda._cached_image(spec, "sm_80")[1] != image and len(compiles) == 3
+
+
+def test_norm_launch_shared_memory_is_bounded():
+    """The fused norm stages 2 * head_dim float32 weights per block: head_dims past what a
+    launch may take without opting in are refused before any launch, naming head_dim."""
+    assert _rotate.norm_shared_bytes(128) == 1024
+    assert _rotate.norm_shared_bytes(6144) == 48 * 1024
+    with pytest.raises(ValueError, match="head_dim <= 6144.*got head_dim=6152"):
+        _rotate.norm_shared_bytes(6152)

@@ -119,13 +119,16 @@ def _cached_image(spec: ModuleSpec, arch: str) -> tuple[dict[str, str], bytes]:
     except (OSError, ValueError):
         pass
     lowered, image, _ = nvrtc_compile(spec, arch)
+    temporary = None
     try:
         os.makedirs(directory, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=directory, delete=False) as file:
+            temporary = file.name
             file.write(json.dumps(lowered).encode() + b"\n" + image)
-        os.replace(file.name, path)
+        os.replace(temporary, path)
     except OSError:
-        pass
+        if temporary is not None and os.path.exists(temporary):
+            os.unlink(temporary)
     return lowered, image
 
 

@@ -422,6 +422,18 @@ def _geometry(
     return grid, (chunks, head_lanes, tokens_per_block), tail_chunks
 
 
+def norm_shared_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of a fused-norm launch: q's and k's weights staged per block as
+    float32 (rope.cu's stage_norm_weights). Raises ValueError past what a launch may take."""
+    shared = 2 * head_dim * 4
+    if shared > _SHARED_BYTES:
+        raise ValueError(
+            f"the fused QK-norm on CUDA takes head_dim <= {_SHARED_BYTES // 8} (its weights "
+            f"are staged in shared memory), got head_dim={head_dim}; use the host path"
+        )
+    return shared
+
+
 def _plan(
     rotary_dim: int,
     mode: int,
@@ -450,16 +462,9 @@ def _plan(
     grid, block, tail_chunks = _geometry(
         neox, vec, rotary_dim, head_dim, copy_tail, total_heads, batch * seq, norm is not None
     )
+    shared = 0 if norm is None else norm_shared_bytes(head_dim)
     kernel = _cuda.function(spec, name, device)
-    # the norm's weights, staged per block as float32 (rope.cu's stage_norm_weights)
-    shared = 0 if norm is None else 2 * head_dim * 4
-    if shared > _SHARED_BYTES:
-        raise ValueError(
-            f"the fused QK-norm on CUDA takes head_dim <= {_SHARED_BYTES // 8} (its weights "
-            f"are staged in shared memory), got head_dim={head_dim}; use the host path"
-        )
-    step = _cuda.Step(kernel, grid, block, shared)
-    plan = _LaunchPlan(steps=(step,), tail_chunks=tail_chunks)
+    plan = _LaunchPlan(steps=(_cuda.Step(kernel, grid, block, shared),), tail_chunks=tail_chunks)
     if len(_plans) > 4096:  # shapes churn (e.g. growing prefill chunks): start over
         _plans.clear()
     _plans[key] = plan
