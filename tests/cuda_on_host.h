@@ -1,9 +1,13 @@
 // The CUDA subset kernels_cu/rope.cu uses, on the host (tests/test_rope_on_host_threads.py):
-// one std::thread per CUDA thread, so the kernel's lane logic runs without a GPU. A warp
-// shuffle goes through a barrier of the shuffling group (a block's x-lanes of one (y, z)),
-// after checking the width and the mask the kernel passes. Replaces common.cuh: the 16-bit
-// types convert in software (round to nearest even).
+// one std::thread per CUDA thread, blocks one after another (launch_on_threads), so the
+// kernel's lane logic runs without a GPU. __syncthreads is a barrier of the block; a warp
+// shuffle goes through a barrier of the lanes its mask names, which must be the whole warp
+// (32 threads of the block) or the caller's x-lane group of one (y, z), with the partner
+// lane inside it; a lane that has returned from the kernel must not be named. Dynamic
+// shared memory is one array the includer defines (blocks do not overlap in time).
+// Replaces common.cuh: the 16-bit types convert in software (round to nearest even).
 #include <barrier>
+#include <functional>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -17,12 +21,16 @@
 #define __forceinline__ inline
 #define __global__
 #define __launch_bounds__(...)
+#define __shared__
+#define __align__(n) __attribute__((aligned(n)))
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
 thread_local dim3 threadIdx, blockIdx;
 dim3 blockDim;
 struct float2 { float x, y; };
+struct alignas(16) float4 { float x, y, z, w; };
 inline float2 make_float2(float x, float y) { return float2{x, y}; }
 inline void __threadfence_system() {}
+inline float rsqrtf(float v) { return 1.f / std::sqrt(v); }
 typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;
@@ -42,26 +50,85 @@ template <> inline bfloat16_t from_float<bfloat16_t>(float v) {
   b += 0x7fff + ((b >> 16) & 1);
   return bfloat16_t{u16(b >> 16)};
 }
-struct Group {
+// The lanes a barrier joins: the 32 of a warp or the x-lanes of one (y, z).
+struct Lanes {
   std::barrier<> bar;
-  float slots[32];
-  explicit Group(int n) : bar(n) {}
+  explicit Lanes(int n) : bar(n) {}
 };
-thread_local Group* my_group;
-thread_local unsigned my_lane;
-inline float __shfl_xor_sync(unsigned mask, float v, int offset, int width) {
-  const unsigned thread = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
-  const unsigned lane = thread & 31;
-  const unsigned base = lane & ~unsigned(width - 1);
-  const unsigned expected = width == 32 ? 0xffffffffu : ((1u << width) - 1) << base;
-  if (unsigned(width) != blockDim.x || 32 % width || mask != expected || (width & (width - 1))) {
-    std::fprintf(stderr, "bad shuffle: width %d blockDim.x %u mask %x expected %x\n", width,
-                 blockDim.x, mask, expected);
-    std::abort();
+struct Block {
+  std::barrier<> all;                         // __syncthreads
+  std::vector<std::unique_ptr<Lanes>> warps;  // per warp (only whole warps)
+  std::vector<std::unique_ptr<Lanes>> groups; // per (y, z)
+  std::vector<float> slots;                   // a shuffle's value, per thread
+  std::vector<char> exited;                   // per thread
+  explicit Block(unsigned threads) : all(threads), slots(threads), exited(threads) {}
+};
+thread_local Block* my_block;
+
+inline unsigned linear_thread() {
+  return threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+}
+
+inline void __syncthreads() { my_block->all.arrive_and_wait(); }
+
+[[noreturn]] inline void bad_shuffle(const char* why, unsigned mask, int offset) {
+  std::fprintf(stderr, "bad shuffle (%s): mask %x offset %d block (%u, %u, %u) thread %u\n",
+               why, mask, offset, blockDim.x, blockDim.y, blockDim.z, linear_thread());
+  std::abort();
+}
+
+inline float __shfl_xor_sync(unsigned mask, float v, int offset, int width = 32) {
+  const unsigned thread = linear_thread(), lane = thread & 31, warp_base = thread - lane;
+  const unsigned x_lanes = blockDim.x, group_base = lane & ~(x_lanes - 1);
+  const unsigned group_mask = x_lanes >= 32 ? 0xffffffffu : ((1u << x_lanes) - 1) << group_base;
+  const unsigned threads = blockDim.x * blockDim.y * blockDim.z;
+  if (width != 32) bad_shuffle("width other than 32", mask, offset);
+  if (!(mask >> (lane ^ unsigned(offset)) & 1)) bad_shuffle("partner outside the mask", mask, offset);
+  Lanes* lanes;
+  if (mask == 0xffffffffu && warp_base + 32 <= threads) {
+    lanes = my_block->warps[thread / 32].get();
+  } else if (mask == group_mask && (x_lanes & (x_lanes - 1)) == 0 && 32 % x_lanes == 0) {
+    lanes = my_block->groups[threadIdx.y + blockDim.y * threadIdx.z].get();
+  } else {
+    bad_shuffle("mask is neither a whole warp nor the x-lane group", mask, offset);
   }
-  my_group->slots[my_lane] = v;
-  my_group->bar.arrive_and_wait();
-  const float r = my_group->slots[my_lane ^ unsigned(offset)];
-  my_group->bar.arrive_and_wait();
+  my_block->slots[thread] = v;
+  lanes->bar.arrive_and_wait();
+  for (unsigned l = 0; l < 32; ++l) {
+    if ((mask >> l & 1) && my_block->exited[warp_base + l]) {
+      bad_shuffle("a named lane has returned", mask, offset);
+    }
+  }
+  const float r = my_block->slots[warp_base + (lane ^ unsigned(offset))];
+  lanes->bar.arrive_and_wait();
   return r;
+}
+
+// Run `kernel` (the body of one CUDA thread) over a grid of `grid` blocks of `block`, one
+// block at a time, one std::thread per CUDA thread. A thread that returns leaves every
+// barrier (as an exited CUDA thread no longer holds up __syncthreads).
+inline void launch_on_threads(unsigned grid, dim3 block, const std::function<void()>& kernel) {
+  blockDim = block;
+  const unsigned threads = block.x * block.y * block.z;
+  for (unsigned b = 0; b < grid; ++b) {
+    Block state(threads);
+    for (unsigned w = 0; w + 32 <= threads; w += 32) state.warps.emplace_back(new Lanes(32));
+    for (unsigned g = 0; g < block.y * block.z; ++g) state.groups.emplace_back(new Lanes(block.x));
+    std::vector<std::thread> workers;
+    for (unsigned z = 0; z < block.z; ++z)
+      for (unsigned y = 0; y < block.y; ++y)
+        for (unsigned x = 0; x < block.x; ++x)
+          workers.emplace_back([&, x, y, z, b] {
+            threadIdx = dim3{x, y, z};
+            blockIdx = dim3{b, 0, 0};
+            my_block = &state;
+            kernel();
+            const unsigned thread = linear_thread();
+            state.exited[thread] = 1;
+            state.all.arrive_and_drop();
+            if (thread / 32 < state.warps.size()) state.warps[thread / 32]->bar.arrive_and_drop();
+            state.groups[y + block.y * z]->bar.arrive_and_drop();
+          });
+    for (auto& worker : workers) worker.join();
+  }
 }

@@ -1,13 +1,15 @@
 """The CUDA rotation kernel (``kernels_cu/rope.cu``), fused QK-RMSNorm included, executed on
 the host: compiled by the C++ compiler against ``cuda_on_host.h`` (one thread per CUDA
-thread, warp shuffles through barriers), launched with the geometry, vector width and
-parameter struct the package computes (``_rotate._geometry``, ``_vector_width``,
-``ROPE_PARAMS``), and compared with the float64 oracle.
+thread, block barriers and warp shuffles through std::barrier), launched with the geometry,
+vector width and parameter struct the package computes (``_rotate._geometry``,
+``_vector_width``, ``ROPE_PARAMS``), and compared with the float64 oracle.
 
 What this adds to the GPU tests: every lane layout of the norm's reduction (groups of 1 to
-32 lanes, rows with more chunks than lanes, tails, one-element accesses), q-only launches,
+32 lanes, rows with more chunks than lanes, tails, one-element accesses, blocks of whole
+warps and of partial ones), the weights staged in shared memory, q-only launches,
 and the MRoPE and cos_sin_cache table modes, checked on any machine with g++ (C++20); the
-shuffle emulation refuses a width or mask that does not describe the calling group. Not
+shuffle emulation refuses a mask that names neither the whole warp nor the calling group, or
+a lane that has returned. A build failure fails the tests (only a missing g++ skips). Not
 covered: timing, memory ordering, the PTX conversions.
 """
 
@@ -52,25 +54,13 @@ _SHIM = """
 {defines}
 {rope}
 
+// the dynamic shared memory of rope_rotate (2 * head_dim floats at most: the norm's weights)
+alignas(16) float norm_weights[2 * 6144];
+
 template <typename T, bool NEOX, int VEC, int RD, int TABLE, bool NORM = false>
 void run(const RopeParams& p, unsigned grid, unsigned bx, unsigned by, unsigned bz) {{
-  blockDim = dim3{{bx, by, bz}};
-  for (unsigned block = 0; block < grid; ++block) {{
-    std::vector<std::unique_ptr<Group>> groups;
-    for (unsigned g = 0; g < by * bz; ++g) groups.emplace_back(new Group(bx));
-    std::vector<std::thread> threads;
-    for (unsigned z = 0; z < bz; ++z)
-      for (unsigned y = 0; y < by; ++y)
-        for (unsigned x = 0; x < bx; ++x)
-          threads.emplace_back([&, x, y, z, block] {{
-            threadIdx = dim3{{x, y, z}};
-            blockIdx = dim3{{block, 0, 0}};
-            my_group = groups[z * by + y].get();
-            my_lane = x;
-            rope_rotate<T, NEOX, VEC, RD, TABLE, NORM>(p);
-          }});
-    for (auto& thread : threads) thread.join();
-  }}
+  launch_on_threads(grid, dim3{{bx, by, bz}},
+                    [&] {{ rope_rotate<T, NEOX, VEC, RD, TABLE, NORM>(p); }});
 }}
 
 typedef void (*Runner)(const RopeParams&, unsigned, unsigned, unsigned, unsigned);
@@ -139,7 +129,7 @@ def kernels(tmp_path_factory):
         capture_output=True, text=True,
     )  # fmt: skip
     if build.returncode:
-        pytest.skip(f"g++ could not build the host kernels:\n{build.stderr[-2000:]}")
+        pytest.fail(f"g++ could not build the host kernels:\n{build.stderr[:3000]}")
     handle = ctypes.CDLL(str(library))
     table = (ctypes.c_void_p * len(names)).in_dll(handle, "runners")
     runner_type = ctypes.CFUNCTYPE(
@@ -178,24 +168,26 @@ def _launch(kernel, grid, block, q_rows, k_rows, **fields) -> None:
 
 
 def _run_case(
-    kernels, rng, dtype, neox, head_dim, rotary_dim, misaligned, weights, in_place, with_k
-):
-    """Rotate q and k (GQA; q alone without ``with_k``) of one fused QKV buffer (starting
-    one element in when ``misaligned``), in place or into new arrays, with or without the
-    norm; check every element, v and the buffer's other bytes. Returns the vector width and
-    block the launch used."""
-    rotated_heads = (HEADS, KV_HEADS) if with_k else (HEADS,)
+    kernels, rng, dtype, neox, head_dim, rotary_dim, misaligned, weights, in_place, with_k,
+    heads=(HEADS, KV_HEADS),
+):  # fmt: skip
+    """Rotate q and k (GQA, ``heads`` = (q's, k's), two different counts; q alone without
+    ``with_k``) of one fused QKV buffer (starting one element in when ``misaligned``), in
+    place or into new arrays, with or without the norm; check every element, v and the
+    buffer's other bytes. Returns the vector width and block the launch used."""
+    q_heads, kv_heads = heads
+    rotated_heads = (q_heads, kv_heads) if with_k else (q_heads,)
     item = ITEMSIZE[dtype]
-    width = misaligned + (HEADS + 2 * KV_HEADS) * head_dim
+    width = misaligned + (q_heads + 2 * kv_heads) * head_dim
     host = random_data(rng, (BATCH, SEQ, width), dtype)
     buffer = host.copy()
-    q_col, k_col = int(misaligned), int(misaligned) + HEADS * head_dim
+    q_col, k_col = int(misaligned), int(misaligned) + q_heads * head_dim
     outputs = {
-        h: np.zeros((BATCH, SEQ, h * head_dim), numpy_dtype(dtype)) for h in (HEADS, KV_HEADS)
+        h: np.zeros((BATCH, SEQ, h * head_dim), numpy_dtype(dtype)) for h in (q_heads, kv_heads)
     }
     strides = (SEQ * width, width, head_dim)
     rows = []
-    for col, heads in ((q_col, HEADS), (k_col, KV_HEADS)):
+    for col, heads in ((q_col, q_heads), (k_col, kv_heads)):
         source = _rows(dtype, buffer.ctypes.data + col * item, heads, head_dim, strides)
         out_strides = (SEQ * heads * head_dim, heads * head_dim, head_dim)
         out = _rows(dtype, outputs[heads].ctypes.data, heads, head_dim, out_strides)
@@ -203,18 +195,16 @@ def _run_case(
         rows += [source, target]
     rows = rows[: 2 * len(rotated_heads)]
     norm = weights is not None
-    norm_weights, pointers, weight_is_float32 = {}, (), {}
+    norm_weights, weight_is_float32 = {}, {}
     if norm:  # "mixed": q's weight in the data's type, k's float32
         for heads in rotated_heads:
-            data_typed = weights[0] == "data" or (weights[0] == "mixed" and heads == HEADS)
+            data_typed = weights[0] == "data" or (weights[0] == "mixed" and heads == q_heads)
             weight_dtype = dtype if data_typed else "float32"
             values = rng.uniform(0.5, 1.5, head_dim) - weights[1]
             norm_weights[heads] = values.astype(numpy_dtype(weight_dtype))
             weight_is_float32[heads] = weight_dtype != dtype
-            if weight_dtype == dtype:
-                pointers += (norm_weights[heads].ctypes.data,)
     copy_tail = (rotary_dim < head_dim and not in_place) or norm
-    vec = _rotate._vector_width(dtype, neox, rotary_dim, head_dim, copy_tail, rows, pointers)
+    vec = _rotate._vector_width(dtype, neox, rotary_dim, head_dim, copy_tail, rows)
     grid, block, tail_chunks = _rotate._geometry(
         neox, vec, rotary_dim, head_dim, copy_tail, sum(rotated_heads), BATCH * SEQ, norm
     )
@@ -224,21 +214,21 @@ def _run_case(
     fine, coarse = (np.ascontiguousarray(t) for t in (table.fine32, table.coarse32))
     name = _rotate._kernel(dtype, neox, vec, rotary_dim, _rotate.TWO_LEVEL, norm)[1]
     _launch(
-        kernels[name], grid, block, rows[:2], k_rows, fine=fine.ctypes.data,
+        kernels[name], grid, block, rows[:2], k_rows, fine=fine.ctypes.data, q_heads=q_heads,
         coarse=coarse.ctypes.data, position_offset=POSITION, position_limit=table.capacity,
-        k_heads=KV_HEADS if with_k else 0, rotary_dim=rotary_dim, tail_chunks=tail_chunks,
-        q_norm_weight=norm_weights[HEADS].ctypes.data if norm else 0,
-        k_norm_weight=norm_weights[KV_HEADS].ctypes.data if norm and with_k else 0,
+        k_heads=kv_heads if with_k else 0, rotary_dim=rotary_dim, tail_chunks=tail_chunks,
+        q_norm_weight=norm_weights[q_heads].ctypes.data if norm else 0,
+        k_norm_weight=norm_weights[kv_heads].ctypes.data if norm and with_k else 0,
         norm_weight_offset=weights[1] if norm else 0.0,
-        q_norm_weight_is_float32=norm and weight_is_float32[HEADS],
-        k_norm_weight_is_float32=norm and with_k and weight_is_float32[KV_HEADS],
+        q_norm_weight_is_float32=norm and weight_is_float32[q_heads],
+        k_norm_weight_is_float32=norm and with_k and weight_is_float32[kv_heads],
     )  # fmt: skip
 
     x64 = host.astype(np.float64)
     positions = (POSITION + np.arange(SEQ))[None, :, None]
     frequencies = standard_frequencies(rotary_dim)
     case = f"{dtype} neox={neox} D{head_dim}/{rotary_dim} vec={vec} block={block} k={with_k}"
-    for col, heads in ((q_col, HEADS), (k_col, KV_HEADS))[: len(rotated_heads)]:
+    for col, heads in ((q_col, q_heads), (k_col, kv_heads))[: len(rotated_heads)]:
         shape = (BATCH, SEQ, heads, head_dim)
         x = x64[..., col : col + heads * head_dim].reshape(shape)
         y = buffer[..., col : col + heads * head_dim] if in_place else outputs[heads]
@@ -251,7 +241,7 @@ def _run_case(
             )
         else:
             assert_matches_oracle(y, x, positions, frequencies, dtype, neox=neox, what=what)
-    v_col = k_col + KV_HEADS * head_dim if with_k else k_col  # (without k: k and v unchanged)
+    v_col = k_col + kv_heads * head_dim if with_k else k_col  # (without k: k and v unchanged)
     np.testing.assert_array_equal(buffer[..., v_col:], host[..., v_col:], err_msg=f"{case}: v")
     np.testing.assert_array_equal(buffer[..., :q_col], host[..., :q_col], err_msg=case)
     if not in_place:
@@ -304,6 +294,18 @@ def test_two_round_layout_on_host_threads(kernels, rng, monkeypatch, neox):
         if case[:2] == ("bfloat16", neox):
             head_lanes.add(_run_case(kernels, rng, *case)[1][1])
     assert head_lanes == {1}
+
+
+@pytest.mark.parametrize("neox", (True, False), ids=("neox", "interleaved"))
+def test_blocks_of_partial_warps_on_host_threads(kernels, rng, neox):
+    """12 rows a token (3 head lanes): blocks that are not whole warps, where the norm's
+    shuffles name the row's lanes rather than the warp; bf16, every case against the oracle."""
+    partial = 0
+    for case in _cases():
+        if case[:2] == ("bfloat16", neox) and case[5] is not None and case[7]:
+            block = _run_case(kernels, rng, *case, heads=(8, 4))[1]
+            partial += math.prod(block) % 32 != 0
+    assert partial
 
 
 @pytest.mark.parametrize(("mode", "norm"), TABLE_CASES, ids=("mrope", "mrope-norm", "cache"))
