@@ -14,7 +14,14 @@ from __future__ import annotations
 
 import math
 
-from ._bench_harness import format_row, make_row, measure_row, median_us, torch_module
+from ._bench_harness import (
+    add_copy_reference,
+    format_row,
+    make_row,
+    measure_row,
+    median_us,
+    torch_module,
+)
 
 _ALPHAS = (0.8, 1.2, 1.0)
 _REPEAT, _EPS = 20, 0.02
@@ -133,7 +140,9 @@ def _backward_row(
     compile_us = None
     if with_compile:
         compile_us = _backward_us(torch.compile(forward, dynamic=False), leaves, upstream)
-    return make_row(name, ours_us, eager_us, compile_us, moved, ceiling)
+    row = make_row(name, ours_us, eager_us, compile_us, moved, ceiling)
+    add_copy_reference(row, moved, ceiling)
+    return row
 
 
 def _pre_backward_row(ceiling: float, batch: int, n: int, c_x: int, with_compile: bool) -> dict:
@@ -167,7 +176,7 @@ def _pre_backward_row(ceiling: float, batch: int, n: int, c_x: int, with_compile
         ceiling,
         with_compile,
     )
-    row["note"] = f"{row['ours_us'] / row['floor_us']:.2f}x one-pass floor"
+    row["note"] = f"{row['ours_us'] / row['floor_us']:.2f}x one-pass floor; {row['note']}"
     print(format_row(row), flush=True)
     return row
 
