@@ -28,6 +28,12 @@ struct Rows {
 };
 
 constexpr int FINE_BITS = 10;
+
+// This thread's index in its block, x fastest: the order in which CUDA packs a block's threads
+// into warps.
+__device__ __forceinline__ int thread_in_block() {
+  return threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+}
 // HEADS_IN_FLIGHT (a define from tileops_cupy._rotate, which sizes the launch by it): loads
 // of this many heads are issued before the first use
 
@@ -137,8 +143,8 @@ struct RowNorm {
   // this thread's row.
   __device__ __forceinline__ static unsigned group_mask_of() {
     const unsigned lanes = blockDim.x;
-    const unsigned thread = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
-    return lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1) << ((thread & 31) & ~(lanes - 1));
+    const unsigned lane = thread_in_block() & 31;
+    return lanes == 32 ? 0xffffffffu : ((1u << lanes) - 1) << (lane & ~(lanes - 1));
   }
 
   // (weight + offset) of VEC columns from `column`, of k's weight when is_k
@@ -378,7 +384,7 @@ template <typename T>
 __device__ __forceinline__ void stage_norm_weights(const RopeParams& p, int head_dim,
                                                    float* shared) {
   const int threads = blockDim.x * blockDim.y * blockDim.z;
-  const int thread = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+  const int thread = thread_in_block();
   const int rows = p.k_norm_weight != nullptr ? 2 : 1;
   for (int i = thread; i < rows * head_dim; i += threads) {
     const bool is_k = i >= head_dim;
