@@ -38,6 +38,8 @@ struct half_t { u16 bits; };
 struct bfloat16_t { u16 bits; };
 inline float bits_float(u32 b) { float f; std::memcpy(&f, &b, 4); return f; }
 inline u32 float_bits(float f) { u32 b; std::memcpy(&b, &f, 4); return b; }
+inline float __uint_as_float(u32 b) { return bits_float(b); }
+using std::memcpy;
 inline float to_float(float v) { return v; }
 inline float to_float(half_t v) { _Float16 h; std::memcpy(&h, &v.bits, 2); return (float)h; }
 inline float to_float(bfloat16_t v) { return bits_float(u32(v.bits) << 16); }
