@@ -47,13 +47,14 @@ struct Rows {
   char* out;
 };
 
-constexpr int FINE_BITS = 10;
-
 // This thread's index in its block, x fastest: the order in which CUDA packs a block's threads
 // into warps.
 __device__ __forceinline__ int thread_in_block() {
   return threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
 }
+
+constexpr int FINE_BITS = 10;
+
 // HEADS_IN_FLIGHT (a define from tileops_cupy._rotate, which sizes the launch by it): loads
 // of this many heads are issued before the first use
 

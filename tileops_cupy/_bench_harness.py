@@ -105,7 +105,7 @@ def measure_row(
         compile_us = timer(reference_compiled)
     row = make_row(name, ours_us, eager_us, compile_us, bytes_moved, ceiling)
     row["note"] = note(row) if callable(note) else note
-    if not small:
+    if not small and bytes_moved:
         add_copy_reference(row, bytes_moved, ceiling)
     print(format_row(row), flush=True)
     return row
