@@ -55,9 +55,6 @@ __device__ __forceinline__ int thread_in_block() {
 
 constexpr int FINE_BITS = 10;
 
-// HEADS_IN_FLIGHT (a define from tileops_cupy._rotate, which sizes the launch by it): loads
-// of this many heads are issued before the first use
-
 // Position of token (b, s): offset + per-sequence offset + (explicit id or s). Out-of-range
 // positions raise the error flag and are clamped, so no table is ever read out of bounds.
 __device__ __forceinline__ long long token_position(const void* ids, int ids_is_int64,
@@ -285,11 +282,13 @@ struct RowNorm {
   }
 };
 
-// Rotate one chunk of every head row of a token: cos/sin formed once, heads loaded
-// HEADS_IN_FLIGHT at a time so that several 16-byte loads are in flight per thread. NORM: the
-// chunk is this lane's first (threadIdx.x); the lane also handles the rest of its share of
-// each row (RowNorm), and a lane past the last chunk still joins the rows' reductions.
-template <typename T, bool NEOX, int VEC, bool NORM, typename CosSinOf, typename RowIn,
+// Rotate one chunk of every head row of a token: cos/sin formed once, heads loaded HEADS at a
+// time (their loads issued before the first use), in rounds over the block's y-lanes
+// (tileops_cupy._rotate picks HEADS by dtype, layout and launch size, and sizes the launch by
+// it). NORM: the chunk is this lane's first (threadIdx.x); the lane also handles the rest of
+// its share of each row (RowNorm), and a lane past the last chunk still joins the rows'
+// reductions.
+template <typename T, bool NEOX, int VEC, bool NORM, int HEADS, typename CosSinOf, typename RowIn,
           typename RowOut>
 __device__ __forceinline__ void rotate_chunk(int chunk, int pairs, CosSinOf cos_sin_of,
                                              float sin_sign, int total_heads, RowIn row_in,
@@ -301,18 +300,18 @@ __device__ __forceinline__ void rotate_chunk(int chunk, int pairs, CosSinOf cos_
 
   // (the same number of rounds for every thread of the block: NORM's shuffles need the
   // whole warp at each)
-  for (int first = 0; first < total_heads; first += blockDim.y * HEADS_IN_FLIGHT) {
+  for (int first = 0; first < total_heads; first += blockDim.y * HEADS) {
     const int h0 = first + threadIdx.y;
-    typename C::Data data[HEADS_IN_FLIGHT];
+    typename C::Data data[HEADS];
 #pragma unroll
-    for (int u = 0; u < HEADS_IN_FLIGHT; ++u) {
+    for (int u = 0; u < HEADS; ++u) {
       const int h = h0 + u * blockDim.y;
       if (h < total_heads && active) c.load(row_in(h), data[u]);
     }
-    float scale[HEADS_IN_FLIGHT];  // NORM: 1/rms of each row
+    float scale[HEADS];  // NORM: 1/rms of each row
     if constexpr (NORM) {
 #pragma unroll
-      for (int u = 0; u < HEADS_IN_FLIGHT; ++u) {
+      for (int u = 0; u < HEADS; ++u) {
         const int h = h0 + u * blockDim.y;  // the same for every lane of the group
         float sum = 0.f;
         if (h < total_heads) {
@@ -326,7 +325,7 @@ __device__ __forceinline__ void rotate_chunk(int chunk, int pairs, CosSinOf cos_
       }
     }
 #pragma unroll
-    for (int u = 0; u < HEADS_IN_FLIGHT; ++u) {
+    for (int u = 0; u < HEADS; ++u) {
       const int h = h0 + u * blockDim.y;
       if (h >= total_heads) break;
       const bool is_k = NORM && h >= norm.q_heads;
@@ -458,7 +457,8 @@ struct TwoLevelRows {
 // tileops_cupy._rotate, which sizes the launch and says why): some 16-bit neox kernels spill
 // up to 36 bytes (sm_90: the MRoPE norm ones at the norm's cap, the run-time rotary_dim ones at
 // the plain cap; tests/test_nvrtc.py keeps the counts); more registers cost more than spills.
-template <typename T, bool NEOX, int VEC, int ROTARY_DIM, int TABLE, bool NORM = false>
+// HEADS: the heads a thread loads at once (rotate_chunk).
+template <typename T, bool NEOX, int VEC, int ROTARY_DIM, int TABLE, bool NORM, int HEADS>
 __global__ void __launch_bounds__(ROPE_THREADS, NORM ? ROPE_NORM_MIN_BLOCKS : ROPE_MIN_BLOCKS)
     rope_rotate(const RopeParams p) {
   const T* q_in = static_cast<const T*>(p.q_in);
@@ -529,12 +529,12 @@ __global__ void __launch_bounds__(ROPE_THREADS, NORM ? ROPE_NORM_MIN_BLOCKS : RO
                          rotary_dim, head_dim, 1.f / head_dim, RowNorm::group_mask_of(),
                          rotate_chunks > static_cast<int>(blockDim.x) || tail_chunks > 0, live,
                          blockDim.x * blockDim.y * blockDim.z % 32 == 0};
-      rotate_chunk<T, NEOX, VEC, true>(threadIdx.x, pairs, cos_sin_of, p.sin_sign, total_heads,
-                                       row_in, row_out, norm);
+      rotate_chunk<T, NEOX, VEC, true, HEADS>(threadIdx.x, pairs, cos_sin_of, p.sin_sign,
+                                              total_heads, row_in, row_out, norm);
     } else {
       for (int chunk = threadIdx.x; chunk < rotate_chunks; chunk += blockDim.x) {
-        rotate_chunk<T, NEOX, VEC, false>(chunk, pairs, cos_sin_of, p.sin_sign, total_heads,
-                                          row_in, row_out, RowNorm{});
+        rotate_chunk<T, NEOX, VEC, false, HEADS>(chunk, pairs, cos_sin_of, p.sin_sign,
+                                                 total_heads, row_in, row_out, RowNorm{});
       }
     }
   };

@@ -5,6 +5,7 @@ report), and every launch picks one of them.
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
@@ -90,18 +91,18 @@ KNOWN_SPILLS = {
     ("sm_80", "mhc_bwd_token<float, 8>"): 156,
     ("sm_80", "mhc_bwd_token<half_t, 8>"): 156,
     ("sm_80", "mhc_post_bwd<half_t, 0, true>"): 8,
-    ("sm_80", "rope_rotate<bfloat16_t, true, 8, 0, 0, true>"): 32,
-    ("sm_80", "rope_rotate<bfloat16_t, true, 8, 0, 1, true>"): 64,
-    ("sm_80", "rope_rotate<bfloat16_t, true, 8, 128, 0, true>"): 16,
-    ("sm_80", "rope_rotate<bfloat16_t, true, 8, 128, 1, true>"): 20,
-    ("sm_80", "rope_rotate<bfloat16_t, true, 8, 64, 0, true>"): 16,
-    ("sm_80", "rope_rotate<bfloat16_t, true, 8, 64, 1, true>"): 20,
-    ("sm_80", "rope_rotate<half_t, true, 8, 0, 0, true>"): 32,
-    ("sm_80", "rope_rotate<half_t, true, 8, 0, 1, true>"): 60,
-    ("sm_80", "rope_rotate<half_t, true, 8, 128, 0, true>"): 16,
-    ("sm_80", "rope_rotate<half_t, true, 8, 128, 1, true>"): 64,
-    ("sm_80", "rope_rotate<half_t, true, 8, 64, 0, true>"): 16,
-    ("sm_80", "rope_rotate<half_t, true, 8, 64, 1, true>"): 64,
+    ("sm_80", "rope_rotate<bfloat16_t, true, 8, 0, 0, true, 4>"): 32,
+    ("sm_80", "rope_rotate<bfloat16_t, true, 8, 0, 1, true, 4>"): 64,
+    ("sm_80", "rope_rotate<bfloat16_t, true, 8, 128, 0, true, 4>"): 16,
+    ("sm_80", "rope_rotate<bfloat16_t, true, 8, 128, 1, true, 4>"): 20,
+    ("sm_80", "rope_rotate<bfloat16_t, true, 8, 64, 0, true, 4>"): 16,
+    ("sm_80", "rope_rotate<bfloat16_t, true, 8, 64, 1, true, 4>"): 20,
+    ("sm_80", "rope_rotate<half_t, true, 8, 0, 0, true, 4>"): 32,
+    ("sm_80", "rope_rotate<half_t, true, 8, 0, 1, true, 4>"): 60,
+    ("sm_80", "rope_rotate<half_t, true, 8, 128, 0, true, 4>"): 16,
+    ("sm_80", "rope_rotate<half_t, true, 8, 128, 1, true, 4>"): 64,
+    ("sm_80", "rope_rotate<half_t, true, 8, 64, 0, true, 4>"): 16,
+    ("sm_80", "rope_rotate<half_t, true, 8, 64, 1, true, 4>"): 64,
     ("sm_90", "mhc_bwd_grad<bfloat16_t, 8>"): 20,
     ("sm_90", "mhc_bwd_grad<float, 7>"): 20,
     ("sm_90", "mhc_bwd_grad<float, 8>"): 84,
@@ -112,17 +113,17 @@ KNOWN_SPILLS = {
     ("sm_90", "mhc_bwd_token<half_t, 8>"): 156,
     ("sm_90", "mhc_project<float, 8>"): 28,
     ("sm_90", "mhc_project<half_t, 8>"): 40,
-    ("sm_90", "rope_rotate<bfloat16_t, true, 8, 0, 0, true>"): 12,
-    ("sm_90", "rope_rotate<bfloat16_t, true, 8, 0, 0>"): 8,
-    ("sm_90", "rope_rotate<bfloat16_t, true, 8, 0, 1, true>"): 28,
-    ("sm_90", "rope_rotate<bfloat16_t, true, 8, 0, 1>"): 32,
-    ("sm_90", "rope_rotate<bfloat16_t, true, 8, 128, 1, true>"): 36,
-    ("sm_90", "rope_rotate<bfloat16_t, true, 8, 64, 1, true>"): 36,
-    ("sm_90", "rope_rotate<half_t, true, 8, 0, 0, true>"): 8,
-    ("sm_90", "rope_rotate<half_t, true, 8, 0, 1, true>"): 16,
-    ("sm_90", "rope_rotate<half_t, true, 8, 0, 1>"): 32,
-    ("sm_90", "rope_rotate<half_t, true, 8, 128, 1, true>"): 28,
-    ("sm_90", "rope_rotate<half_t, true, 8, 64, 1, true>"): 28,
+    ("sm_90", "rope_rotate<bfloat16_t, true, 8, 0, 0, true, 4>"): 12,
+    ("sm_90", "rope_rotate<bfloat16_t, true, 8, 0, 0, false, 4>"): 8,
+    ("sm_90", "rope_rotate<bfloat16_t, true, 8, 0, 1, true, 4>"): 28,
+    ("sm_90", "rope_rotate<bfloat16_t, true, 8, 0, 1, false, 4>"): 32,
+    ("sm_90", "rope_rotate<bfloat16_t, true, 8, 128, 1, true, 4>"): 36,
+    ("sm_90", "rope_rotate<bfloat16_t, true, 8, 64, 1, true, 4>"): 36,
+    ("sm_90", "rope_rotate<half_t, true, 8, 0, 0, true, 4>"): 8,
+    ("sm_90", "rope_rotate<half_t, true, 8, 0, 1, true, 4>"): 16,
+    ("sm_90", "rope_rotate<half_t, true, 8, 0, 1, false, 4>"): 32,
+    ("sm_90", "rope_rotate<half_t, true, 8, 128, 1, true, 4>"): 28,
+    ("sm_90", "rope_rotate<half_t, true, 8, 64, 1, true, 4>"): 28,
 }  # fmt: skip
 SPILL_SLACK = 8  # bytes: ptxas releases move these counts by a few
 
@@ -158,9 +159,9 @@ def _rows(dtype: str, shape, strides, offset_elements: int = 0) -> _rotate.HeadR
 @pytest.mark.parametrize("neox", (True, False), ids=("neox", "interleaved"))
 @pytest.mark.parametrize("dtype", ROTATE_DTYPES)
 def test_every_launch_picks_a_shipped_kernel(dtype, neox, norm):
-    """For every (dtype, layout, rotary_dim, head_dim, alignment, fused norm or not) a launch
-    can meet, the vector width and the (module, name expression) it selects are in the
-    catalogue."""
+    """For every (dtype, layout, rotary_dim, head_dim, alignment, fused norm or not, small or
+    large launch) a launch can meet, the vector width and the (module, name expression) it
+    selects are in the catalogue."""
     widths_seen = set()
     for head_dim in range(2, 258, 2):
         for rotary_dim in sorted({2, 16, 32, 64, 128, head_dim // 2 * 2, head_dim}):
@@ -175,8 +176,13 @@ def test_every_launch_picks_a_shipped_kernel(dtype, neox, norm):
                     dtype, neox, rotary_dim, head_dim, copy_tail, [source, output]
                 )
                 widths_seen.add(vec)
-                for mode in _rotate.NORM_TABLE_MODES if norm else _rotate.TABLE_MODES:
-                    spec, name = _rotate._kernel(dtype, neox, vec, rotary_dim, mode, norm)
+                for tokens, mode in itertools.product(
+                    (1, 1 << 20), _rotate.NORM_TABLE_MODES if norm else _rotate.TABLE_MODES
+                ):  # (a decode step's layout and a large launch's)
+                    heads = _rotate._geometry(
+                        dtype, neox, vec, rotary_dim, head_dim, copy_tail, 4, tokens, norm
+                    )[3]
+                    spec, name = _rotate._kernel(dtype, neox, vec, rotary_dim, mode, norm, heads)
                     assert spec in CATALOGUE, (dtype, neox, rotary_dim, vec, mode, norm)
                     assert name in spec.name_expressions, (name, spec.name_expressions)
     wide = 16 // ITEMSIZE[dtype]

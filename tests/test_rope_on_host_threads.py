@@ -57,10 +57,10 @@ _SHIM = """
 // the dynamic shared memory of rope_rotate (2 * head_dim floats at most: the norm's weights)
 alignas(16) float norm_weights[2 * 6144];
 
-template <typename T, bool NEOX, int VEC, int RD, int TABLE, bool NORM = false>
+template <typename T, bool NEOX, int VEC, int RD, int TABLE, bool NORM, int HEADS>
 void run(const RopeParams& p, unsigned grid, unsigned bx, unsigned by, unsigned bz) {{
   launch_on_threads(grid, dim3{{bx, by, bz}},
-                    [&] {{ rope_rotate<T, NEOX, VEC, RD, TABLE, NORM>(p); }});
+                    [&] {{ rope_rotate<T, NEOX, VEC, RD, TABLE, NORM, HEADS>(p); }});
 }}
 
 typedef void (*Runner)(const RopeParams&, unsigned, unsigned, unsigned, unsigned);
@@ -98,8 +98,10 @@ def _name_expressions() -> list[str]:
     ]
     names = []
     for dtype, neox, rotary_dim, mode, norm in launches:
-        for vec in (16 // ITEMSIZE[dtype], 1):
-            name = _rotate._kernel(dtype, neox, vec, rotary_dim, mode, norm)[1]
+        for vec, heads in itertools.product(
+            (16 // ITEMSIZE[dtype], 1), _rotate._heads_choices(dtype, neox, norm)
+        ):
+            name = _rotate._kernel(dtype, neox, vec, rotary_dim, mode, norm, heads)[1]
             if name not in names:
                 names.append(name)
     return names
@@ -174,7 +176,7 @@ def _run_case(
     """Rotate q and k (GQA, ``heads`` = (q's, k's), two different counts; q alone without
     ``with_k``) of one fused QKV buffer (starting one element in when ``misaligned``), in
     place or into new arrays, with or without the norm; check every element, v and the
-    buffer's other bytes. Returns the vector width and block the launch used."""
+    buffer's other bytes. Returns the vector width, block and HEADS the launch used."""
     q_heads, kv_heads = heads
     rotated_heads = (q_heads, kv_heads) if with_k else (q_heads,)
     item = ITEMSIZE[dtype]
@@ -205,14 +207,14 @@ def _run_case(
             weight_is_float32[heads] = weight_dtype != dtype
     copy_tail = (rotary_dim < head_dim and not in_place) or norm
     vec = _rotate._vector_width(dtype, neox, rotary_dim, head_dim, copy_tail, rows)
-    grid, block, tail_chunks = _rotate._geometry(
-        neox, vec, rotary_dim, head_dim, copy_tail, sum(rotated_heads), BATCH * SEQ, norm
+    grid, block, tail_chunks, heads_at_once = _rotate._geometry(
+        dtype, neox, vec, rotary_dim, head_dim, copy_tail, sum(rotated_heads), BATCH * SEQ, norm
     )
     k_rows = rows[2:] or [_rows(dtype, 0, 0, head_dim, (0, 0, 0))] * 2  # (k_heads 0: unread)
     table = shared_table(Standard(), rotary_dim)
     table.ensure(POSITION + SEQ)
     fine, coarse = (np.ascontiguousarray(t) for t in (table.fine32, table.coarse32))
-    name = _rotate._kernel(dtype, neox, vec, rotary_dim, _rotate.TWO_LEVEL, norm)[1]
+    name = _rotate._kernel(dtype, neox, vec, rotary_dim, _rotate.TWO_LEVEL, norm, heads_at_once)[1]
     _launch(
         kernels[name], grid, block, rows[:2], k_rows, fine=fine.ctypes.data, q_heads=q_heads,
         coarse=coarse.ctypes.data, position_offset=POSITION, position_limit=table.capacity,
@@ -246,7 +248,7 @@ def _run_case(
     np.testing.assert_array_equal(buffer[..., :q_col], host[..., :q_col], err_msg=case)
     if not in_place:
         np.testing.assert_array_equal(buffer, host, err_msg=f"{case}: the source changed")
-    return vec, block
+    return vec, block, heads_at_once
 
 
 @pytest.mark.parametrize("neox", (True, False), ids=("neox", "interleaved"))
@@ -257,7 +259,7 @@ def test_kernel_on_host_threads_matches_oracle(kernels, rng, dtype, neox):
     widths, norm_lanes = set(), set()
     for case in _cases():
         if case[:2] == (dtype, neox):
-            vec, block = _run_case(kernels, rng, *case)
+            vec, block, _ = _run_case(kernels, rng, *case)
             widths.add(vec)
             if case[5] is not None:
                 norm_lanes.add(block[0])
@@ -269,13 +271,13 @@ def test_launch_geometry_stays_within_cuda_limits():
     """Every block the launch plan makes is one CUDA launches (at most ROPE_THREADS threads,
     blockDim.z <= 64), covers every token, and gives the norm a power-of-two x-group of at
     most 32 lanes; over head dims, rotary dims, both vector widths, head and token counts."""
-    for head_dim, vec, neox, norm, heads, tokens in itertools.product(
-        (16, 64, 128, 256, 512), (1, 8), (True, False), (False, True), (1, 2, 5, 40, 64),
-        (1, 3, 64, 5000, 1 << 16),
+    for dtype, head_dim, vec, neox, norm, heads, tokens in itertools.product(
+        ("bfloat16", "float32"), (16, 64, 128, 256, 512), (1, 8), (True, False), (False, True),
+        (1, 2, 5, 40, 64), (1, 3, 64, 5000, 1 << 16),
     ):  # fmt: skip
         for rotary_dim in {2 * vec, head_dim // 2, head_dim}:
-            grid, block, _ = _rotate._geometry(
-                neox, vec, rotary_dim, head_dim, True, heads, tokens, norm
+            grid, block, _, _ = _rotate._geometry(
+                dtype, neox, vec, rotary_dim, head_dim, True, heads, tokens, norm
             )
             assert math.prod(block) <= _rotate._THREADS_PER_BLOCK and block[2] <= 64, block
             assert grid[0] * block[2] >= tokens
@@ -284,16 +286,21 @@ def test_launch_geometry_stays_within_cuda_limits():
 
 
 @pytest.mark.parametrize("neox", (True, False), ids=("neox", "interleaved"))
-def test_two_round_layout_on_host_threads(kernels, rng, monkeypatch, neox):
-    """The layout of large launches (each thread two rounds of HEADS_IN_FLIGHT heads, the
-    second partly empty here: 6 heads on one y-lane), forced at host sizes, bf16: every
-    shape, alignment and norm weight kind against the oracle."""
-    monkeypatch.setattr(_rotate, "_TWO_ROUND_THREADS", 0)
-    head_lanes = set()
+@pytest.mark.parametrize("dtype", ("bfloat16", "float32"))
+def test_large_launch_layout_on_host_threads(kernels, rng, monkeypatch, dtype, neox):
+    """The layout of large launches, forced at host sizes, every shape, alignment and norm
+    weight kind against the oracle: HEADS at a time in rounds, the last partly empty here
+    (q and k's 6 heads on one y-lane in two rounds of four, or, float32's neox rotation, on
+    two y-lanes in three rounds of one)."""
+    monkeypatch.setattr(_rotate, "_LARGE_LAUNCH_THREADS", 0)
+    plain_heads = 1 if (dtype, neox) == ("float32", True) else 4
+    seen = set()
     for case in _cases():
-        if case[:2] == ("bfloat16", neox):
-            head_lanes.add(_run_case(kernels, rng, *case)[1][1])
-    assert head_lanes == {1}
+        if case[:2] == (dtype, neox):
+            _, block, heads = _run_case(kernels, rng, *case)
+            seen.add((case[5] is not None, heads, block[1]))
+    assert {(norm, heads) for norm, heads, _ in seen} == {(False, plain_heads), (True, 4)}
+    assert (False, plain_heads, 2 if plain_heads == 1 else 1) in seen, seen
 
 
 @pytest.mark.parametrize("neox", (True, False), ids=("neox", "interleaved"))
@@ -336,10 +343,10 @@ def test_table_modes_on_host_threads_match_oracle(kernels, rng, dtype, neox, mod
         limit = CACHE_ROWS
     ids = np.ascontiguousarray(ids, dtype=np.int64)
     vec = _rotate._vector_width(dtype, neox, rotary_dim, head_dim, norm, rows)
-    grid, block, tail_chunks = _rotate._geometry(
-        neox, vec, rotary_dim, head_dim, norm, HEADS + KV_HEADS, tokens, norm
+    grid, block, tail_chunks, heads = _rotate._geometry(
+        dtype, neox, vec, rotary_dim, head_dim, norm, HEADS + KV_HEADS, tokens, norm
     )
-    name = _rotate._kernel(dtype, neox, vec, rotary_dim, mode, norm)[1]
+    name = _rotate._kernel(dtype, neox, vec, rotary_dim, mode, norm, heads)[1]
     _launch(
         kernels[name], grid, block, rows[:2], rows[2:], ids=ids.ctypes.data,
         fine=0 if fine is None else fine.ctypes.data,

@@ -33,13 +33,24 @@ SHIPPED_ROTARY_DIMS = (64, 128)  # compiled with rotary_dim as a constant; other
 # threads make whole warps of GQA's 40-head rows too (two tokens of 8 x 10 lanes), where 128
 # left 80-thread blocks with a half-empty warp: +2-5 points (H200, 32q/8kv D128 bf16).
 _THREADS_PER_BLOCK = 160
-_HEADS_IN_FLIGHT = 4  # loads of this many heads per thread in flight: rope.cu's define
-# Launches of at least this many threads in the one-round layout (every thread one load of
-# HEADS_IN_FLIGHT heads) take two rounds instead: half the threads, each forming a token's
-# cos/sin once for twice the heads. Measured on an H200 at 32768 tokens, 32q/8kv D128 bf16:
-# MRoPE 75% -> 92% of the copy ceiling, per-token positions 90% -> 95%, the fused norm 45%
-# -> 54%; decode-sized launches keep one round (fewer threads would lengthen them).
-_TWO_ROUND_THREADS = 1 << 18
+# Each thread loads HEADS heads of its chunk at once (rope.cu's HEADS template argument) in
+# rounds over the block's y-lanes, forming its token's cos/sin once for them all. Launches of
+# fewer than _LARGE_LAUNCH_THREADS threads in a one-round layout take one round of 4 heads
+# (more rounds would lengthen a decode step: 6.2 -> 8.5 us at B64 fp32 with four of one);
+# larger ones take the rounds of _LARGE_LAUNCH_LAYOUT, measured on an H200 (D128, % of the
+# copy ceiling):
+# - (4, 2) by default. At 32768 tokens, 32q/8kv bf16, two rounds against one: MRoPE 75% ->
+#   92%, per-token positions 90% -> 95%, the fused norm 45% -> 54%. Fewer heads at a time lose
+#   1-20 points for 16-bit types (bf16 B8 S4096 H32: 94.7% at (4, 2), 93.6% at (1, 4)), and
+#   the float32 interleaved rotation 1.5-3.8 points (B8 S4096 95.3 -> 93.8%).
+# - (1, 4) for the float32 neox rotation: fewer loads a thread at a time is what a copy wants
+#   (one 16-byte load and store a thread reach 99.2% of the ceiling, four of each 95.5%), and a
+#   float32 neox chunk's 4 pairs of cos/sin are cheap to form for four heads. B8 S4096 H32
+#   95.1 -> 98.0%, B1 S8192 88.3 -> 89.5%, per-token positions N32768 (32q/8kv) 96.2 -> 97.7%.
+_LARGE_LAUNCH_THREADS = 1 << 18
+_SMALL_LAUNCH_LAYOUT = (4, 1)  # (HEADS, rounds)
+_LARGE_LAUNCH_LAYOUT = {("float32", True, False): (1, 4)}  # (dtype, neox, norm): (HEADS, rounds)
+_DEFAULT_LARGE_LAUNCH_LAYOUT = (4, 2)
 # Registers a thread may hold (ptxas -v, sm_90): the plain rotation needs 96; the norm 128,
 # where it spills 8-28 bytes (it would take 144). Measured on an H200, fused norm at 8192 /
 # 32768 tokens: 65/75% of the copy ceiling at 128; 52/59% at 144 (fewer blocks per SM);
@@ -48,7 +59,6 @@ _TWO_ROUND_THREADS = 1 << 18
 _REGISTERS, _NORM_REGISTERS = 96, 128
 _SHARED_BYTES = 48 * 1024  # dynamic shared memory any launch may take without opting in
 _DEFINES = (
-    f"HEADS_IN_FLIGHT={_HEADS_IN_FLIGHT}",
     f"ROPE_THREADS={_THREADS_PER_BLOCK}",
     f"ROPE_MIN_BLOCKS={65536 // (_THREADS_PER_BLOCK * _REGISTERS)}",
     f"ROPE_NORM_MIN_BLOCKS={65536 // (_THREADS_PER_BLOCK * _NORM_REGISTERS)}",
@@ -313,36 +323,51 @@ def _rotate_host(
 # --------------------------------------------------------------------------- CUDA body
 
 
-def _name(dtype: str, neox: bool, vec: int, rotary_dim: int, mode: int, norm: bool) -> str:
-    """The name expression of one instantiation (norm: the fused QK-RMSNorm kernel)."""
-    flags = f"{'true' if neox else 'false'}, {vec}, {rotary_dim}, {mode}{', true' if norm else ''}"
+def _large_launch_layout(dtype: str, neox: bool, norm: bool) -> tuple[int, int]:
+    """(HEADS, rounds) of a large launch of one kind of kernel (_LARGE_LAUNCH_LAYOUT)."""
+    return _LARGE_LAUNCH_LAYOUT.get((dtype, neox, norm), _DEFAULT_LARGE_LAUNCH_LAYOUT)
+
+
+def _heads_choices(dtype: str, neox: bool, norm: bool) -> tuple[int, ...]:
+    """The HEADS values compiled for one kind of kernel: every layout's that may pick it."""
+    large_heads = _large_launch_layout(dtype, neox, norm)[0]
+    return tuple(dict.fromkeys((_SMALL_LAUNCH_LAYOUT[0], large_heads)))
+
+
+def _name(
+    dtype: str, neox: bool, vec: int, rotary_dim: int, mode: int, norm: bool, heads: int
+) -> str:
+    """The name expression of one instantiation (norm: the fused QK-RMSNorm kernel; heads: the
+    heads a thread loads at once)."""
+    flags = f"{str(neox).lower()}, {vec}, {rotary_dim}, {mode}, {str(norm).lower()}, {heads}"
     return f"rope_rotate<{_cuda.CUDA_TYPES[dtype]}, {flags}>"
 
 
 def module_spec(
     dtype: str, rotary_dim: int, mode: int = TWO_LEVEL, norm: bool = False
 ) -> _cuda.ModuleSpec:
-    """The module holding every (layout, vector width) instantiation of one dtype, rotary_dim
-    (0 = rotary_dim passed at run time), table mode and norm flag: a process compiles only
-    the modes it uses."""
+    """The module holding every (layout, vector width, heads at once) instantiation of one
+    dtype, rotary_dim (0 = rotary_dim passed at run time), table mode and norm flag: a process
+    compiles only the modes it uses."""
     wide = 16 // ITEMSIZE[dtype]
     names = tuple(
-        _name(dtype, neox, vec, rotary_dim, mode, norm)
+        _name(dtype, neox, vec, rotary_dim, mode, norm, heads)
         for neox in (True, False)
         for vec in (wide, 1)
+        for heads in _heads_choices(dtype, neox, norm)
     )
     return _cuda.ModuleSpec("rope", names, _DEFINES)
 
 
 @cache
 def _kernel(
-    dtype: str, neox: bool, vec: int, rotary_dim: int, mode: int = TWO_LEVEL, norm: bool = False
+    dtype: str, neox: bool, vec: int, rotary_dim: int, mode: int, norm: bool, heads: int
 ) -> tuple[_cuda.ModuleSpec, str]:
     """(module, name expression) of one instantiation; rotary dims outside the shipped set
     use the run-time rotary_dim instantiation."""
     compiled_rotary_dim = rotary_dim if rotary_dim in SHIPPED_ROTARY_DIMS else 0
     spec = module_spec(dtype, compiled_rotary_dim, mode, norm)
-    return spec, _name(dtype, neox, vec, compiled_rotary_dim, mode, norm)
+    return spec, _name(dtype, neox, vec, compiled_rotary_dim, mode, norm, heads)
 
 
 def module_specs() -> list[_cuda.ModuleSpec]:
@@ -394,6 +419,7 @@ _plans: dict[tuple, _LaunchPlan] = {}
 
 
 def _geometry(
+    dtype: str,
     neox: bool,
     vec: int,
     rotary_dim: int,
@@ -402,24 +428,24 @@ def _geometry(
     total_heads: int,
     tokens: int,
     norm: bool,
-) -> tuple[tuple[int, int, int], tuple[int, int, int], int]:
-    """(grid, block, tail_chunks) of a launch: x-lanes over a head row's chunks, y over the
-    heads (HEADS_IN_FLIGHT each, one round or, for large launches, two), z over tokens. With
-    the fused norm a row's x-lanes are a power-of-two group of at most 32 (one warp's
-    shuffles reduce it; rope.cu)."""
+) -> tuple[tuple[int, int, int], tuple[int, int, int], int, int]:
+    """(grid, block, tail_chunks, HEADS) of a launch: x-lanes over a head row's chunks, y over
+    the heads (HEADS at a time, in the rounds of _SMALL_LAUNCH_LAYOUT or, for large launches,
+    _LARGE_LAUNCH_LAYOUT), z over tokens. With the fused norm a row's x-lanes are a
+    power-of-two group of at most 32 (one warp's shuffles reduce it; rope.cu)."""
     rotate_chunks = (rotary_dim // 2) // (vec if neox or vec == 1 else vec // 2)
     tail_chunks = (head_dim - rotary_dim) // vec if copy_tail else 0
     chunks = min(max(rotate_chunks, tail_chunks), _THREADS_PER_BLOCK)
     if norm:
         chunks = min(1 << (chunks - 1).bit_length(), 32)
-    head_lanes = -(-total_heads // _HEADS_IN_FLIGHT)
-    if tokens * chunks * head_lanes >= _TWO_ROUND_THREADS:
-        head_lanes = -(-total_heads // (2 * _HEADS_IN_FLIGHT))
-    head_lanes = max(1, min(head_lanes, _THREADS_PER_BLOCK // chunks))
+    heads, rounds = _SMALL_LAUNCH_LAYOUT
+    if tokens * chunks * -(-total_heads // (heads * rounds)) >= _LARGE_LAUNCH_THREADS:
+        heads, rounds = _large_launch_layout(dtype, neox, norm)
+    head_lanes = max(1, min(-(-total_heads // (heads * rounds)), _THREADS_PER_BLOCK // chunks))
     # (blockDim.z is at most 64)
     tokens_per_block = max(1, min(_THREADS_PER_BLOCK // (chunks * head_lanes), 64))
     grid = (-(-tokens // tokens_per_block), 1, 1)
-    return grid, (chunks, head_lanes, tokens_per_block), tail_chunks
+    return grid, (chunks, head_lanes, tokens_per_block), tail_chunks, heads
 
 
 def norm_shared_bytes(head_dim: int) -> int:
@@ -457,11 +483,12 @@ def _plan(
     batch, seq, q_heads, head_dim = q_in.shape
     copy_tail = copy_tail or norm is not None  # a normed tail is always written
     vec = _vector_width(dtype, neox, rotary_dim, head_dim, copy_tail, rows)
-    spec, name = _kernel(dtype, neox, vec, rotary_dim, mode, norm is not None)
     total_heads = q_heads + (rows[2].shape[2] if len(rows) > 2 else 0)
-    grid, block, tail_chunks = _geometry(
-        neox, vec, rotary_dim, head_dim, copy_tail, total_heads, batch * seq, norm is not None
-    )
+    grid, block, tail_chunks, heads = _geometry(
+        dtype, neox, vec, rotary_dim, head_dim, copy_tail, total_heads, batch * seq,
+        norm is not None,
+    )  # fmt: skip
+    spec, name = _kernel(dtype, neox, vec, rotary_dim, mode, norm is not None, heads)
     shared = 0 if norm is None else norm_shared_bytes(head_dim)
     kernel = _cuda.function(spec, name, device)
     plan = _LaunchPlan(steps=(_cuda.Step(kernel, grid, block, shared),), tail_chunks=tail_chunks)
