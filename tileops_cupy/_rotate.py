@@ -41,8 +41,9 @@ _THREADS_PER_BLOCK = 160
 # copy ceiling):
 # - (4, 2) by default. At 32768 tokens, 32q/8kv bf16, two rounds against one: MRoPE 75% ->
 #   92%, per-token positions 90% -> 95%, the fused norm 45% -> 54%. Fewer heads at a time lose
-#   1-20 points for 16-bit types (bf16 B8 S4096 H32: 94.7% at (4, 2), 93.6% at (1, 4)), and
-#   the float32 interleaved rotation 1.5-3.8 points (B8 S4096 95.3 -> 93.8%).
+#   for 16-bit types (bf16 B8 S4096 H32: 94.7% at (4, 2), 93.6% at (1, 4), 90.8% at (1, 8),
+#   66-81% with one head a thread in one round) and the float32 interleaved rotation 1.5-3.8
+#   points (B8 S4096 95.3 -> 93.8%).
 # - (1, 4) for the float32 neox rotation: fewer loads a thread at a time is what a copy wants
 #   (one 16-byte load and store a thread reach 99.2% of the ceiling, four of each 95.5%), and a
 #   float32 neox chunk's 4 pairs of cos/sin are cheap to form for four heads. B8 S4096 H32
