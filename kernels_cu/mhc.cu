@@ -706,13 +706,14 @@ __device__ __forceinline__ void wait_until_at_least(const unsigned int* word, un
   }
 }
 
-// Every block of a cooperative launch waits here until all have arrived on `count`.
-__device__ __forceinline__ void grid_barrier(unsigned int* count) {
+// Every block of a cooperative launch adds itself to `count` and waits here until it reaches
+// `arrivals` (gridDim.x for a counter used once; k * gridDim.x at its k-th use).
+__device__ __forceinline__ void grid_barrier(unsigned int* count, unsigned int arrivals) {
   __threadfence();  // this thread's writes are visible device-wide before the count moves
   __syncthreads();
   if (threadIdx.x == 0) {
     atomicAdd(count, 1u);
-    wait_until_at_least(count, gridDim.x);
+    wait_until_at_least(count, arrivals);
   }
   __syncthreads();
 }
@@ -835,14 +836,14 @@ __global__ void __launch_bounds__(PROJECT_THREADS, N <= 4 && Io<T>::x_pieces == 
     // Small batch, every block co-resident (cooperative launch): once all partials are in,
     // block j computes the coefficients of rows j, j + grid, ...; once those are all
     // published, every thread of the grid applies them to its share of (row, 8 columns).
-    grid_barrier(&p.counter[0]);
+    grid_barrier(&p.counter[0], gridDim.x);
     for (i64 row = blockIdx.x; row < p.batch; row += gridDim.x) {
       sum_partials<N>(p, row, 1, sh_h, sh_scratch);
       rows_rms<T, N>(p, sh_h, row, 1);
       tile_coefficients<N>(p, sh_h, row, 1);
       __syncthreads();  // sh_h is rewritten for the next row
     }
-    grid_barrier(&p.counter[1]);
+    grid_barrier(&p.counter[1], gridDim.x);
     const i64 units = (p.c_x + 7) / 8;
     for (i64 item = (i64)blockIdx.x * PROJECT_THREADS + tid; item < p.batch * units;
          item += (i64)gridDim.x * PROJECT_THREADS) {

@@ -6,7 +6,8 @@
 // store8, load_raw8) and tensor-core pieces (build_piece_slot, mma_x_phi) as they are. The geometry defines (BWD_*) follow mhc.cu in the module
 // text, so they never touch the forward's names.
 //
-// Pre backward, five kernels per call (one module per x dtype and n):
+// Pre backward, five kernels per call (one module per x dtype and n), or for small batches
+// the five as the stages of one cooperative kernel (mhc_bwd_fused, at the end):
 //   mhc_bwd_pieces  phi as bf16 B fragments of h = x @ phi, one column block per block.
 //   mhc_bwd_stats   the first pass over x, grad_x_res (gxr) and grad_x_layer (gxl), a tile of
 //                   128 tokens by a range of columns c of every stream: h on the tensor cores
@@ -92,6 +93,7 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* smem)
 
 // One by-value parameter for every pre-backward kernel (tileops_cupy reads its fields from
 // here, as mhc.cu's PreParams).
+// (Pointers in the order a relaunch rewrites them, _mhc._PRE_BWD_RELAUNCH: one run.)
 struct PreBwdParams {
   const void* x;             // [batch, n*c_x], rows x_stride elements apart, columns dense
   const float* phi;          // [n*c_x, Q] through (phi_stride_k, phi_stride_q)
@@ -103,13 +105,14 @@ struct PreBwdParams {
   void* grad_x;              // [batch, n*c_x] in x's dtype, contiguous
   float* grad_b;             // [Q]
   float* grad_alpha;         // [3]: pre, post, res
+  unsigned int* counter;     // scratch [2], zero between launches: mhc_bwd_fused's barriers
   u32* pieces;               // scratch: phi as B fragments, column block by column block
   float* stats;              // scratch [k_splits][W][batch]: h, sum(x*x), dh_pre, dM
   float* coef;               // scratch [batch][CW4]: h_pre, M, c_r, scale
   u16* dh_pieces;            // scratch [batch][DP][QP16]: dloss/dh in bf16 pieces
   float* per_token;          // scratch [Q + 3][batch]: dloss/dlogit (grad_b), grad_alpha terms
-  float* sinkhorn;           // scratch [slots][n*n][batch]: Sinkhorn checkpoints and steps
   float* phi_partial;        // scratch [chunks][slot_cap][PG][Q]: grad_phi per (chunk, block)
+  float* sinkhorn;           // scratch [slots][n*n][batch]: Sinkhorn checkpoints and steps
   i64 x_stride, gxr_stride, gxl_stride, ghp_stride_row, ghp_stride_col;
   i64 phi_stride_k, phi_stride_q, bias_stride;
   i64 batch, c_x, c_range, k_splits;
@@ -118,7 +121,7 @@ struct PreBwdParams {
   float alpha_pre, alpha_post, alpha_res, eps;
 };
 
-static_assert(sizeof(PreBwdParams) == 288, "PreBwdParams changed size: update this number");
+static_assert(sizeof(PreBwdParams) == 296, "PreBwdParams changed size: update this number");
 
 constexpr int BWD_BLOCK = BWD_THREADS;  // threads of mhc_bwd_pieces, _stats and _grad
 
@@ -190,11 +193,11 @@ struct BwdGeo {
 // stream), each phi value split into three bf16 pieces; 0 past phi. Layout as mhc.cu's
 // build_pieces: [k-step][n-tile][piece][lane] x (b0, b1).
 template <typename T, int N>
-__global__ void __launch_bounds__(BWD_BLOCK) mhc_bwd_pieces(const PreBwdParams p) {
+__device__ __forceinline__ void pieces_block(const PreBwdParams& p, i64 block) {
   typedef BwdGeo<T, N> G;
   constexpr int Q = G::Q, NT = G::NT, CS = G::CS;
-  const i64 c0 = (i64)blockIdx.x * CS;
-  u32* dst = p.pieces + (i64)blockIdx.x * G::PIECE_WORDS;
+  const i64 c0 = block * CS;
+  u32* dst = p.pieces + block * G::PIECE_WORDS;
   auto phi_at = [&](int pos, int q) -> float {
     const int k = pos / CS;
     const i64 c = c0 + (pos - k * CS);
@@ -203,6 +206,11 @@ __global__ void __launch_bounds__(BWD_BLOCK) mhc_bwd_pieces(const PreBwdParams p
   };
   for (int slot = threadIdx.x; slot < G::KS * NT * 64; slot += BWD_BLOCK)
     build_piece_slot<NT>(dst, slot, phi_at);
+}
+
+template <typename T, int N>
+__global__ void __launch_bounds__(BWD_BLOCK) mhc_bwd_pieces(const PreBwdParams p) {
+  pieces_block<T, N>(p, blockIdx.x);
 }
 
 // ------------------------------------------------------------------ first pass
@@ -283,7 +291,7 @@ __device__ __forceinline__ void stage_rows(const PreBwdParams& p, unsigned char*
 // w/4. Product thread tid takes token tid%128 and half tid/128 of each stage's columns.
 // Dynamic shared memory: `stages` stages of (x, gxr, gxl, phi fragments).
 template <typename T, int N>
-__global__ void __launch_bounds__(BWD_BLOCK, 1) mhc_bwd_stats(const PreBwdParams p) {
+__device__ __forceinline__ void stats_block(const PreBwdParams& p, i64 block) {
   typedef BwdGeo<T, N> G;
   typedef typename G::E E;
   constexpr int Q = G::Q, NT = G::NT, KS = G::KS, CS = G::CS, HC = G::HC;
@@ -293,7 +301,7 @@ __global__ void __launch_bounds__(BWD_BLOCK, 1) mhc_bwd_stats(const PreBwdParams
   const int g = lane >> 2, tg = lane & 3;
   const int row_group = warp & 3, k_half = warp >> 2;
   const int token = tid & (TILE - 1), half = tid / TILE;
-  const i64 tile = blockIdx.x / p.k_splits, split = blockIdx.x % p.k_splits;
+  const i64 tile = block / p.k_splits, split = block % p.k_splits;
   const i64 row0 = tile * TILE;
   const i64 c_begin = split * p.c_range;
   const i64 c_end = c_begin + p.c_range < p.c_x ? c_begin + p.c_range : p.c_x;
@@ -423,6 +431,11 @@ __global__ void __launch_bounds__(BWD_BLOCK, 1) mhc_bwd_stats(const PreBwdParams
   }
 }
 
+template <typename T, int N>
+__global__ void __launch_bounds__(BWD_BLOCK, 1) mhc_bwd_stats(const PreBwdParams p) {
+  stats_block<T, N>(p, blockIdx.x);
+}
+
 // ------------------------------------------------------------------ per token
 
 // m[first + j*stride], j < N (a row or a column), divided by their sum + eps.
@@ -493,15 +506,13 @@ __device__ __forceinline__ void sinkhorn_step_backward(float (&a)[N * N], float 
   }
 }
 
-// One thread per token.
+// Token t < batch, one thread.
 template <typename T, int N>
-__global__ void __launch_bounds__(BWD_TOKEN_THREADS) mhc_bwd_token(const PreBwdParams p) {
+__device__ __forceinline__ void token_chain(const PreBwdParams& p, i64 t) {
   typedef BwdGeo<T, N> G;
   typedef typename G::E E;
   constexpr int Q = G::Q, W = G::W, NN = G::NN, DP = G::DP, QP16 = G::QP16, CW4 = G::CW4;
-  const i64 t = (i64)blockIdx.x * BWD_TOKEN_THREADS + threadIdx.x;
   const i64 batch = p.batch;
-  if (t >= batch) return;
   auto bias = [&](int q) { return p.bias[q * p.bias_stride]; };
 
   // the k_splits partials of h, sum(x*x), dloss/dh_pre and dloss/dM, summed in a fixed order
@@ -666,6 +677,12 @@ __global__ void __launch_bounds__(BWD_TOKEN_THREADS) mhc_bwd_token(const PreBwdP
   per_token[(Q + 2) * batch] = grad_alpha_res;
 }
 
+template <typename T, int N>
+__global__ void __launch_bounds__(BWD_TOKEN_THREADS) mhc_bwd_token(const PreBwdParams p) {
+  const i64 t = (i64)blockIdx.x * BWD_TOKEN_THREADS + threadIdx.x;
+  if (t < p.batch) token_chain<T, N>(p, t);
+}
+
 // ------------------------------------------------------------------ second pass
 
 // Items: (column chunk, token tile of 32) pairs, chunk-major, `grad_items` of them; block j
@@ -678,7 +695,7 @@ __global__ void __launch_bounds__(BWD_TOKEN_THREADS) mhc_bwd_token(const PreBwdP
 //   (c) grad_x = h_pre[k]*gxl + sum_i M[i,k]*gxr_i + c_r*scale*x + D, one thread per 8
 //       columns of a token (and group of streams), one rounding, 16-byte stores.
 template <typename T, int N>
-__global__ void __launch_bounds__(BWD_BLOCK, 1) mhc_bwd_grad(const PreBwdParams p) {
+__device__ __forceinline__ void grad_block(const PreBwdParams& p, i64 block) {
   typedef BwdGeo<T, N> G;
   typedef typename G::E E;
   constexpr int Q = G::Q, NT = G::NT, KQ = G::KQ, QP16 = G::QP16, CG = G::CG, PG = G::PG;
@@ -691,8 +708,8 @@ __global__ void __launch_bounds__(BWD_BLOCK, 1) mhc_bwd_grad(const PreBwdParams 
   const i64 batch = p.batch, c_x = p.c_x;
   const i64 tiles = (batch + TILE - 1) / TILE;
   const i64 items = p.grad_items, blocks = p.grad_blocks;
-  const i64 u_begin = (i64)blockIdx.x * items / blocks;
-  const int count = (int)(((i64)blockIdx.x + 1) * items / blocks - u_begin);
+  const i64 u_begin = block * items / blocks;
+  const int count = (int)((block + 1) * items / blocks - u_begin);
   float* D = (float*)(smem + stages * G::GRAD_STAGE);  // [TILE][D_PITCH]
 
   auto stage_base = [&](int s) { return smem + s * G::GRAD_STAGE; };
@@ -762,7 +779,7 @@ __global__ void __launch_bounds__(BWD_BLOCK, 1) mhc_bwd_grad(const PreBwdParams 
   // owning the chunk's first item (item u's block is ((u+1)*blocks - 1) / items).
   auto flush = [&](i64 chunk) {
     const i64 first = ((chunk * tiles + 1) * blocks - 1) / items;
-    float* dst = p.phi_partial + (chunk * p.slot_cap + ((i64)blockIdx.x - first)) * (PG * Q);
+    float* dst = p.phi_partial + (chunk * p.slot_cap + (block - first)) * (PG * Q);
 #pragma unroll
     for (int mw = 0; mw < MT_W; ++mw) {
       const int mk = warp + 8 * mw;
@@ -971,21 +988,26 @@ __global__ void __launch_bounds__(BWD_BLOCK, 1) mhc_bwd_grad(const PreBwdParams 
   cp_async_wait_all_but(0);
 }
 
+template <typename T, int N>
+__global__ void __launch_bounds__(BWD_BLOCK, 1) mhc_bwd_grad(const PreBwdParams p) {
+  grad_block<T, N>(p, blockIdx.x);
+}
+
 // ------------------------------------------------------------------ reductions
 
 // Blocks [0, phi_blocks): grad_phi[kk, q], one thread each, the partials of its chunk in
 // block order. Blocks phi_blocks + j, j < Q + 3: grad_b[j] (j < Q) or grad_alpha[j - Q], the
 // per-token terms summed by a fixed tree.
-template <typename T, int N>
-__global__ void __launch_bounds__(BWD_REDUCE_THREADS) mhc_bwd_reduce(const PreBwdParams p) {
+// (THREADS threads a block, `sh` THREADS floats of shared memory.)
+template <typename T, int N, int THREADS>
+__device__ __forceinline__ void reduce_block(const PreBwdParams& p, i64 block, float* sh) {
   typedef BwdGeo<T, N> G;
   constexpr int Q = G::Q, CG = G::CG, PG = G::PG;
-  __shared__ float sh[BWD_REDUCE_THREADS];
   const int tid = threadIdx.x;
   const i64 total = N * p.c_x * Q;
-  const i64 phi_blocks = (total + BWD_REDUCE_THREADS - 1) / BWD_REDUCE_THREADS;
-  if ((i64)blockIdx.x < phi_blocks) {
-    const i64 idx = (i64)blockIdx.x * BWD_REDUCE_THREADS + tid;
+  const i64 phi_blocks = (total + THREADS - 1) / THREADS;
+  if (block < phi_blocks) {
+    const i64 idx = block * THREADS + tid;
     if (idx >= total) return;
     float s = 0.f;
     if (p.grad_items > 0) {  // an empty batch has no partials: grad_phi is 0
@@ -1002,13 +1024,13 @@ __global__ void __launch_bounds__(BWD_REDUCE_THREADS) mhc_bwd_reduce(const PreBw
     p.grad_phi[idx] = s;
     return;
   }
-  const int column = (int)((i64)blockIdx.x - phi_blocks);  // block-uniform: the barriers hold
+  const int column = (int)(block - phi_blocks);  // block-uniform: the barriers hold
   float s = 0.f;
-  for (i64 t = tid; t < p.batch; t += BWD_REDUCE_THREADS) s += p.per_token[column * p.batch + t];
+  for (i64 t = tid; t < p.batch; t += THREADS) s += p.per_token[column * p.batch + t];
   sh[tid] = s;
   __syncthreads();
 #pragma unroll
-  for (int width = BWD_REDUCE_THREADS / 2; width > 0; width >>= 1) {
+  for (int width = THREADS / 2; width > 0; width >>= 1) {
     if (tid < width) sh[tid] += sh[tid + width];
     __syncthreads();
   }
@@ -1017,6 +1039,63 @@ __global__ void __launch_bounds__(BWD_REDUCE_THREADS) mhc_bwd_reduce(const PreBw
       p.grad_b[column] = sh[0];
     else
       p.grad_alpha[column - Q] = sh[0];
+  }
+}
+
+template <typename T, int N>
+__global__ void __launch_bounds__(BWD_REDUCE_THREADS) mhc_bwd_reduce(const PreBwdParams p) {
+  __shared__ float sh[BWD_REDUCE_THREADS];
+  reduce_block<T, N, BWD_REDUCE_THREADS>(p, blockIdx.x, sh);
+}
+
+// ------------------------------------------------------------------ one launch
+
+// The five kernels above as the stages of one cooperative launch (every block resident),
+// for small batches, where five launches cost more host time than the work takes on the
+// device. Each stage's blocks (threads, for the per-token stage) are dealt out to the grid
+// in turn, and the grid waits at a barrier between stages (counter[0] counts the
+// arrivals); the last block out zeroes both counters for the next launch. The geometry
+// (k_splits, grad_blocks) is the five kernels': the same sums in the same order, the same
+// bits.
+// Each stage a call of its own (not inlined): registers are allocated per stage, not
+// across all five (inlined, n = 8 spilled 1.2 KB a thread).
+template <typename T, int N>
+__device__ __noinline__ void fused_pieces(const PreBwdParams& p, i64 block) { pieces_block<T, N>(p, block); }
+template <typename T, int N>
+__device__ __noinline__ void fused_stats(const PreBwdParams& p, i64 block) { stats_block<T, N>(p, block); }
+template <typename T, int N>
+__device__ __noinline__ void fused_token(const PreBwdParams& p, i64 t) { token_chain<T, N>(p, t); }
+template <typename T, int N>
+__device__ __noinline__ void fused_grad(const PreBwdParams& p, i64 block) { grad_block<T, N>(p, block); }
+
+template <typename T, int N>
+__global__ void __launch_bounds__(BWD_BLOCK, 1) mhc_bwd_fused(const PreBwdParams p) {
+  typedef BwdGeo<T, N> G;
+  const i64 grid = gridDim.x;
+  const unsigned int blocks = gridDim.x;
+  for (i64 b = blockIdx.x; b < (p.c_x + G::CS - 1) / G::CS; b += grid) fused_pieces<T, N>(p, b);
+  grid_barrier(p.counter, 1 * blocks);
+  for (i64 b = blockIdx.x; b < (p.batch + G::TILE - 1) / G::TILE * p.k_splits; b += grid) {
+    fused_stats<T, N>(p, b);
+    __syncthreads();  // the next block's stages overwrite this one's epilogue buffers
+  }
+  grid_barrier(p.counter, 2 * blocks);
+  for (i64 t = blockIdx.x * BWD_BLOCK + threadIdx.x; t < p.batch; t += grid * BWD_BLOCK)
+    fused_token<T, N>(p, t);
+  grid_barrier(p.counter, 3 * blocks);
+  for (i64 b = blockIdx.x; b < p.grad_blocks; b += grid) {
+    fused_grad<T, N>(p, b);
+    __syncthreads();
+  }
+  grid_barrier(p.counter, 4 * blocks);
+  const i64 reduce_blocks = (N * p.c_x * G::Q + BWD_BLOCK - 1) / BWD_BLOCK + G::Q + 3;
+  float* sh = (float*)dynamic_smem_bytes();  // (free after the last barrier)
+  for (i64 b = blockIdx.x; b < reduce_blocks; b += grid) reduce_block<T, N, BWD_BLOCK>(p, b, sh);
+  // every block has left its last wait on counter[0] before it counts itself out here
+  __syncthreads();
+  if (threadIdx.x == 0 && atomicAdd(p.counter + 1, 1u) == blocks - 1) {
+    p.counter[0] = 0u;
+    p.counter[1] = 0u;
   }
 }
 

@@ -550,6 +550,41 @@ def test_small_scratch_is_the_streams_workspace(monkeypatch):
     assert len(allocations) == 7 and len(memsets) == before
 
 
+def test_fused_backward_scratch_is_its_own_workspace(monkeypatch):
+    """mhc_bwd_fused's scratch: its counters first in a section of one size for every batch,
+    on a workspace of its own per stream (never mhc_pre_small's, whose counter section
+    differs), zeroed once when made; the five-kernel plans fresh memory, no memset."""
+    memsets, allocations = [], []
+    monkeypatch.setattr(_mhc._Runtime, "is_capturing", lambda stream: False)
+    monkeypatch.setattr(_mhc._Runtime, "memset", lambda *args: memsets.append(args), raising=False)
+    monkeypatch.setattr(_mhc, "_workspaces", {})
+
+    def allocate(template, words):
+        base = (len(allocations) + 1) << 32
+        allocations.append(words)
+        return ("buffer", base), base
+
+    def backward_plan(batch, fused=True):
+        sizes = (_mhc._PRE_BWD_COUNTER_WORDS, 99, 30 * batch, 8 * batch, 9 * batch, 27 * batch,
+                 5000, 320 * batch)  # fmt: skip
+        return _mhc._PreBackwardPlan((), fused, 3, 16, 16, 4, 4, 1, sizes)
+
+    for batch in (1, 37, 256):
+        words, offsets = backward_plan(batch).scratch_layout
+        assert len(offsets) == len(_mhc._PRE_BWD_SCRATCH) and offsets[0] == 0
+        assert min(offsets[1:]) >= _mhc._PRE_BWD_COUNTER_WORDS
+    forward = _mhc._PrePlan((), 4, 64, 32, 8, False, True, (800, 80, _mhc._SMALL_COUNTER_WORDS, 0))
+    _, (_, _, forward_counter, _) = _mhc._scratch(forward, 0, 7, allocate, "template")
+    _, first = _mhc._scratch(backward_plan(4), 0, 7, allocate, "template")
+    assert first[0] != forward_counter and len(allocations) == 2
+    assert memsets[-1] == (first[0], 0, 4 * _mhc._PRE_BWD_COUNTER_WORDS, 7)
+    assert _mhc._scratch(backward_plan(2), 0, 7, allocate, "template")[1][0] == first[0]
+    assert len(allocations) == 2 and len(memsets) == 2  # reused, not zeroed again
+    for _ in range(2):
+        _mhc._scratch(backward_plan(300, fused=False), 0, 7, allocate, "template")
+    assert len(allocations) == 4 and len(memsets) == 2
+
+
 def _device_operand(shape, dtype, strides=None, ptr=1 << 20):
     from tileops_cupy._arrays import Operand, contiguous_strides
 
@@ -598,3 +633,12 @@ def test_catalogue_holds_every_launchable_module():
 
 # Compiling the mHC modules for sm_80 and sm_90 is tests/test_nvrtc.py's job: it compiles the
 # whole shipped catalogue, which includes every module listed here.
+
+
+def test_relaunches_rewrite_one_run_of_fields():
+    """A relaunch (a decode step's, or a small backward's) patches its addresses with one
+    packing call: the fields it rewrites are adjacent in the kernel's struct, in its order."""
+    writers = (
+        _mhc._PRE_RELAUNCH, _mhc._POST_RELAUNCH, _mhc._PRE_BWD_RELAUNCH, _mhc._POST_BWD_RELAUNCH
+    )  # fmt: skip
+    assert [len(writer) for writer in writers] == [1, 1, 1, 1]

@@ -264,14 +264,40 @@ def test_pre_backward_in_row_blocks(rng, monkeypatch):
 
 
 @pytest.mark.parametrize("place", PLACES)
-def test_pre_backward_is_deterministic(rng, place):
-    case = random_pre_case(rng, 4, 256, batch=300, dtype="bfloat16")
+@pytest.mark.parametrize("batch", (300, 200))  # five launches; one (mhc_bwd_fused)
+def test_pre_backward_is_deterministic(rng, place, batch):
+    case = random_pre_case(rng, 4, 256, batch=batch, dtype="bfloat16")
     upstream = upstream_grads(rng, case)
     first = [to_float64(g) for g in pre_backward(place, case, upstream)]
     second = [to_float64(g) for g in pre_backward(place, case, upstream)]
     names = ("grad_phi", "grad_x", "grad_b", "grad_alpha")
     for name, a, b in zip(names, first, second, strict=True):
         assert np.array_equal(a, b), f"{name} differs between two runs"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", PRE_DTYPES)
+@pytest.mark.parametrize("n, c_x, batch", ((1, 1000, 1), (4, 130, 4), (8, 72, 37), (4, 136, 256)))
+def test_pre_backward_one_launch_is_the_five_kernels(rng, monkeypatch, n, c_x, batch, dtype):
+    """Batches up to _MAX_FUSED_BWD_ROWS run the five kernels as stages of one cooperative
+    launch (mhc_bwd_fused) on the stream's workspace: the same bits as the five launches,
+    both within the contract, and the workspace's counters left zeroed for the next call
+    (a second call on new data)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    assert batch <= _mhc._MAX_FUSED_BWD_ROWS
+    for _ in range(2):
+        case = random_pre_case(rng, n, c_x, batch, dtype=dtype, repeat=20)
+        upstream = upstream_grads(rng, case)
+        fused = pre_backward("cuda", case, upstream)
+        with monkeypatch.context() as five:
+            five.setattr(_mhc, "_MAX_FUSED_BWD_ROWS", 0)
+            five.setattr(_mhc, "_pre_backward_plans", {})
+            separate = pre_backward("cuda", case, upstream)
+        names = ("grad_phi", "grad_x", "grad_b", "grad_alpha")
+        for name, a, b in zip(names, fused, separate, strict=True):
+            assert torch.equal(a, b), f"{name}: one launch and five differ"
+        assert_pre_backward_matches(case, upstream, fused)
 
 
 # --------------------------------------------------------------------------- post

@@ -12,10 +12,10 @@ Pre is one kernel per call for small batches (decode: up to 64 tokens and 2**18 
 of x), three beyond (two when fused, up to 256 tokens; ``mhc.cu``'s header describes them);
 pre backward is five (phi's fragments; a first pass over x and the upstream gradients; the
 per-token chain rule; a second pass writing grad_x and grad_phi's partials; the fixed-order
-reductions); post and post backward one each. Scratch (partial sums, per-token
-coefficients, Sinkhorn checkpoints) is one fresh buffer of the caller's allocator per call,
-except for the one-kernel pre, which keeps a workspace per stream (:func:`_scratch` says
-why).
+reductions), as the stages of one cooperative launch up to 256 tokens; post and post
+backward one each. Scratch (partial sums, per-token coefficients, Sinkhorn checkpoints) is
+one fresh buffer of the caller's allocator per call, except for the one-launch pre and pre
+backward, which keep a workspace per stream (:func:`_scratch` says why).
 """
 
 from __future__ import annotations
@@ -80,8 +80,12 @@ _SMALL_ROWS, _SMALL_CHUNK, _FAN_IN = (
 _SMALL_COUNTER_WORDS = _COUNTER_TILES + (_FAN_IN + 2) * -(-_MAX_SMALL_ROWS // _SMALL_ROWS)
 
 # The sections of mHC pre backward's scratch, in their order in the one buffer (each a
-# PreBwdParams pointer; the Sinkhorn checkpoints, last, are sized per call).
-_PRE_BWD_SCRATCH = ("pieces", "stats", "coef", "dh_pieces", "per_token", "phi_partial", "sinkhorn")
+# PreBwdParams pointer; the counters first, in a section of one size for every plan, as
+# mhc_pre_small's; the Sinkhorn checkpoints, last, are sized per call).
+_PRE_BWD_SCRATCH = (
+    "counter", "pieces", "stats", "coef", "dh_pieces", "per_token", "phi_partial", "sinkhorn",
+)  # fmt: skip
+_PRE_BWD_COUNTER_WORDS = 2  # mhc_bwd_fused: barrier arrivals, blocks finished
 
 
 # Launch geometry: NVRTC gets these as the BWD_* defines (one source of truth), and
@@ -93,6 +97,10 @@ _TOKEN_THREADS = 64  # mhc_bwd_token: one thread per token, small blocks spread 
 _REDUCE_THREADS = 256
 _POST_BWD_THREADS = 256  # mhc_post_bwd: one block per token row
 _MAX_STAGES = 3  # cp.async pipeline depth where shared memory allows (at least 2)
+# Pre backward batches this small run as one cooperative launch (mhc_bwd_fused) on the
+# stream's workspace: host time of a B4 call on the H200 44 -> ~ µs, where five launches
+# and a fresh scratch cost more than the device takes
+_MAX_FUSED_BWD_ROWS = 256
 _SCRATCH_ALIGN_WORDS = 64  # 256-byte sections: the scratch rows are read by 16-byte cp.async
 _SINKHORN_KEPT_FLOATS = 1024  # per token: every Sinkhorn step's input kept up to this
 _MAX_SMEM_OPTIN, _MULTIPROCESSORS = 97, 16  # cudaDeviceAttr values
@@ -160,14 +168,14 @@ def mhc_pre_backward(
     grad_x: Operand,
     grad_b: Operand,
     grad_alpha: Operand,
-) -> tuple[_cuda.Launch, tuple[int, tuple[int, ...]]] | None:
+) -> tuple[_cuda.Launch, _PreBackwardPlan] | None:
     """Fill the gradients (fresh contiguous arrays) from validated inputs with batch >= 1,
     on ``place``: ``grad_phi [n*c_x, Q]`` (float32), ``grad_x [B, n*c_x]`` (x's dtype),
     ``grad_b [Q]`` (float32) and ``grad_alpha [3]`` (float32: pre, post, res), the exact
     gradient of mHC pre (SPEC section 8) for the upstream gradients ``grad_x_res``
     ``[B, n*c_x]`` and ``grad_x_layer`` ``[B, c_x]`` (x's dtype) and ``grad_h_post``
     ``[B, n]`` (float32). Reductions over the batch are deterministic. Returns the CUDA
-    launch and its scratch layout (words, word offset of each section; None on the host)."""
+    launch and its plan (None on the host)."""
     if place == "cpu":
         mhc_pre_backward_host(
             phi.host, x.host, b.host, gates, grad_x_res.host, grad_x_layer.host,
@@ -189,11 +197,11 @@ def mhc_pre_backward(
             f"the CUDA mHC kernels take n <= {streams[-1]} streams, got n = {n} "
             "(phi width n*n+2n); run on the host (target='cpu' with host arrays) instead"
         )
-    plan = _pre_backward_plan(device, x.dtype, n, c_x, batch)
-    segment, slots = sinkhorn_checkpoints(gates.sinkhorn_repeat, n)
-    words, offsets = scratch_sections((*plan.scratch, slots * n * n * batch))
-    base = empty_like(x, (words,), "float32").ptr
-    scratch = {name: base + 4 * at for name, at in zip(_PRE_BWD_SCRATCH, offsets, strict=True)}
+    plan = _pre_backward_plan(device, x.dtype, n, c_x, batch, gates.sinkhorn_repeat)
+    segment = sinkhorn_checkpoints(gates.sinkhorn_repeat, n)[0]
+    stream = stream_handle(phi)
+    keep, pointers = _scratch(plan, device, stream, _operand_buffer, x)
+    scratch = dict(zip(_PRE_BWD_SCRATCH, pointers, strict=True))
     size = ITEMSIZE[x.dtype]
     alignment = x.ptr | grad_x_res.ptr | grad_x_layer.ptr | grad_x.ptr
     if batch > 1:
@@ -213,7 +221,9 @@ def mhc_pre_backward(
         alpha_pre=gates.alpha_pre, alpha_post=gates.alpha_post, alpha_res=gates.alpha_res,
         eps=gates.sinkhorn_eps,
     )  # fmt: skip
-    return _cuda.launch(device, params, plan.steps, stream_handle(phi)), (words, offsets)
+    launch = _cuda.launch(device, params, plan.steps, stream)
+    del keep  # (alive until the launch is on the stream)
+    return launch, plan
 
 
 def mhc_post_backward(
@@ -315,6 +325,16 @@ class _PrePlan:
         else:
             layout = scratch_sections(self.scratch)
         object.__setattr__(self, "scratch_layout", layout)
+
+    @property
+    def workspace(self) -> bool:
+        """Whether the scratch is the stream's workspace (:func:`_scratch`)."""
+        return self.small
+
+    @property
+    def counters(self) -> tuple[int, int]:
+        """(word offset, words) of the counters in the scratch."""
+        return self.scratch_layout[1][2], self.scratch[2]
 
 
 _pre_plans: dict[tuple, _PrePlan] = {}
@@ -441,9 +461,9 @@ def _remember(key: tuple, plan: _PrePlan) -> _PrePlan:
     return plan
 
 
-# (device, stream) -> (buffer, words): mhc_pre_small's scratch, one per stream, its counters
-# left zeroed by every launch for the next
-_workspaces: dict[tuple[int, int], tuple[Any, int]] = {}
+# (device, stream, plan type) -> ((what keeps it alive, address), words): the scratch of
+# mhc_pre_small or mhc_bwd_fused, one per stream, its counters left zeroed by every launch
+_workspaces: dict[tuple[int, int, type], tuple[tuple[Any, int], int]] = {}
 
 
 class _Runtime:
@@ -459,37 +479,65 @@ class _Runtime:
 
 
 def _scratch(
-    plan: _PrePlan, device: int, stream: int, allocate: Any, template: Any
+    plan: _PrePlan | _PreBackwardPlan, device: int, stream: int, allocate: Any, template: Any
 ) -> tuple[Any, tuple[int, ...]]:
-    """(what keeps it alive, the device pointers of (partials, coefficients, counters,
-    pieces)) of one call's scratch; ``allocate(template, words)`` returns (a fresh float32
-    buffer of the caller's allocator, its address).
+    """(what keeps it alive, the device pointer of each section of ``plan.scratch_layout``)
+    of one call's scratch; ``allocate(template, words)`` returns (a fresh float32 buffer of
+    the caller's allocator, its address).
 
-    Fresh memory for the large-batch kernels (mhc_phi_pieces zeroes the counters):
-    stream-ordered, graph-capturable (torch's allocator serves a capture from the graph's
-    pool) and never shared between concurrent calls. mhc_pre_small needs its counters zeroed
-    when it starts and leaves them zeroed when it ends, so it runs on one workspace per
-    stream, zeroed once when made (launches on one stream never overlap); under CUDA-graph
-    capture it gets fresh memory and a captured memset instead, so that replays never share
-    the stream's workspace with eager calls."""
+    Fresh memory for the multi-kernel plans (mhc_phi_pieces zeroes the forward's counters,
+    pre backward's five kernels use none): stream-ordered, graph-capturable (torch's
+    allocator serves a capture from the graph's pool) and never shared between concurrent
+    calls. The one-launch plans (``plan.workspace``: mhc_pre_small, mhc_bwd_fused) need
+    their counters zeroed when they start and leave them zeroed when they end, so they run
+    on one workspace per stream and kind of plan, zeroed once when made (launches on one
+    stream never overlap; every plan of a kind has its counters first, in a section of one
+    size); under CUDA-graph capture they get fresh memory and a captured memset instead, so
+    that replays never share the stream's workspace with eager calls."""
     words, offsets = plan.scratch_layout
-    if not plan.small:
+    if not plan.workspace:
         keep, base = allocate(template, words)
     else:
         if _Runtime.is_capturing is None:
             _Runtime.bind()
         capturing = _Runtime.is_capturing(stream)
-        workspace = None if capturing else _workspaces.get((device, stream))
+        key = (device, stream, type(plan))
+        workspace = None if capturing else _workspaces.get(key)
         if workspace is not None and workspace[1] >= words:
             keep, base = workspace[0]
         else:
             keep, base = allocate(template, words)
-            _Runtime.memset(base + 4 * offsets[2], 0, 4 * plan.scratch[2], stream)
+            counter, counters = plan.counters
+            _Runtime.memset(base + 4 * counter, 0, 4 * counters, stream)
             if not capturing:
                 with _lock:
-                    _workspaces[(device, stream)] = ((keep, base), words)
-    partial, coef, counter, pieces = offsets
-    return keep, (base + 4 * partial, base + 4 * coef, base + 4 * counter, base + 4 * pieces)
+                    _workspaces[key] = ((keep, base), words)
+    return keep, tuple(base + 4 * offset for offset in offsets)
+
+
+def _scratch_source(
+    plan: _PrePlan | _PreBackwardPlan, device: int, template: Any
+) -> Callable[[int], tuple[Any, tuple[int, ...]]]:
+    """``scratch(stream)``: :func:`_scratch` of torch memory for a relauncher, which keeps
+    the workspace of its last stream (fit for every later call there, even once _scratch
+    has grown a new one: each launch leaves its counters zeroed, and launches on one stream
+    never overlap) and so skips the lookup on the next call there."""
+    if _Runtime.is_capturing is None:
+        _Runtime.bind()
+    is_capturing = _Runtime.is_capturing
+    last: tuple = (None, None, None)  # (stream, what keeps its workspace alive, pointers)
+
+    def scratch(stream: int) -> tuple[Any, tuple[int, ...]]:
+        nonlocal last
+        capturing = is_capturing(stream)
+        if last[0] == stream and not capturing:
+            return last[1], last[2]
+        keep, pointers = _scratch(plan, device, stream, _torch_buffer, template)
+        if plan.workspace and not capturing:
+            last = (stream, keep, pointers)
+        return keep, pointers
+
+    return scratch
 
 
 _PRE_RELAUNCH = PRE_PARAMS.field_writer(
@@ -535,33 +583,34 @@ _PRE_BWD_RELAUNCH = PRE_BWD_PARAMS.field_writer(
 
 
 def pre_backward_relauncher(
-    planned: tuple[_cuda.Launch, tuple[int, tuple[int, ...]]], phi: Any, x: Any, b: Any
+    planned: tuple[_cuda.Launch, _PreBackwardPlan], phi: Any, x: Any, b: Any
 ) -> Callable[[list[int]], tuple]:
     """``run(pointers)``: mHC pre backward on torch tensors of the layout that
     ``planned``'s call (on ``phi``, ``x`` and ``b``) validated and planned, with phi, x, b
-    and the three upstream gradients at ``pointers``: new gradients and scratch patched
-    into that launch (outputs made as :func:`pre_relauncher` makes them)."""
+    and the three upstream gradients at ``pointers``: new gradients and scratch
+    (:func:`_scratch`) patched into that launch (outputs made as :func:`pre_relauncher`
+    makes them)."""
     import torch  # (x is a torch tensor)
 
-    launch, (words, offsets) = planned
+    launch, plan = planned
     templates = tuple(
         torch_ops.shape_template(like, shape)
         for like, shape in ((phi, phi.shape), (x, x.shape), (phi, b.shape), (phi, (3,)))
     )
-    scratch_like = torch_ops.shape_template(phi, (words,))
-    byte_offsets = tuple(4 * offset for offset in offsets)
+    scratch = _scratch_source(plan, launch.device, torch_ops.shape_template(phi, (1,)))
     device, relaunch = launch.device, launch.relaunch
     new_like, current_stream = torch.empty_like, torch._C._cuda_getCurrentRawStream
 
     def run(pointers: list[int]) -> tuple:
-        grads = tuple(new_like(template) for template in templates)
-        scratch = new_like(scratch_like)  # (freed on return: stream-ordered, like the grads)
-        base = scratch.data_ptr()
+        grad_phi, grad_x, grad_b, grad_alpha = grads = tuple(new_like(t) for t in templates)
+        stream = current_stream(device)
+        keep, sections = scratch(stream)
         relaunch(
-            current_stream(device), _PRE_BWD_RELAUNCH, pointers[1], pointers[0], pointers[2],
-            *pointers[3:], *(grad.data_ptr() for grad in grads),
-            *(base + offset for offset in byte_offsets),
+            stream, _PRE_BWD_RELAUNCH, pointers[1], pointers[0], pointers[2], *pointers[3:],
+            grad_phi.data_ptr(), grad_x.data_ptr(), grad_b.data_ptr(), grad_alpha.data_ptr(),
+            *sections,
         )  # fmt: skip
+        del keep  # (alive until the launch is on the stream; stream-ordered, like the grads)
         return grads
 
     return run
@@ -583,29 +632,16 @@ def pre_relauncher(
     x_res_like = torch_ops.shape_template(x, (batch, width))
     x_layer_like = torch_ops.shape_template(x, (batch, plan.c_x))
     h_post_like = torch_ops.shape_template(phi, (batch, plan.n))
+    scratch = _scratch_source(plan, launch.device, h_post_like)
     device, relaunch = launch.device, launch.relaunch
     # torch's own entry points, bound here: a decode step pays for every call in between
     new_like, current_stream = torch.empty_like, torch._C._cuda_getCurrentRawStream
-    if _Runtime.is_capturing is None:
-        _Runtime.bind()
-    is_capturing = _Runtime.is_capturing
-    # a small plan's last (stream, scratch pointers, what keeps them alive): its stream's
-    # workspace, fit for every later call there (even once _scratch has grown a new one:
-    # each launch leaves its counters zeroed, and launches on one stream never overlap)
-    last_workspace: tuple = (None, None, None)
 
     def run(pointers: list[int]) -> tuple:
-        nonlocal last_workspace
         phi_ptr, x_ptr, b_ptr = pointers
         x_res, x_layer, h_post = new_like(x_res_like), new_like(x_layer_like), new_like(h_post_like)
         stream = current_stream(device)
-        capturing = is_capturing(stream)
-        workspace_stream, scratch, keep = last_workspace
-        if workspace_stream != stream or capturing:
-            keep, scratch = _scratch(plan, device, stream, _torch_buffer, h_post_like)
-            if plan.small and not capturing:
-                last_workspace = (stream, scratch, keep)
-        partial, coef, counter, pieces = scratch
+        keep, (partial, coef, counter, pieces) = scratch(stream)
         relaunch(
             stream, _PRE_RELAUNCH, x_ptr, phi_ptr, b_ptr, partial, counter, coef, pieces,
             x_res.data_ptr(), x_layer.data_ptr(), h_post.data_ptr(),
@@ -797,11 +833,13 @@ def _geometry(dtype: str, n: int) -> _Geometry:
 
 _PRE_BACKWARD_KERNELS = (
     "mhc_bwd_pieces", "mhc_bwd_stats", "mhc_bwd_token", "mhc_bwd_grad", "mhc_bwd_reduce",
+    "mhc_bwd_fused",
 )  # fmt: skip
 
 
 def pre_backward_module(dtype: str, n: int) -> _cuda.ModuleSpec:
-    """The five pre-backward kernels of one x dtype and n, in launch order."""
+    """The five pre-backward kernels of one x dtype and n, in launch order, then the five
+    as one (mhc_bwd_fused)."""
     cuda_type = CUDA_TYPES[dtype]
     names = tuple(f"{kernel}<{cuda_type}, {n}>" for kernel in _PRE_BACKWARD_KERNELS)
     # compiled after mhc.cu's text: the forward's PTX wrappers and 8-element helpers as they are
@@ -848,16 +886,32 @@ def sinkhorn_checkpoints(repeat: int, n: int) -> tuple[int, int]:
 
 @dataclass(frozen=True, slots=True)
 class _PreBackwardPlan:
-    """Launch geometry of one (device, dtype, n, c_x, batch), computed once."""
+    """Launch geometry of one (device, dtype, n, c_x, batch, sinkhorn_repeat), computed
+    once. ``fused``: one mhc_bwd_fused launch, whose scratch is the stream's workspace."""
 
     steps: tuple[_cuda.Step, ...]
+    fused: bool
     stages: int
     c_range: int  # first pass: columns per K split (a multiple of c_stage)
     k_splits: int
     grad_items: int  # second pass: (column chunk, token tile) items ...
     grad_blocks: int  # ... shared evenly by this many blocks
     slot_cap: int  # most blocks sharing one chunk (grad_phi partials per chunk)
-    scratch: tuple[int, ...]  # words of each _PRE_BWD_SCRATCH section but the last (per call)
+    scratch: tuple[int, ...]  # words of each _PRE_BWD_SCRATCH section
+    scratch_layout: tuple[int, tuple[int, ...]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "scratch_layout", scratch_sections(self.scratch))
+
+    @property
+    def workspace(self) -> bool:
+        """Whether the scratch is the stream's workspace (:func:`_scratch`)."""
+        return self.fused
+
+    @property
+    def counters(self) -> tuple[int, int]:
+        """(word offset, words) of the counters in the scratch: first, one size for all."""
+        return 0, _PRE_BWD_COUNTER_WORDS
 
 
 _pre_backward_plans: dict[tuple, _PreBackwardPlan] = {}
@@ -893,16 +947,19 @@ def _grad_owner(item: int, items: int, blocks: int) -> int:
     return ((item + 1) * blocks - 1) // items
 
 
-def _pre_backward_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PreBackwardPlan:
-    key = (device, dtype, n, c_x, batch)
+def _pre_backward_plan(
+    device: int, dtype: str, n: int, c_x: int, batch: int, repeat: int
+) -> _PreBackwardPlan:
+    key = (device, dtype, n, c_x, batch, repeat)
     plan = _pre_backward_plans.get(key)
     if plan is not None:
         return plan
     geometry = _geometry(dtype, n)
     spec = pre_backward_module(dtype, n)
-    pieces, stats, token, grad, reduce = (
+    pieces, stats, token, grad, reduce, fused_kernel = (
         _cuda.function(spec, name, device) for name in spec.name_expressions
     )
+    fused = batch <= _MAX_FUSED_BWD_ROWS
     smem_cap = _attribute(device, _MAX_SMEM_OPTIN)
     stages = min(
         _MAX_STAGES,
@@ -917,19 +974,27 @@ def _pre_backward_plan(device: int, dtype: str, n: int, c_x: int, batch: int) ->
         )
     stats_smem = stages * geometry.stats_stage_bytes
     grad_smem = stages * geometry.grad_stage_bytes + geometry.grad_d_bytes
+    fused_smem = max(stats_smem, grad_smem)
     threads = (_THREADS, 1, 1)
     q = n * n + 2 * n
+    if fused:  # every stage runs on the one launch's resident blocks
+        stats_resident = grad_resident = _resident_blocks(
+            fused_kernel, device, _THREADS, fused_smem
+        )
+    else:
+        stats_resident = _resident_blocks(stats, device, _THREADS, stats_smem)
+        grad_resident = _resident_blocks(grad, device, _THREADS, grad_smem)
     # first pass: tiles of 128 tokens times column ranges, about one block per resident slot
     tiles = -(-batch // _STATS_TILE)
     column_blocks = -(-c_x // geometry.c_stage)
-    wanted = max(1, _resident_blocks(stats, device, _THREADS, stats_smem) // tiles)
+    wanted = max(1, stats_resident // tiles)
     per_split = -(-column_blocks // wanted)
     k_splits = -(-column_blocks // per_split)
     # second pass: (chunk, tile) items shared evenly by the resident blocks
     chunks = -(-c_x // geometry.c_grad)
     grad_tiles = -(-batch // _GRAD_TILE)
     items = chunks * grad_tiles
-    blocks = min(items, _resident_blocks(grad, device, _THREADS, grad_smem))
+    blocks = min(items, grad_resident)
     slot_cap = max(
         _grad_owner((chunk + 1) * grad_tiles - 1, items, blocks)
         - _grad_owner(chunk * grad_tiles, items, blocks)
@@ -937,15 +1002,22 @@ def _pre_backward_plan(device: int, dtype: str, n: int, c_x: int, batch: int) ->
         for chunk in range(chunks)
     )
     reduce_blocks = -(-(n * c_x * q) // _REDUCE_THREADS) + q + 3
-    steps = (
-        _cuda.Step(pieces, (column_blocks, 1, 1), threads),
-        _cuda.Step(stats, (tiles * k_splits, 1, 1), threads, stats_smem),
-        _cuda.Step(token, (-(-batch // _TOKEN_THREADS), 1, 1), (_TOKEN_THREADS, 1, 1)),
-        _cuda.Step(grad, (blocks, 1, 1), threads, grad_smem),
-        _cuda.Step(reduce, (reduce_blocks, 1, 1), (_REDUCE_THREADS, 1, 1)),
-    )
+    if fused:  # as many blocks as the largest stage has, all resident
+        stages_blocks = (column_blocks, tiles * k_splits, -(-batch // _THREADS), blocks)
+        grid = min(stats_resident, max(*stages_blocks, reduce_blocks))
+        steps = (_cuda.Step(fused_kernel, (grid, 1, 1), threads, fused_smem, cooperative=True),)
+    else:
+        steps = (
+            _cuda.Step(pieces, (column_blocks, 1, 1), threads),
+            _cuda.Step(stats, (tiles * k_splits, 1, 1), threads, stats_smem),
+            _cuda.Step(token, (-(-batch // _TOKEN_THREADS), 1, 1), (_TOKEN_THREADS, 1, 1)),
+            _cuda.Step(grad, (blocks, 1, 1), threads, grad_smem),
+            _cuda.Step(reduce, (reduce_blocks, 1, 1), (_REDUCE_THREADS, 1, 1)),
+        )
+    slots = sinkhorn_checkpoints(repeat, n)[1]
     plan = _PreBackwardPlan(
         steps=steps,
+        fused=fused,
         stages=stages,
         c_range=per_split * geometry.c_stage,
         k_splits=k_splits,
@@ -953,12 +1025,14 @@ def _pre_backward_plan(device: int, dtype: str, n: int, c_x: int, batch: int) ->
         grad_blocks=blocks,
         slot_cap=slot_cap,
         scratch=(
+            _PRE_BWD_COUNTER_WORDS,
             column_blocks * geometry.piece_words,
             k_splits * geometry.stats_row * batch,
             batch * geometry.coef_row,
             -(-batch * geometry.dh_row // 2),
             (q + 3) * batch,
             chunks * slot_cap * n * geometry.c_grad * q,
+            slots * n * n * batch,
         ),
     )
     if len(_pre_backward_plans) > 4096:  # shapes churn (e.g. growing prefill chunks): start over
