@@ -19,7 +19,7 @@ _CALLS = 3000
 # than the driver queues (about a thousand), so the host never waits for a queue slot. A
 # longer loop measures the device instead wherever a call's kernels take longer than its
 # host work (mHC pre at B4 runs ~10 µs of Sinkhorn and reductions on the device; its
-# backward five kernels).
+# backward more).
 _BATCH = 50
 
 
@@ -89,7 +89,8 @@ def dispatch_rows() -> list[dict]:
         "MHCPostFwdOp B4 n4 c_x256": (MHCPostFwdOp(), (x_layer, h_post, x_res), 2.0),
         "RoPEBwdOp 2d B1 S16 H8 D128": (RoPEBwdOp(input_layout="2d"), (x2d,), 2.0),
         "MHCPostBwdOp B4 n4 c_x256": (MHCPostBwdOp(), (x_layer, h_post, x_res, x_res), 2.0),
-        # five kernel launches and five allocations a call (mhc_pre_bwd, _mhc.py)
+        # one cooperative launch and four output allocations a call (mhc_bwd_fused), which
+        # alone cost about 1.7 torch launches, and six arguments to read
         "MHCPreBwdOp B4 n4 c_x256": (
             MHCPreBwdOp(1.0, 1.0, 1.0, 20),
             (phi, x, b, x_res, x_layer, h_post),
