@@ -506,9 +506,10 @@ __device__ __forceinline__ void sinkhorn_step_backward(float (&a)[N * N], float 
   }
 }
 
-// Token t < batch, one thread.
+// Token t < batch, one thread, from the first `splits` partials of stats (k_splits, or 1
+// where they were summed into the first already).
 template <typename T, int N>
-__device__ __forceinline__ void token_chain(const PreBwdParams& p, i64 t) {
+__device__ __forceinline__ void token_chain(const PreBwdParams& p, i64 t, i64 splits) {
   typedef BwdGeo<T, N> G;
   typedef typename G::E E;
   constexpr int Q = G::Q, W = G::W, NN = G::NN, DP = G::DP, QP16 = G::QP16, CW4 = G::CW4;
@@ -523,15 +524,15 @@ __device__ __forceinline__ void token_chain(const PreBwdParams& p, i64 t) {
   for (int k = 0; k < N; ++k) up_pre[k] = 0.f;
 #pragma unroll
   for (int e = 0; e < NN; ++e) up_mix[e] = 0.f;
-  for (i64 s = 0; s < p.k_splits; ++s) {
+  for (i64 s = 0; s < splits; ++s) {  // (L2 reads: mhc_bwd_fused's blocks wrote them)
     const float* src = p.stats + s * W * batch + t;  // [W][batch]
 #pragma unroll
-    for (int q = 0; q < Q; ++q) h[q] += src[q * batch];
-    sumsq += src[Q * batch];
+    for (int q = 0; q < Q; ++q) h[q] += load_cg(src + q * batch);
+    sumsq += load_cg(src + Q * batch);
 #pragma unroll
-    for (int k = 0; k < N; ++k) up_pre[k] += src[(Q + 1 + k) * batch];
+    for (int k = 0; k < N; ++k) up_pre[k] += load_cg(src + (Q + 1 + k) * batch);
 #pragma unroll
-    for (int e = 0; e < NN; ++e) up_mix[e] += src[(Q + 1 + N + e) * batch];
+    for (int e = 0; e < NN; ++e) up_mix[e] += load_cg(src + (Q + 1 + N + e) * batch);
   }
 
   // The row norm. sum(x*x) overflows to inf from |x| ~ 1e19 up (x finite): such a row is
@@ -680,7 +681,7 @@ __device__ __forceinline__ void token_chain(const PreBwdParams& p, i64 t) {
 template <typename T, int N>
 __global__ void __launch_bounds__(BWD_TOKEN_THREADS) mhc_bwd_token(const PreBwdParams p) {
   const i64 t = (i64)blockIdx.x * BWD_TOKEN_THREADS + threadIdx.x;
-  if (t < p.batch) token_chain<T, N>(p, t);
+  if (t < p.batch) token_chain<T, N>(p, t, p.k_splits);
 }
 
 // ------------------------------------------------------------------ second pass
@@ -1053,7 +1054,8 @@ __global__ void __launch_bounds__(BWD_REDUCE_THREADS) mhc_bwd_reduce(const PreBw
 // The five kernels above as the stages of one cooperative launch (every block resident),
 // for small batches, where five launches cost more host time than the work takes on the
 // device. Each stage's blocks (threads, for the per-token stage) are dealt out to the grid
-// in turn, and the grid waits at a barrier between stages (counter[0] counts the
+// in turn, the stats partials are summed over the whole grid before the per-token stage
+// reads them, and the grid waits at a barrier between stages (counter[0] counts the
 // arrivals); the last block out zeroes both counters for the next launch. The geometry
 // (k_splits, grad_blocks) is the five kernels': the same sums in the same order, the same
 // bits.
@@ -1064,7 +1066,7 @@ __device__ __noinline__ void fused_pieces(const PreBwdParams& p, i64 block) { pi
 template <typename T, int N>
 __device__ __noinline__ void fused_stats(const PreBwdParams& p, i64 block) { stats_block<T, N>(p, block); }
 template <typename T, int N>
-__device__ __noinline__ void fused_token(const PreBwdParams& p, i64 t) { token_chain<T, N>(p, t); }
+__device__ __noinline__ void fused_token(const PreBwdParams& p, i64 t) { token_chain<T, N>(p, t, 1); }
 template <typename T, int N>
 __device__ __noinline__ void fused_grad(const PreBwdParams& p, i64 block) { grad_block<T, N>(p, block); }
 
@@ -1080,14 +1082,26 @@ __global__ void __launch_bounds__(BWD_BLOCK, 1) mhc_bwd_fused(const PreBwdParams
     __syncthreads();  // the next block's stages overwrite this one's epilogue buffers
   }
   grid_barrier(p.counter, 2 * blocks);
+  // The k splits' partials summed into the first split's, one thread per (row of stats,
+  // token) over the whole grid, in the order mhc_bwd_token sums them (the same bits): a
+  // small batch has many splits, and one thread summing a token's alone waits out one
+  // round trip per split (80 at c_x 1280).
+  const i64 sums = (i64)G::W * p.batch;
+  for (i64 i = blockIdx.x * BWD_BLOCK + threadIdx.x; i < sums; i += grid * BWD_BLOCK) {
+    float total = 0.f;
+#pragma unroll 16
+    for (i64 split = 0; split < p.k_splits; ++split) total += load_cg(p.stats + split * sums + i);
+    p.stats[i] = total;
+  }
+  grid_barrier(p.counter, 3 * blocks);
   for (i64 t = blockIdx.x * BWD_BLOCK + threadIdx.x; t < p.batch; t += grid * BWD_BLOCK)
     fused_token<T, N>(p, t);
-  grid_barrier(p.counter, 3 * blocks);
+  grid_barrier(p.counter, 4 * blocks);
   for (i64 b = blockIdx.x; b < p.grad_blocks; b += grid) {
     fused_grad<T, N>(p, b);
     __syncthreads();
   }
-  grid_barrier(p.counter, 4 * blocks);
+  grid_barrier(p.counter, 5 * blocks);
   const i64 reduce_blocks = (N * p.c_x * G::Q + BWD_BLOCK - 1) / BWD_BLOCK + G::Q + 3;
   float* sh = (float*)dynamic_smem_bytes();  // (free after the last barrier)
   for (i64 b = blockIdx.x; b < reduce_blocks; b += grid) reduce_block<T, N, BWD_BLOCK>(p, b, sh);

@@ -264,7 +264,7 @@ def test_pre_backward_in_row_blocks(rng, monkeypatch):
 
 
 @pytest.mark.parametrize("place", PLACES)
-@pytest.mark.parametrize("batch", (300, 200))  # five launches; one (mhc_bwd_fused)
+@pytest.mark.parametrize("batch", (300, 64))  # five launches; one (mhc_bwd_fused)
 def test_pre_backward_is_deterministic(rng, place, batch):
     case = random_pre_case(rng, 4, 256, batch=batch, dtype="bfloat16")
     upstream = upstream_grads(rng, case)
@@ -277,7 +277,7 @@ def test_pre_backward_is_deterministic(rng, place, batch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", PRE_DTYPES)
-@pytest.mark.parametrize("n, c_x, batch", ((1, 1000, 1), (4, 130, 4), (8, 72, 37), (4, 136, 256)))
+@pytest.mark.parametrize("n, c_x, batch", ((1, 1000, 1), (4, 130, 4), (8, 72, 37), (4, 136, 64)))
 def test_pre_backward_one_launch_is_the_five_kernels(rng, monkeypatch, n, c_x, batch, dtype):
     """Batches up to _MAX_FUSED_BWD_ROWS run the five kernels as stages of one cooperative
     launch (mhc_bwd_fused) on the stream's workspace: the same bits as the five launches,

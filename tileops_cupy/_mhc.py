@@ -12,7 +12,7 @@ Pre is one kernel per call for small batches (decode: up to 64 tokens and 2**18 
 of x), three beyond (two when fused, up to 256 tokens; ``mhc.cu``'s header describes them);
 pre backward is five (phi's fragments; a first pass over x and the upstream gradients; the
 per-token chain rule; a second pass writing grad_x and grad_phi's partials; the fixed-order
-reductions), as the stages of one cooperative launch up to 256 tokens; post and post
+reductions), as the stages of one cooperative launch up to 64 tokens; post and post
 backward one each. Scratch (partial sums, per-token coefficients, Sinkhorn checkpoints) is
 one fresh buffer of the caller's allocator per call, except for the one-launch pre and pre
 backward, which keep a workspace per stream (:func:`_scratch` says why).
@@ -98,9 +98,11 @@ _REDUCE_THREADS = 256
 _POST_BWD_THREADS = 256  # mhc_post_bwd: one block per token row
 _MAX_STAGES = 3  # cp.async pipeline depth where shared memory allows (at least 2)
 # Pre backward batches this small run as one cooperative launch (mhc_bwd_fused) on the
-# stream's workspace, where five launches and a fresh scratch cost more host time than
-# the device takes (H200, B4 n4 c_x256: 50 -> 31 µs a call, 5.7x -> 3.6x a torch launch)
-_MAX_FUSED_BWD_ROWS = 256
+# stream's workspace: host time of a call (H200, B4 n4 c_x256) 50 -> 31 µs, 5.7x -> 3.6x a
+# torch launch, for the same device time up to 32 tokens (bf16 n4, c_x 1280-7168: within
+# -13%..+2% of the five launches); at 128 tokens it is 6% slower at c_x 1280 and 7168 (8%
+# faster at 4096), at 256 up to 33%: its stages then have fewer blocks than the kernels
+_MAX_FUSED_BWD_ROWS = 64
 _SCRATCH_ALIGN_WORDS = 64  # 256-byte sections: the scratch rows are read by 16-byte cp.async
 _SINKHORN_KEPT_FLOATS = 1024  # per token: every Sinkhorn step's input kept up to this
 _MAX_SMEM_OPTIN, _MULTIPROCESSORS = 97, 16  # cudaDeviceAttr values
