@@ -1206,10 +1206,14 @@ __device__ __forceinline__ void small_mix(const PreParams& p, i64 block) {
   if (active) mix_unit<T, N, true>(p, row, c0, raw, p.coef + row * Dims<N>::NC);
 }
 
-// Grid: groups * k_splits projection blocks, then ceil(batch * units / PROJECT_THREADS) mix
-// blocks (_mhc._pre_plan).
+// Grid: groups * k_splits projection blocks, about as many as are resident at once (the
+// driver's occupancy, _mhc._pre_plan), then ceil(batch * units / PROJECT_THREADS) mix blocks.
+// Two blocks a multiprocessor up to n = 6 (at most 128 registers; more spill): left to
+// itself, the NVRTC of CUDA 13.0 gave n = 4 164 registers, one block a multiprocessor, and a
+// B1 grid of 161 blocks took two waves (H200: B1 c_x1280 26.8 -> 23.7 us, B4 c_x7168 33.6 ->
+// 29.2 us under ncu).
 template <typename T, int N>
-__global__ void __launch_bounds__(PROJECT_THREADS) mhc_pre_small(const PreParams p) {
+__global__ void __launch_bounds__(PROJECT_THREADS, N <= 6 ? 2 : 1) mhc_pre_small(const PreParams p) {
   __shared__ __align__(16) u32 smem[Small<T, N>::SMEM_WORDS];
   __shared__ float4 sh_scratch[PROJECT_THREADS];
   __shared__ int ticket, is_last;

@@ -481,14 +481,14 @@ def test_plan_geometry_covers_k(batch, width, resident):
         assert tiles * k_splits <= resident
 
 
-@pytest.mark.parametrize("multiprocessors", (66, 132, 200))
+@pytest.mark.parametrize("resident", (66, 132, 264, 400))
 @pytest.mark.parametrize("batch", (1, 4, 32, 33, 64))
 @pytest.mark.parametrize("width", (4 * 1280, 4 * 7168, 8 * 130, 64, 3))
-def test_small_geometry_covers_k(batch, width, multiprocessors):
-    k_range, k_splits, groups = small_geometry(batch, width, multiprocessors)
+def test_small_geometry_covers_k(batch, width, resident):
+    k_range, k_splits, groups = small_geometry(batch, width, resident)
     assert k_range % 32 == 0 and groups == -(-batch // 32)
     assert (k_splits - 1) * k_range < width <= k_splits * k_range  # every split has work
-    assert groups * k_splits <= max(groups, 2 * multiprocessors)  # about two per multiprocessor
+    assert groups * k_splits <= max(groups, resident)  # one wave of projection blocks
     assert k_splits <= 16 * 16  # the partials' two-level tree
 
 
@@ -567,7 +567,7 @@ def test_fused_backward_scratch_is_its_own_workspace(monkeypatch):
     def backward_plan(batch, fused=True):
         sizes = (_mhc._PRE_BWD_COUNTER_WORDS, 99, 30 * batch, 8 * batch, 9 * batch, 27 * batch,
                  5000, 320 * batch)  # fmt: skip
-        return _mhc._PreBackwardPlan((), fused, 3, 16, 16, 4, 4, 1, sizes)
+        return _mhc._PreBackwardPlan((), fused, 3, 16, 16, 4, 4, 1, 1, sizes)
 
     for batch in (1, 37, 256):
         words, offsets = backward_plan(batch).scratch_layout

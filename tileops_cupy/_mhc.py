@@ -200,7 +200,6 @@ def mhc_pre_backward(
             "(phi width n*n+2n); run on the host (target='cpu' with host arrays) instead"
         )
     plan = _pre_backward_plan(device, x.dtype, n, c_x, batch, gates.sinkhorn_repeat)
-    segment = sinkhorn_checkpoints(gates.sinkhorn_repeat, n)[0]
     stream = stream_handle(phi)
     keep, pointers = _scratch(plan, device, stream, _operand_buffer, x)
     scratch = dict(zip(_PRE_BWD_SCRATCH, pointers, strict=True))
@@ -219,7 +218,7 @@ def mhc_pre_backward(
         c_range=plan.c_range, k_splits=plan.k_splits, grad_items=plan.grad_items,
         grad_blocks=plan.grad_blocks, slot_cap=plan.slot_cap,
         vector_io=c_x % (16 // size) == 0 and alignment % 16 == 0,
-        repeat=gates.sinkhorn_repeat, segment=segment, stages=plan.stages,
+        repeat=gates.sinkhorn_repeat, segment=plan.segment, stages=plan.stages,
         alpha_pre=gates.alpha_pre, alpha_post=gates.alpha_post, alpha_res=gates.alpha_res,
         eps=gates.sinkhorn_eps,
     )  # fmt: skip
@@ -385,13 +384,14 @@ def plan_geometry(batch: int, width: int, resident_blocks: int) -> tuple[int, in
     return k_range, -(-width // k_range), batch <= _MAX_FUSED_ROWS
 
 
-def small_geometry(batch: int, width: int, multiprocessors: int) -> tuple[int, int, int]:
+def small_geometry(batch: int, width: int, resident_blocks: int) -> tuple[int, int, int]:
     """(k_range, k_splits, groups) of mhc_pre_small: groups of SMALL_ROWS tokens, each
-    projected by k_splits blocks of K ranges of whole SMALL_CHUNKs, about two projection
-    blocks per multiprocessor in all (enough to read phi at full bandwidth), and at most
-    SMALL_FAN_IN**2 per group (the partials' two-level tree)."""
+    projected by k_splits blocks of K ranges of whole SMALL_CHUNKs, about
+    ``resident_blocks`` projection blocks in all (as many as are resident at once: enough to
+    read phi at full bandwidth, in one wave), and at most SMALL_FAN_IN**2 per group (the
+    partials' two-level tree)."""
     groups = -(-batch // _SMALL_ROWS)
-    wanted = min(_FAN_IN * _FAN_IN, max(1, 2 * multiprocessors // groups))
+    wanted = min(_FAN_IN * _FAN_IN, max(1, resident_blocks // groups))
     k_range = max(_SMALL_CHUNK, -(-width // (wanted * _SMALL_CHUNK)) * _SMALL_CHUNK)
     return k_range, -(-width // k_range), groups
 
@@ -414,9 +414,10 @@ def _pre_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan
     width, q = n * c_x, n * n + 2 * n
     threads = (_PROJECT_THREADS, 1, 1)
     if batch <= _MAX_SMALL_ROWS and batch * width <= _SMALL_WORK:
-        k_range, k_splits, groups = small_geometry(batch, width, _multiprocessor_count(device))
-        blocks = groups * k_splits + -(-items // _PROJECT_THREADS)
         small = _cuda.function(spec, small_name, device)
+        resident = _resident_blocks(small, device, _PROJECT_THREADS, 0)
+        k_range, k_splits, groups = small_geometry(batch, width, resident)
+        blocks = groups * k_splits + -(-items // _PROJECT_THREADS)
         plan = _PrePlan(
             steps=(_cuda.Step(small, (blocks, 1, 1), threads),),
             n=n, c_x=c_x, k_range=k_range, k_splits=k_splits, fuse=False, small=True,
@@ -899,6 +900,7 @@ class _PreBackwardPlan:
     grad_items: int  # second pass: (column chunk, token tile) items ...
     grad_blocks: int  # ... shared evenly by this many blocks
     slot_cap: int  # most blocks sharing one chunk (grad_phi partials per chunk)
+    segment: int  # Sinkhorn steps between checkpoints (sinkhorn_checkpoints)
     scratch: tuple[int, ...]  # words of each _PRE_BWD_SCRATCH section
     scratch_layout: tuple[int, tuple[int, ...]] = field(init=False)
 
@@ -1016,7 +1018,7 @@ def _pre_backward_plan(
             _cuda.Step(grad, (blocks, 1, 1), threads, grad_smem),
             _cuda.Step(reduce, (reduce_blocks, 1, 1), (_REDUCE_THREADS, 1, 1)),
         )
-    slots = sinkhorn_checkpoints(repeat, n)[1]
+    segment, slots = sinkhorn_checkpoints(repeat, n)
     plan = _PreBackwardPlan(
         steps=steps,
         fused=fused,
@@ -1026,6 +1028,7 @@ def _pre_backward_plan(
         grad_items=items,
         grad_blocks=blocks,
         slot_cap=slot_cap,
+        segment=segment,
         scratch=(
             _PRE_BWD_COUNTER_WORDS,
             column_blocks * geometry.piece_words,
