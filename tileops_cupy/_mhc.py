@@ -596,7 +596,7 @@ def pre_backward_relauncher(
     import torch  # (x is a torch tensor)
 
     launch, plan = planned
-    templates = tuple(
+    phi_like, x_like, b_like, alpha_like = (
         torch_ops.shape_template(like, shape)
         for like, shape in ((phi, phi.shape), (x, x.shape), (phi, b.shape), (phi, (3,)))
     )
@@ -605,16 +605,18 @@ def pre_backward_relauncher(
     new_like, current_stream = torch.empty_like, torch._C._cuda_getCurrentRawStream
 
     def run(pointers: list[int]) -> tuple:
-        grad_phi, grad_x, grad_b, grad_alpha = grads = tuple(new_like(t) for t in templates)
+        phi_ptr, x_ptr, b_ptr, res_ptr, layer_ptr, post_ptr = pointers
+        grad_phi, grad_x = new_like(phi_like), new_like(x_like)
+        grad_b, grad_alpha = new_like(b_like), new_like(alpha_like)
         stream = current_stream(device)
         keep, sections = scratch(stream)
         relaunch(
-            stream, _PRE_BWD_RELAUNCH, pointers[1], pointers[0], pointers[2], *pointers[3:],
+            stream, _PRE_BWD_RELAUNCH, x_ptr, phi_ptr, b_ptr, res_ptr, layer_ptr, post_ptr,
             grad_phi.data_ptr(), grad_x.data_ptr(), grad_b.data_ptr(), grad_alpha.data_ptr(),
             *sections,
         )  # fmt: skip
         del keep  # (alive until the launch is on the stream; stream-ordered, like the grads)
-        return grads
+        return grad_phi, grad_x, grad_b, grad_alpha
 
     return run
 

@@ -314,11 +314,15 @@ class MHCPreBwdOp(_PreSettings):
         grad_h_post: Array,
     ) -> tuple[Array, Array, Array, Array]:  # fmt: skip
         """``(grad_phi, grad_x, grad_b, grad_alpha)``; see the class docstring."""
-        upstream = (grad_x_res, grad_x_layer, grad_h_post)
-        layout = torch_ops.classify(phi, x, b, *upstream)
+        layout = torch_ops.classify(phi, x, b, grad_x_res, grad_x_layer, grad_h_post)
         if layout is torch_ops.DISPATCH:
-            return torch_ops.mhc_pre_bwd(self.config, phi, x, b, *upstream)
-        return self.direct(phi, x, b, *upstream, layout)
+            return torch_ops.mhc_pre_bwd(
+                self.config, phi, x, b, grad_x_res, grad_x_layer, grad_h_post
+            )
+        relaunch = self._relaunches.get(layout[0])
+        if relaunch is not None:  # direct's first step, inline (as MHCPreFwdOp's forward)
+            return relaunch(layout[1])
+        return self.direct(phi, x, b, grad_x_res, grad_x_layer, grad_h_post, layout)
 
     def direct(
         self, phi: Array, x: Array, b: Array, grad_x_res: Array, grad_x_layer: Array,
