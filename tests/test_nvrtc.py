@@ -12,7 +12,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
-from tileops_cupy import _cuda, _rotate
+from tileops_cupy import _cuda, _mhc, _rotate
 from tileops_cupy._arrays import ITEMSIZE, Operand
 from tileops_cupy._catalogue import shipped_modules
 
@@ -154,6 +154,21 @@ def test_no_kernel_spills_more_than_known(compiled, spec, arch):
         assert spilled <= known + SPILL_SLACK, (
             f"{name} ({arch}): {spilled} bytes spilled ({known} known), {registers} regs"
         )
+
+
+@pytest.mark.parametrize("n", (4, 6, 7))
+def test_decode_pre_kernel_keeps_two_blocks_a_multiprocessor(n):
+    """mhc_pre_small asks for two 256-thread blocks a multiprocessor up to n = 6 (at most 128
+    registers): its plan puts about one wave of resident blocks in a grid, and left to itself
+    a compiler may take more registers (CUDA 13.0's NVRTC gave n = 4 164: one block a
+    multiprocessor, two waves). n = 7 and 8 would spill at 128 and ask for none."""
+    spec = _mhc.pre_module("bfloat16", n)
+    lowered, ptx, _ = _cuda.nvrtc_compile(spec, "compute_90")
+    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    entry = ptx.index(f".entry {lowered[f'mhc_pre_small<bfloat16_t, {n}>']}(")
+    directives = ptx[ptx.index(")", entry) : ptx.index("{", entry)]
+    assert ".maxntid 256, 1, 1" in directives
+    assert (".minnctapersm 2" in directives) == (n <= 6), directives
 
 
 def _rows(dtype: str, shape, strides, offset_elements: int = 0) -> _rotate.HeadRows:
