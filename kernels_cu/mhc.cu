@@ -895,12 +895,15 @@ __global__ void __launch_bounds__(APPLY_THREADS) mhc_apply(const PreParams p) {
 // lower tickets, which are resident or done: progress needs no co-residency.
 //   tickets [0, groups * k_splits)  projection: group g = ticket / k_splits (SMALL_ROWS
 //       tokens), K range ticket % k_splits: h = x @ phi and sum(x*x) in float32 on the CUDA
-//       cores, into slice `split` of partial. The partials are summed by a two-level tree
-//       in a fixed order (deterministic): the last block of each SMALL_FAN_IN splits to
-//       finish sums theirs into slice k_splits + (split / SMALL_FAN_IN); the last of those
-//       sums them and computes the group's gates, Sinkhorn matrices and h_post (the
-//       large-batch path's routines), then raises the group's flag. Each sum has every
-//       thread's loads in flight at once (16-byte loads): a reduction is one round trip.
+//       cores, into slice `split` of partial. The partials are summed in a fixed order
+//       (deterministic): by the group's last block to finish, in one pass, where the
+//       group's sums are narrow enough for one pass to take every split (sum_slices_reach:
+//       decode, a few tokens); else by a two-level tree: the last block of each
+//       SMALL_FAN_IN splits to finish sums theirs into slice k_splits + (split /
+//       SMALL_FAN_IN), and the last of those sums them. That block computes the group's
+//       gates, Sinkhorn matrices and h_post (the large-batch path's routines), then raises
+//       the group's flag. Each sum has every thread's loads in flight at once (16-byte
+//       loads): a reduction is one round trip, and a level fewer is one fewer wait.
 //   later tickets  mix: one thread per 8 columns of a row, as mhc_apply; x is loaded before
 //       waiting on the flags of the groups its rows belong to.
 // The last block to finish zeroes the counters, so the next launch on the stream finds them
@@ -1016,14 +1019,25 @@ __device__ __forceinline__ float4 load_cg4(const float* p) {
   return v;
 }
 
-// dst[0 .. floats) = the sum of `count` (<= SMALL_FAN_IN) slices src + s * stride, in a fixed
-// order (each thread sums its slices in order, then the threads of a column in order). src
-// and stride are 16-byte aligned; reads run to `floats` rounded up to 4 (inside the slice).
-// dst: shared or global memory, 16-byte aligned. Every thread calls it; `tmp` holds
-// PROJECT_THREADS float4s.
+// Threads of sum_slices that share one 4-float column of `floats` floats.
+__device__ __forceinline__ int threads_per_column(int floats) {
+  const int columns = (floats + 3) / 4;
+  return columns >= PROJECT_THREADS ? 1 : PROJECT_THREADS / columns;
+}
+
+// The most slices of `floats` floats that sum_slices adds in one pass (SMALL_FAN_IN a thread).
+__device__ __forceinline__ int sum_slices_reach(int floats) {
+  return SMALL_FAN_IN * threads_per_column(floats);
+}
+
+// dst[0 .. floats) = the sum of `count` (<= sum_slices_reach(floats)) slices src + s * stride,
+// in a fixed order (each thread sums its slices in order, then the threads of a column in
+// order). src and stride are 16-byte aligned; reads run to `floats` rounded up to 4 (inside
+// the slice). dst: shared or global memory, 16-byte aligned. Every thread calls it; `tmp`
+// holds PROJECT_THREADS float4s.
 __device__ void sum_slices(const float* src, i64 stride, int count, int floats, float* dst, float4* tmp) {
   const int columns = (floats + 3) / 4, tid = threadIdx.x;
-  const int per = columns >= PROJECT_THREADS ? 1 : PROJECT_THREADS / columns;  // threads a column
+  const int per = threads_per_column(floats);  // threads a column
   const int sub = tid % per, col = tid / per, span = PROJECT_THREADS / per;
   for (int c0 = 0; c0 < columns; c0 += span) {  // block-uniform
     const int c = c0 + col;
@@ -1164,18 +1178,20 @@ __device__ __forceinline__ void small_project(const PreParams& p, u32* smem, flo
   }
   if (tid < rows * 8 && (tid & 7) == 0) out[(tid >> 3) * QP + Q] = sumsq;
 
-  // The partials' tree: the last of each SMALL_FAN_IN splits sums theirs, the last of those
-  // sums the fan-in sums, then makes the coefficients.
+  // The partials' sum: the group's last block sums every split in one pass where it can;
+  // else the last of each SMALL_FAN_IN splits sums theirs, and the last of those sums the
+  // fan-in sums. Then that block makes the coefficients.
   unsigned int* counters = p.counter + COUNTER_TILES + group * (SMALL_FAN_IN + 2);
-  const i64 fan_ins = (p.k_splits + SMALL_FAN_IN - 1) / SMALL_FAN_IN;
-  const i64 fan_in = split / SMALL_FAN_IN, first = fan_in * SMALL_FAN_IN;
-  const int count = (int)(p.k_splits - first < SMALL_FAN_IN ? p.k_splits - first : SMALL_FAN_IN);
-  if (!small_arrive(counters + fan_in, count, is_last)) return;
   float* sh_h = (float*)smem;
   const float* group_partial = p.partial + row0 * QP;
-  if (fan_ins == 1) {
-    sum_slices(group_partial, slice, count, rows * QP, sh_h, (float4*)sh_scratch);
+  if (p.k_splits <= sum_slices_reach(rows * QP)) {  // group-uniform: one level
+    if (!small_arrive(counters, (int)p.k_splits, is_last)) return;
+    sum_slices(group_partial, slice, (int)p.k_splits, rows * QP, sh_h, (float4*)sh_scratch);
   } else {
+    const i64 fan_ins = (p.k_splits + SMALL_FAN_IN - 1) / SMALL_FAN_IN;
+    const i64 fan_in = split / SMALL_FAN_IN, first = fan_in * SMALL_FAN_IN;
+    const int count = (int)(p.k_splits - first < SMALL_FAN_IN ? p.k_splits - first : SMALL_FAN_IN);
+    if (!small_arrive(counters + fan_in, count, is_last)) return;
     sum_slices(group_partial + first * slice, slice, count, rows * QP,
                p.partial + (p.k_splits + fan_in) * slice + row0 * QP, (float4*)sh_scratch);
     if (!small_arrive(counters + SMALL_FAN_IN, (int)fan_ins, is_last)) return;
