@@ -911,7 +911,7 @@ __global__ void __launch_bounds__(APPLY_THREADS) mhc_apply(const PreParams p) {
 // partial: slices of batch * (Q+1) floats rounded up to 4 (16-byte aligned), each a
 // [batch, Q+1] of sums. Counters: [0] tickets, [1] blocks finished, then SMALL_FAN_IN + 2
 // per group g at COUNTER_TILES + g * (SMALL_FAN_IN + 2): the splits finished of each
-// SMALL_FAN_IN, the fan-in sums finished, the flag.
+// SMALL_FAN_IN (one level: the first counts every split), the fan-in sums finished, the flag.
 template <typename T, int N>
 struct Small {
   typedef typename Io<T>::elem E;
