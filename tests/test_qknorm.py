@@ -270,6 +270,33 @@ def test_gpu_unaligned_views_take_the_one_element_path(rng, rope_layout, dtype):
     assert to_float64(buffer)[..., 0].tolist() == x64[..., 0].tolist()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ("bfloat16", "float32"))
+@pytest.mark.parametrize("case", ("D128-partial64-neox", "D64-interleaved", "D256-interleaved"))
+def test_gpu_large_launches_match_oracle(rng, case, dtype):
+    """Enough tokens for the large-launch layout (_rotate._LARGE_LAUNCH_LAYOUT: more heads
+    a thread, in rounds), which the small cases above never reach: packed tokens at random
+    positions, q and k views of one fused buffer, a tail past rotary_dim or a row wider than
+    a warp's chunks, every element against the oracle."""
+    rope, head_dim, frequencies, neox = _rope(case)
+    tokens = 16384
+    width, q_end, k_end = _fused_columns(head_dim)
+    qkv, x64 = _data(rng, (tokens, width), dtype, "cuda")
+    q_weight, q_w64 = _weight(rng, head_dim, dtype, "qwen3", "cuda")
+    k_weight, k_w64 = _weight(rng, head_dim, dtype, "qwen3", "cuda")
+    ids = rng.integers(0, 1 << 20, tokens)
+    rope.forward(
+        qkv[:, :q_end], qkv[:, q_end:k_end], positions=torch.from_numpy(ids).cuda(),
+        q_norm_weight=q_weight, k_norm_weight=k_weight,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(to_float64(qkv)[:, k_end:], x64[:, k_end:], "v changed")
+    _check(qkv[:, :q_end], x64[:, :q_end], q_w64, rope, frequencies, neox, ids, dtype, "q")
+    _check(qkv[:, q_end:k_end], x64[:, q_end:k_end], k_w64, rope, frequencies, neox, ids, dtype,
+           "k")  # fmt: skip
+    rope.check()
+
+
 # --------------------------------------------------------------------------- HF modules
 
 
