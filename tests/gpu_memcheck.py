@@ -45,17 +45,19 @@ for dtype in (torch.bfloat16, torch.float32):
     mrope.forward(q, k, positions=torch.randint(0, 4096, (3, 3, 5), device=cuda))
     mrope.forward(q, k, positions=torch.randint(0, 4096, (3, 3, 5), device=cuda),
                   q_norm_weight=weights[0], k_norm_weight=weights[1])  # fmt: skip
-    # the norm in place on 16-byte aligned rows: a head_dim of 10 vectors (a lane group of 16),
-    # a tail past rotary_dim, three q heads and one k head (a round left short); a decode-sized
-    # launch and a large one
-    norm_weights = torch.rand(2, 80, device=cuda, dtype=dtype)
+    # the norm in place on 16-byte aligned rows (16-byte accesses): head_dim 80 with a tail
+    # wider than the rotated part (32 columns past rotary_dim 48), three q heads and one k head
+    # (a round left short); a decode-sized launch and a large one
+    norms = {  # q's weight in float32, k's in the data's dtype
+        "q_norm_weight": torch.rand(80, device=cuda),
+        "k_norm_weight": torch.rand(80, device=cuda, dtype=dtype),
+    }
     for rope_layout in ("neox", "interleaved"):
-        packs = RoPE(80, 3, 1, rotary_dim=48, rope_layout=rope_layout)
+        normed = RoPE(80, 3, 1, rotary_dim=48, rope_layout=rope_layout)
         for tokens in (3, 8192):
             rows = torch.randn(tokens, 4 * 80, device=cuda, dtype=dtype)
             positions = torch.randint(0, 4096, (tokens,), device=cuda)
-            packs.forward(rows[:, :240], rows[:, 240:], positions=positions,
-                          q_norm_weight=norm_weights[0], k_norm_weight=norm_weights[1])  # fmt: skip
+            normed.forward(rows[:, :240], rows[:, 240:], positions=positions, **norms)
     cache = torch.randn(100, 40, device=cuda)
     tokens = torch.randn(15, 4 * 64 + 1, device=cuda, dtype=dtype)[:, 1:]
     token_ids = torch.tensor([0, 99, 100, -1, 7] * 3, device=cuda)  # two out of range: clamped
