@@ -47,7 +47,7 @@ for dtype in (torch.bfloat16, torch.float32):
                   q_norm_weight=weights[0], k_norm_weight=weights[1])  # fmt: skip
     # the norm in place on 16-byte aligned rows (16-byte accesses): head_dim 80 with a tail
     # wider than the rotated part (32 columns past rotary_dim 48), three q heads and one k head
-    # (a round left short); a decode-sized launch and a large one
+    # (a round left short); one block, and many blocks whose last runs past the last token
     norms = {  # q's weight in float32, k's in the data's dtype
         "q_norm_weight": torch.rand(80, device=cuda),
         "k_norm_weight": torch.rand(80, device=cuda, dtype=dtype),
