@@ -55,3 +55,41 @@ template <>
 __device__ __forceinline__ bfloat16_t from_float<bfloat16_t>(float v) {
   return bfloat16_t{float_to_bf16_bits(v)};
 }
+
+// Two elements of a 16-bit type in one 32-bit word (element 0 in the low half): each as a
+// float, and two floats rounded to the type into one word (cvt.rn.*x2 rounds each half to
+// nearest even, as from_float does).
+template <typename T>
+__device__ __forceinline__ float word_low(u32 word);
+template <typename T>
+__device__ __forceinline__ float word_high(u32 word);
+template <typename T>
+__device__ __forceinline__ u32 pack_word(float low, float high);
+template <>
+__device__ __forceinline__ float word_low<bfloat16_t>(u32 word) {
+  return __uint_as_float(word << 16);
+}
+template <>
+__device__ __forceinline__ float word_high<bfloat16_t>(u32 word) {
+  return __uint_as_float(word & 0xffff0000u);
+}
+template <>
+__device__ __forceinline__ float word_low<half_t>(u32 word) {
+  return fp16_bits_to_float(static_cast<u16>(word & 0xffffu));
+}
+template <>
+__device__ __forceinline__ float word_high<half_t>(u32 word) {
+  return fp16_bits_to_float(static_cast<u16>(word >> 16));
+}
+template <>
+__device__ __forceinline__ u32 pack_word<bfloat16_t>(float low, float high) {
+  u32 r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(high), "f"(low));
+  return r;
+}
+template <>
+__device__ __forceinline__ u32 pack_word<half_t>(float low, float high) {
+  u32 r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(high), "f"(low));
+  return r;
+}

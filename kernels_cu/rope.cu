@@ -11,7 +11,10 @@
 // 1/sqrt(mean(x*x) + eps) over its whole head_dim and by (weight + offset) per column, then
 // rotated, then rounded once. The x-lanes of one (token, head) are a power-of-two group inside
 // a warp (the launch plan makes blockDim.x so): the sum of squares is reduced with shuffles in
-// that group before any of the row is written, so the rows may be rotated in place.
+// that group before any of the row is written, so the rows may be rotated in place. Two lane
+// layouts (the NORM template argument): NORM_CHUNKS, any view, x-lanes over chunks of pairs as
+// the plain rotation; NORM_ROWS, large in-place launches of whole-row rotations, one 16-byte
+// pack of a row a lane (rotate_rows_in_place).
 //
 // The 16-bit float types and their conversions: common.cuh, prepended by the loader.
 
@@ -344,6 +347,135 @@ __device__ __forceinline__ void rotate_chunk(int chunk, int pairs, CosSinOf cos_
   }
 }
 
+// Lane layouts of the fused norm (rope_rotate's NORM argument; 0: no norm).
+constexpr int NORM_CHUNKS = 1;
+constexpr int NORM_ROWS = 2;
+
+// NORM_ROWS: the fused norm in place on 16-bit rows of ROTARY_DIM elements, all of them
+// rotated, 16-byte aligned. Each lane holds one 16-byte pack of a row (LANES lanes a row, 16
+// for a bf16 D128 head; blockDim.x == LANES, a warp is one token's rows) and a neox pair's
+// other half is the pack LANES/2 lanes away, fetched by shuffle: one load and one store a lane
+// per row, where NORM_CHUNKS holds both halves in every lane. Rows are taken HEADS at a time,
+// the next round's loads issued before this round's arithmetic. The packs are 32-bit words
+// end to end, loaded without a branch (a round past the last row reloads the last row and
+// writes nothing): 16-bit element packs made the compiler repack halves right after each
+// load, which waited for it and left one load in flight a lane (64.2 / 72.4% below). Every
+// lane of a warp takes every round (the shuffles name the whole warp); a lane past the last
+// token reads its block's last token and writes nothing. Measured on an H200 (32q/8kv D128
+// bf16, packed tokens, % of the copy ceiling at N8192 / N32768): NORM_CHUNKS 68.2 / 78.7%,
+// this layout 78.1 / 91.7% (_rotate says why its block, registers and HEADS).
+struct alignas(16) RowPack {
+  u32 word[4];
+};
+
+template <typename T, bool NEOX, int ROTARY_DIM, int HEADS, typename CosSinOf>
+__device__ __forceinline__ void rotate_rows_in_place(T* q_token, T* k_token, int q_head_stride,
+                                                     int k_head_stride, int q_heads,
+                                                     int total_heads, CosSinOf cos_sin_of,
+                                                     float sin_sign, const float* weights,
+                                                     float eps, bool live) {
+  static_assert(sizeof(T) == 2, "NORM_ROWS takes 16-bit rows");
+  constexpr int VEC = 8;                 // elements a pack
+  constexpr int LANES = ROTARY_DIM / VEC;
+  constexpr int PAIRS = NEOX ? VEC : VEC / 2;  // pairs whose cos/sin this lane needs
+  static_assert(LANES <= 32 && (LANES & (LANES - 1)) == 0, "a row is a power-of-two group");
+  const int lane = threadIdx.x;
+  const int column = lane * VEC;
+  const int partner_column = (lane ^ (LANES / 2)) * VEC;  // (neox only)
+  // neox: the first half's lanes hold x1 (y1 = x1 cos - x2 sin), the second half's x2
+  // (y2 = x2 cos + x1 sin); the sign goes into sin, an exact product
+  const float own_sign = NEOX && lane < LANES / 2 ? -sin_sign : sin_sign;
+  float cos_v[PAIRS], sin_v[PAIRS];
+#pragma unroll
+  for (int i = 0; i < PAIRS; ++i) {
+    const float2 cs = cos_sin_of(NEOX ? (lane % (LANES / 2)) * VEC + i : lane * PAIRS + i);
+    cos_v[i] = cs.x;
+    sin_v[i] = cs.y * own_sign;
+  }
+  // this lane's pack of row h: q's rows then k's, chosen by selects (no branch)
+  auto pack_of = [&](int h) {
+    const bool is_q = h < q_heads;
+    T* const first = is_q ? q_token : k_token;
+    const int index = is_q ? h : h - q_heads;
+    return reinterpret_cast<RowPack*>(first + index * (is_q ? q_head_stride : k_head_stride) +
+                                      column);
+  };
+  const int step = blockDim.y * HEADS;
+  auto load_round = [&](int first, RowPack (&packs)[HEADS]) {
+#pragma unroll
+    for (int u = 0; u < HEADS; ++u) {
+      const int h = first + threadIdx.y + u * blockDim.y;
+      packs[u] = *pack_of(min(h, total_heads - 1));
+    }
+  };
+  RowPack next[HEADS];
+  load_round(0, next);
+  for (int first = 0; first < total_heads; first += step) {
+    RowPack data[HEADS];
+#pragma unroll
+    for (int u = 0; u < HEADS; ++u) data[u] = next[u];
+    if (first + step < total_heads) load_round(first + step, next);
+#pragma unroll
+    for (int u = 0; u < HEADS; ++u) {
+      const int h = first + threadIdx.y + u * blockDim.y;
+      float x[VEC];
+#pragma unroll
+      for (int w = 0; w < VEC / 2; ++w) {
+        x[2 * w] = word_low<T>(data[u].word[w]);
+        x[2 * w + 1] = word_high<T>(data[u].word[w]);
+      }
+      float sum = 0.f;
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) sum = fmaf(x[i], x[i], sum);
+#pragma unroll
+      for (int offset = LANES / 2; offset > 0; offset /= 2) {
+        sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+      }
+      const float scale = rsqrtf(fmaf(sum, 1.f / ROTARY_DIM, eps));
+      float other[VEC];  // neox: the partner lane's elements
+      if constexpr (NEOX) {
+#pragma unroll
+        for (int w = 0; w < VEC / 2; ++w) {
+          const u32 word = __shfl_xor_sync(0xffffffffu, data[u].word[w], LANES / 2);
+          other[2 * w] = word_low<T>(word);
+          other[2 * w + 1] = word_high<T>(word);
+        }
+      }
+      if (h < total_heads && live) {
+        const float* weight = weights + (h < q_heads ? 0 : ROTARY_DIM);
+        float own_w[VEC], other_w[VEC];
+#pragma unroll
+        for (int i = 0; i < VEC; i += 4) {
+          const float4 a = *reinterpret_cast<const float4*>(weight + column + i);
+          own_w[i] = a.x, own_w[i + 1] = a.y, own_w[i + 2] = a.z, own_w[i + 3] = a.w;
+          if constexpr (NEOX) {
+            const float4 b = *reinterpret_cast<const float4*>(weight + partner_column + i);
+            other_w[i] = b.x, other_w[i + 1] = b.y, other_w[i + 2] = b.z, other_w[i + 3] = b.w;
+          }
+        }
+        float y[VEC];
+#pragma unroll
+        for (int i = 0; i < PAIRS; ++i) {
+          if constexpr (NEOX) {
+            const float x_own = x[i] * (scale * own_w[i]);
+            const float x_other = other[i] * (scale * other_w[i]);
+            y[i] = fmaf(x_own, cos_v[i], x_other * sin_v[i]);
+          } else {
+            const float x1 = x[2 * i] * (scale * own_w[2 * i]);
+            const float x2 = x[2 * i + 1] * (scale * own_w[2 * i + 1]);
+            y[2 * i] = fmaf(x1, cos_v[i], -x2 * sin_v[i]);
+            y[2 * i + 1] = fmaf(x2, cos_v[i], x1 * sin_v[i]);
+          }
+        }
+        RowPack out;
+#pragma unroll
+        for (int w = 0; w < VEC / 2; ++w) out.word[w] = pack_word<T>(y[2 * w], y[2 * w + 1]);
+        *pack_of(h) = out;
+      }
+    }
+  }
+}
+
 // One launch's arguments, passed by value as a single struct (one packed buffer from the host
 // instead of thirty boxed scalars: that is most of the host cost of a decode-sized call).
 // tileops_cupy/_rotate.py reads the fields from this declaration and packs them by name.
@@ -453,13 +585,17 @@ struct TwoLevelRows {
   }
 };
 
-// Blocks of ROPE_THREADS; the minimum blocks per SM cap the registers (defines from
-// tileops_cupy._rotate, which sizes the launch and says why): some 16-bit neox kernels spill
-// up to 36 bytes (sm_90: the MRoPE norm ones at the norm's cap, the run-time rotary_dim ones at
-// the plain cap; tests/test_nvrtc.py keeps the counts); more registers cost more than spills.
-// HEADS: the heads a thread loads at once (rotate_chunk).
-template <typename T, bool NEOX, int VEC, int ROTARY_DIM, int TABLE, bool NORM, int HEADS>
-__global__ void __launch_bounds__(ROPE_THREADS, NORM ? ROPE_NORM_MIN_BLOCKS : ROPE_MIN_BLOCKS)
+// Blocks of ROPE_THREADS (NORM_ROWS: ROPE_ROWS_THREADS); the minimum blocks per SM cap the
+// registers (defines from tileops_cupy._rotate, which sizes the launch and says why): some
+// 16-bit neox kernels spill up to 36 bytes (sm_90: the MRoPE norm ones at the norm's cap, the
+// run-time rotary_dim ones at the plain cap; tests/test_nvrtc.py keeps the counts); more
+// registers cost more than spills. NORM: 0, or the fused norm's lane layout (NORM_CHUNKS,
+// NORM_ROWS). HEADS: the heads a thread loads at once (rotate_chunk, rotate_rows_in_place).
+template <typename T, bool NEOX, int VEC, int ROTARY_DIM, int TABLE, int NORM, int HEADS>
+__global__ void __launch_bounds__(NORM == NORM_ROWS ? ROPE_ROWS_THREADS : ROPE_THREADS,
+                                  NORM == NORM_ROWS ? ROPE_ROWS_MIN_BLOCKS
+                                  : NORM            ? ROPE_NORM_MIN_BLOCKS
+                                                    : ROPE_MIN_BLOCKS)
     rope_rotate(const RopeParams p) {
   const T* q_in = static_cast<const T*>(p.q_in);
   T* q_out = static_cast<T*>(p.q_out);
@@ -523,7 +659,13 @@ __global__ void __launch_bounds__(ROPE_THREADS, NORM ? ROPE_NORM_MIN_BLOCKS : RO
                           p.position_offset, b, s, id, p.position_limit, p.error_flag);
   };
   auto rotate_all = [&](auto cos_sin_of) {
-    if constexpr (NORM) {  // each lane: its first chunk, the rest of its share of every row
+    if constexpr (NORM == NORM_ROWS) {
+      static_assert(ROTARY_DIM > 0, "NORM_ROWS rows are ROTARY_DIM elements, all rotated");
+      rotate_rows_in_place<T, NEOX, ROTARY_DIM, HEADS>(
+          q_out_token, k_out_first, static_cast<int>(p.q_out_stride[2]),
+          static_cast<int>(p.k_out_stride[2]), q_heads, total_heads, cos_sin_of, p.sin_sign,
+          norm_weights, p.norm_eps, live);
+    } else if constexpr (NORM) {  // each lane: its first chunk, the rest of its share of every row
       const int head_dim = rotary_dim + tail_chunks * VEC;
       const RowNorm norm{norm_weights, p.norm_eps, q_heads, rotate_chunks, tail_chunks,
                          rotary_dim, head_dim, 1.f / head_dim, RowNorm::group_mask_of(),

@@ -39,6 +39,7 @@ struct bfloat16_t { u16 bits; };
 inline float bits_float(u32 b) { float f; std::memcpy(&f, &b, 4); return f; }
 inline u32 float_bits(float f) { u32 b; std::memcpy(&b, &f, 4); return b; }
 inline float __uint_as_float(u32 b) { return bits_float(b); }
+inline u32 __float_as_uint(float f) { return float_bits(f); }
 using std::memcpy;
 inline float to_float(float v) { return v; }
 inline float to_float(half_t v) { _Float16 h; std::memcpy(&h, &v.bits, 2); return (float)h; }
@@ -52,6 +53,12 @@ template <> inline bfloat16_t from_float<bfloat16_t>(float v) {
   b += 0x7fff + ((b >> 16) & 1);
   return bfloat16_t{u16(b >> 16)};
 }
+template <typename T> float word_low(u32 word) { T v; v.bits = u16(word & 0xffffu); return to_float(v); }
+template <typename T> float word_high(u32 word) { T v; v.bits = u16(word >> 16); return to_float(v); }
+template <typename T> u32 pack_word(float low, float high) {
+  return u32(from_float<T>(low).bits) | u32(from_float<T>(high).bits) << 16;
+}
+inline int min(int a, int b) { return a < b ? a : b; }
 // The lanes a barrier joins: the 32 of a warp or the x-lanes of one (y, z).
 struct Lanes {
   std::barrier<> bar;
@@ -104,6 +111,10 @@ inline float __shfl_xor_sync(unsigned mask, float v, int offset, int width = 32)
   const float r = my_block->slots[warp_base + (lane ^ unsigned(offset))];
   lanes->bar.arrive_and_wait();
   return r;
+}
+
+inline u32 __shfl_xor_sync(unsigned mask, u32 v, int offset, int width = 32) {
+  return __float_as_uint(__shfl_xor_sync(mask, __uint_as_float(v), offset, width));
 }
 
 // Run `kernel` (the body of one CUDA thread) over a grid of `grid` blocks of `block`, one

@@ -1,7 +1,8 @@
 """Every CUDA path once at small, awkward shapes, for ``compute-sanitizer --tool memcheck``
 (not collected by pytest): ``compute-sanitizer --tool memcheck python tests/gpu_memcheck.py``.
 Odd sizes, strided views, partial rotary, out-of-range device positions (clamped), MRoPE,
-the cos_sin_cache drop-in and the fused QK-norm (misaligned weights included)."""
+the cos_sin_cache drop-in and the fused QK-norm (misaligned weights included; both of its lane
+layouts)."""
 
 import contextlib
 
@@ -58,6 +59,19 @@ for dtype in (torch.bfloat16, torch.float32):
             rows = torch.randn(tokens, 4 * 80, device=cuda, dtype=dtype)
             positions = torch.randint(0, 4096, (tokens,), device=cuda)
             normed.forward(rows[:, :240], rows[:, 240:], positions=positions, **norms)
+    # NORM_ROWS (one pack of a row a lane): bf16 rows rotated whole, in place, in a launch
+    # large enough for that layout; an odd token count, so the last block's second token is
+    # past the last one (it reads the last token, writes nothing); plain and MRoPE tables
+    for rope_layout, section in (("neox", None), ("interleaved", None), ("neox", (16, 24, 24))):
+        whole = RoPE(128, 3, 1, rope_layout=rope_layout, mrope_section=section)
+        tokens = 32769
+        rows = torch.randn(tokens, 5 * 128, device=cuda, dtype=dtype)
+        shape = (tokens,) if section is None else (3, tokens)
+        positions = torch.randint(0, 1 << 20, shape, device=cuda)
+        whole.forward(rows[:, :384], rows[:, 384:512], positions=positions, **{
+            "q_norm_weight": torch.rand(128, device=cuda),
+            "k_norm_weight": torch.rand(128, device=cuda, dtype=dtype),
+        })  # fmt: skip
     cache = torch.randn(100, 40, device=cuda)
     tokens = torch.randn(15, 4 * 64 + 1, device=cuda, dtype=dtype)[:, 1:]
     token_ids = torch.tensor([0, 99, 100, -1, 7] * 3, device=cuda)  # two out of range: clamped

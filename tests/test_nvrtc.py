@@ -100,18 +100,18 @@ KNOWN_SPILLS = {
     ("sm_80", "mhc_pre_small<bfloat16_t, 5>"): 16,
     ("sm_80", "mhc_pre_small<float, 5>"): 16,
     ("sm_80", "mhc_pre_small<half_t, 5>"): 16,
-    ("sm_80", "rope_rotate<bfloat16_t, true, 8, 0, 0, true, 4>"): 32,
-    ("sm_80", "rope_rotate<bfloat16_t, true, 8, 0, 1, true, 4>"): 64,
-    ("sm_80", "rope_rotate<bfloat16_t, true, 8, 128, 0, true, 4>"): 16,
-    ("sm_80", "rope_rotate<bfloat16_t, true, 8, 128, 1, true, 4>"): 20,
-    ("sm_80", "rope_rotate<bfloat16_t, true, 8, 64, 0, true, 4>"): 16,
-    ("sm_80", "rope_rotate<bfloat16_t, true, 8, 64, 1, true, 4>"): 20,
-    ("sm_80", "rope_rotate<half_t, true, 8, 0, 0, true, 4>"): 32,
-    ("sm_80", "rope_rotate<half_t, true, 8, 0, 1, true, 4>"): 60,
-    ("sm_80", "rope_rotate<half_t, true, 8, 128, 0, true, 4>"): 16,
-    ("sm_80", "rope_rotate<half_t, true, 8, 128, 1, true, 4>"): 64,
-    ("sm_80", "rope_rotate<half_t, true, 8, 64, 0, true, 4>"): 16,
-    ("sm_80", "rope_rotate<half_t, true, 8, 64, 1, true, 4>"): 64,
+    ("sm_80", "rope_rotate<bfloat16_t, true, 8, 0, 0, 1, 4>"): 32,
+    ("sm_80", "rope_rotate<bfloat16_t, true, 8, 0, 1, 1, 4>"): 64,
+    ("sm_80", "rope_rotate<bfloat16_t, true, 8, 128, 0, 1, 4>"): 16,
+    ("sm_80", "rope_rotate<bfloat16_t, true, 8, 128, 1, 1, 4>"): 20,
+    ("sm_80", "rope_rotate<bfloat16_t, true, 8, 64, 0, 1, 4>"): 16,
+    ("sm_80", "rope_rotate<bfloat16_t, true, 8, 64, 1, 1, 4>"): 20,
+    ("sm_80", "rope_rotate<half_t, true, 8, 0, 0, 1, 4>"): 32,
+    ("sm_80", "rope_rotate<half_t, true, 8, 0, 1, 1, 4>"): 60,
+    ("sm_80", "rope_rotate<half_t, true, 8, 128, 0, 1, 4>"): 16,
+    ("sm_80", "rope_rotate<half_t, true, 8, 128, 1, 1, 4>"): 64,
+    ("sm_80", "rope_rotate<half_t, true, 8, 64, 0, 1, 4>"): 16,
+    ("sm_80", "rope_rotate<half_t, true, 8, 64, 1, 1, 4>"): 64,
     ("sm_90", "mhc_bwd_fused<bfloat16_t, 6>"): 36,
     ("sm_90", "mhc_bwd_fused<bfloat16_t, 8>"): 100,
     ("sm_90", "mhc_bwd_fused<float, 7>"): 76,
@@ -128,17 +128,17 @@ KNOWN_SPILLS = {
     ("sm_90", "mhc_bwd_token<half_t, 8>"): 156,
     ("sm_90", "mhc_project<float, 8>"): 28,
     ("sm_90", "mhc_project<half_t, 8>"): 40,
-    ("sm_90", "rope_rotate<bfloat16_t, true, 8, 0, 0, false, 4>"): 8,
-    ("sm_90", "rope_rotate<bfloat16_t, true, 8, 0, 0, true, 4>"): 12,
-    ("sm_90", "rope_rotate<bfloat16_t, true, 8, 0, 1, false, 4>"): 32,
-    ("sm_90", "rope_rotate<bfloat16_t, true, 8, 0, 1, true, 4>"): 28,
-    ("sm_90", "rope_rotate<bfloat16_t, true, 8, 128, 1, true, 4>"): 36,
-    ("sm_90", "rope_rotate<bfloat16_t, true, 8, 64, 1, true, 4>"): 36,
-    ("sm_90", "rope_rotate<half_t, true, 8, 0, 0, true, 4>"): 8,
-    ("sm_90", "rope_rotate<half_t, true, 8, 0, 1, false, 4>"): 32,
-    ("sm_90", "rope_rotate<half_t, true, 8, 0, 1, true, 4>"): 16,
-    ("sm_90", "rope_rotate<half_t, true, 8, 128, 1, true, 4>"): 28,
-    ("sm_90", "rope_rotate<half_t, true, 8, 64, 1, true, 4>"): 28,
+    ("sm_90", "rope_rotate<bfloat16_t, true, 8, 0, 0, 0, 4>"): 8,
+    ("sm_90", "rope_rotate<bfloat16_t, true, 8, 0, 0, 1, 4>"): 12,
+    ("sm_90", "rope_rotate<bfloat16_t, true, 8, 0, 1, 0, 4>"): 32,
+    ("sm_90", "rope_rotate<bfloat16_t, true, 8, 0, 1, 1, 4>"): 28,
+    ("sm_90", "rope_rotate<bfloat16_t, true, 8, 128, 1, 1, 4>"): 36,
+    ("sm_90", "rope_rotate<bfloat16_t, true, 8, 64, 1, 1, 4>"): 36,
+    ("sm_90", "rope_rotate<half_t, true, 8, 0, 0, 1, 4>"): 8,
+    ("sm_90", "rope_rotate<half_t, true, 8, 0, 1, 0, 4>"): 32,
+    ("sm_90", "rope_rotate<half_t, true, 8, 0, 1, 1, 4>"): 16,
+    ("sm_90", "rope_rotate<half_t, true, 8, 128, 1, 1, 4>"): 28,
+    ("sm_90", "rope_rotate<half_t, true, 8, 64, 1, 1, 4>"): 28,
 }  # fmt: skip
 SPILL_SLACK = 8  # bytes: ptxas releases move these counts by a few
 
@@ -192,7 +192,7 @@ def test_every_launch_picks_a_shipped_kernel(dtype, neox, norm):
     """For every (dtype, layout, rotary_dim, head_dim, alignment, fused norm or not, small or
     large launch) a launch can meet, the vector width and the (module, name expression) it
     selects are in the catalogue."""
-    widths_seen = set()
+    widths_seen, layouts_seen = set(), set()
     for head_dim in range(2, 258, 2):
         for rotary_dim in sorted({2, 16, 32, 64, 128, head_dim // 2 * 2, head_dim}):
             if not 2 <= rotary_dim <= head_dim or rotary_dim % 2:
@@ -206,17 +206,40 @@ def test_every_launch_picks_a_shipped_kernel(dtype, neox, norm):
                     dtype, neox, rotary_dim, head_dim, copy_tail, [source, output]
                 )
                 widths_seen.add(vec)
-                for tokens, mode in itertools.product(
-                    (1, 1 << 20), _rotate.NORM_TABLE_MODES if norm else _rotate.TABLE_MODES
+                for tokens, mode, in_place in itertools.product(
+                    (1, 1 << 20),
+                    _rotate.NORM_TABLE_MODES if norm else _rotate.TABLE_MODES,
+                    (False, True),
                 ):  # (a decode step's layout and a large launch's)
-                    heads = _rotate._geometry(
-                        dtype, neox, vec, rotary_dim, head_dim, copy_tail, 4, tokens, norm
-                    )[3]
-                    spec, name = _rotate._kernel(dtype, neox, vec, rotary_dim, mode, norm, heads)
+                    geometry = _rotate._geometry(
+                        dtype, neox, vec, rotary_dim, head_dim, copy_tail, 4, tokens, norm,
+                        in_place,
+                    )  # fmt: skip
+                    spec, name = _rotate._kernel(
+                        dtype, neox, vec, rotary_dim, mode, geometry.norm, geometry.heads
+                    )
+                    layouts_seen.add(geometry.norm)
                     assert spec in CATALOGUE, (dtype, neox, rotary_dim, vec, mode, norm)
                     assert name in spec.name_expressions, (name, spec.name_expressions)
     wide = 16 // ITEMSIZE[dtype]
     assert widths_seen == {wide, 1}, widths_seen
+    layouts = {_rotate.NO_NORM} if not norm else {_rotate.NORM_CHUNKS}
+    if norm and ITEMSIZE[dtype] == 2:
+        layouts.add(_rotate.NORM_ROWS)
+    assert layouts_seen == layouts, layouts_seen
+
+
+def test_rows_layout_takes_in_place_rows_with_32_bit_offsets():
+    """NORM_ROWS writes where it reads and addresses a token's rows by 32-bit offsets: a launch
+    out of place, or with a head stride whose offsets pass 2**31 elements, keeps NORM_CHUNKS."""
+    shape, strides = (1, 8, 4, 128), (8 * 4 * 128, 4 * 128, 128, 1)
+    q, other = _rows("bfloat16", shape, strides), _rows("bfloat16", shape, strides, 4096)
+    assert _rotate._rows_in_place([q, q])
+    assert _rotate._rows_in_place([q, q, other, other])
+    assert not _rotate._rows_in_place([q, other])
+    assert not _rotate._rows_in_place([q, q, other, q])
+    wide = _rows("bfloat16", shape, (strides[0], strides[1], 1 << 29, 1))  # 4 heads: 2**31
+    assert not _rotate._rows_in_place([wide, wide])
 
 
 # --------------------------------------------------------------------------- argument structs

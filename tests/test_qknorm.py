@@ -29,6 +29,7 @@ from _oracle import (
     to_framework,
 )
 
+from tileops_cupy import _rotate
 from tileops_cupy.rope import RoPE, Standard, apply_rope
 
 B, T, HEADS, KV_HEADS = 2, 5, 4, 2
@@ -41,6 +42,7 @@ CASES = {
     "D128-partial64-neox": (128, 64, "neox"),  # a tail: normalised, not rotated
     "D64-partial48-interleaved": (64, 48, "interleaved"),  # the run-time rotary_dim kernel
     "D256-interleaved": (256, 256, "interleaved"),  # fp32: more chunks than a warp has lanes
+    "D128-neox": (128, 128, "neox"),  # large 16-bit launches in place: one pack a lane
 }
 # weights: (their dtype: the data's or float32, norm_weight_offset, norm_eps)
 WEIGHTS = {"qwen3": ("data", 0.0, 1e-6), "gemma-float32": ("float32", 1.0, 1e-5)}
@@ -271,25 +273,33 @@ def test_gpu_unaligned_views_take_the_one_element_path(rng, rope_layout, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ("bfloat16", "float32"))
-@pytest.mark.parametrize("case", ("D128-partial64-neox", "D64-interleaved", "D256-interleaved"))
+@pytest.mark.parametrize("dtype", ("bfloat16", "float16", "float32"))
+@pytest.mark.parametrize(
+    "case", ("D128-partial64-neox", "D64-interleaved", "D256-interleaved", "D128-neox")
+)
 def test_gpu_large_launches_match_oracle(rng, case, dtype):
-    """Enough tokens for the large-launch layout (_rotate._LARGE_LAUNCH_LAYOUT: more heads
-    a thread, in rounds), which the small cases above never reach: packed tokens at random
-    positions, q and k views of one fused buffer, a tail past rotary_dim or a row wider than
-    a warp's chunks, every element against the oracle."""
+    """Enough tokens for the large-launch layouts, which the small cases above never reach:
+    _rotate._LARGE_LAUNCH_LAYOUT (more heads a thread, in rounds) and, for 16-bit rows rotated
+    whole (D64, D128), NORM_ROWS (one 16-byte pack a lane, the neox partner by shuffle).
+    Packed tokens at random positions (an odd count: the last block runs past them), q and k
+    views of one fused buffer, a tail past rotary_dim or a row wider than a warp's chunks,
+    every element against the oracle."""
     rope, head_dim, frequencies, neox = _rope(case)
-    tokens = 16384
+    tokens = 16385  # (the large layouts start at 16384 of these tokens)
     width, q_end, k_end = _fused_columns(head_dim)
     qkv, x64 = _data(rng, (tokens, width), dtype, "cuda")
     q_weight, q_w64 = _weight(rng, head_dim, dtype, "qwen3", "cuda")
     k_weight, k_w64 = _weight(rng, head_dim, dtype, "qwen3", "cuda")
     ids = rng.integers(0, 1 << 20, tokens)
+    _rotate._plans.clear()
     rope.forward(
         qkv[:, :q_end], qkv[:, q_end:k_end], positions=torch.from_numpy(ids).cuda(),
         q_norm_weight=q_weight, k_norm_weight=k_weight,
     )  # fmt: skip
     torch.cuda.synchronize()
+    (plan,) = _rotate._plans.values()
+    rows_layout = dtype != "float32" and case in ("D64-interleaved", "D128-neox")
+    assert (math.prod(plan.steps[0].block) == _rotate._ROWS_THREADS) == rows_layout, plan
     np.testing.assert_array_equal(to_float64(qkv)[:, k_end:], x64[:, k_end:], "v changed")
     _check(qkv[:, :q_end], x64[:, :q_end], q_w64, rope, frequencies, neox, ids, dtype, "q")
     _check(qkv[:, q_end:k_end], x64[:, q_end:k_end], k_w64, rope, frequencies, neox, ids, dtype,

@@ -43,7 +43,7 @@ from tileops_cupy._arrays import ITEMSIZE, Operand
 from tileops_cupy._tables import shared_table
 from tileops_cupy.schemes import Standard
 
-SHAPES = ((128, 128), (128, 64), (64, 48), (256, 256), (64, 16))  # (head_dim, rotary_dim)
+SHAPES = ((128, 128), (128, 64), (64, 48), (256, 256), (64, 16), (64, 64))  # (head_dim, rotary_dim)
 WEIGHTS = (None, ("data", 0.0), ("float32", 1.0), ("mixed", 1.0))  # (kind, norm_weight_offset)
 HEADS, KV_HEADS, BATCH, SEQ, POSITION = 4, 2, 1, 3, 1000
 EPS = 1e-6
@@ -57,7 +57,7 @@ _SHIM = """
 // the dynamic shared memory of rope_rotate (2 * head_dim floats at most: the norm's weights)
 alignas(16) float norm_weights[2 * 6144];
 
-template <typename T, bool NEOX, int VEC, int RD, int TABLE, bool NORM, int HEADS>
+template <typename T, bool NEOX, int VEC, int RD, int TABLE, int NORM, int HEADS>
 void run(const RopeParams& p, unsigned grid, unsigned bx, unsigned by, unsigned bz) {{
   launch_on_threads(grid, dim3{{bx, by, bz}},
                     [&] {{ rope_rotate<T, NEOX, VEC, RD, TABLE, NORM, HEADS>(p); }});
@@ -79,8 +79,14 @@ def _cases():
 
 
 # the other table modes (MRoPE's per-pair position rows, a caller's cos_sin_cache): in
-# place, q and k of their own arrays, head_dim 80 with rotary_dim 64 (an untouched tail)
-TABLE_CASES = ((_rotate.MROPE, False), (_rotate.MROPE, True), (_rotate.COS_SIN_CACHE, False))
+# place, q and k of their own arrays, head_dim 80 with rotary_dim 64 (an untouched tail); and
+# the norm's NORM_ROWS layout under MRoPE (whole rows: head_dim 64, a large launch's layout)
+TABLE_CASES = (
+    (_rotate.MROPE, False, False),
+    (_rotate.MROPE, True, False),
+    (_rotate.COS_SIN_CACHE, False, False),
+    (_rotate.MROPE, True, True),
+)
 TABLE_HEAD_DIM, TABLE_ROTARY_DIM, SECTION, CACHE_ROWS = 80, 64, (8, 12, 12), 100
 
 
@@ -92,16 +98,22 @@ def _name_expressions() -> list[str]:
     ]
     launches += [
         (dtype, neox, TABLE_ROTARY_DIM, mode, norm)
-        for dtype, neox, (mode, norm) in itertools.product(
+        for dtype, neox, (mode, norm, _) in itertools.product(
             ("float32", "bfloat16"), (True, False), TABLE_CASES
         )
     ]
     names = []
     for dtype, neox, rotary_dim, mode, norm in launches:
-        for vec, heads in itertools.product(
-            (16 // ITEMSIZE[dtype], 1), _rotate._heads_choices(dtype, neox, norm)
-        ):
-            name = _rotate._kernel(dtype, neox, vec, rotary_dim, mode, norm, heads)[1]
+        kernels = [
+            (vec, norm, heads)
+            for vec, heads in itertools.product(
+                (16 // ITEMSIZE[dtype], 1), _rotate._heads_choices(dtype, neox, norm)
+            )
+        ]
+        if norm and _rotate._rows_layout_compiled(dtype, rotary_dim):
+            kernels.append((16 // ITEMSIZE[dtype], _rotate.NORM_ROWS, _rotate._ROWS_HEADS))
+        for vec, layout, heads in kernels:
+            name = _rotate._kernel(dtype, neox, vec, rotary_dim, mode, layout, heads)[1]
             if name not in names:
                 names.append(name)
     return names
@@ -176,7 +188,7 @@ def _run_case(
     """Rotate q and k (GQA, ``heads`` = (q's, k's), two different counts; q alone without
     ``with_k``) of one fused QKV buffer (starting one element in when ``misaligned``), in
     place or into new arrays, with or without the norm; check every element, v and the
-    buffer's other bytes. Returns the vector width, block and HEADS the launch used."""
+    buffer's other bytes. Returns the vector width and the launch's geometry."""
     q_heads, kv_heads = heads
     rotated_heads = (q_heads, kv_heads) if with_k else (q_heads,)
     item = ITEMSIZE[dtype]
@@ -207,14 +219,16 @@ def _run_case(
             weight_is_float32[heads] = weight_dtype != dtype
     copy_tail = (rotary_dim < head_dim and not in_place) or norm
     vec = _rotate._vector_width(dtype, neox, rotary_dim, head_dim, copy_tail, rows)
-    grid, block, tail_chunks, heads_at_once = _rotate._geometry(
-        dtype, neox, vec, rotary_dim, head_dim, copy_tail, sum(rotated_heads), BATCH * SEQ, norm
-    )
+    geometry = _rotate._geometry(
+        dtype, neox, vec, rotary_dim, head_dim, copy_tail, sum(rotated_heads), BATCH * SEQ, norm,
+        in_place,
+    )  # fmt: skip
+    grid, block, tail_chunks, at_once, layout = geometry
     k_rows = rows[2:] or [_rows(dtype, 0, 0, head_dim, (0, 0, 0))] * 2  # (k_heads 0: unread)
     table = shared_table(Standard(), rotary_dim)
     table.ensure(POSITION + SEQ)
     fine, coarse = (np.ascontiguousarray(t) for t in (table.fine32, table.coarse32))
-    name = _rotate._kernel(dtype, neox, vec, rotary_dim, _rotate.TWO_LEVEL, norm, heads_at_once)[1]
+    name = _rotate._kernel(dtype, neox, vec, rotary_dim, _rotate.TWO_LEVEL, layout, at_once)[1]
     _launch(
         kernels[name], grid, block, rows[:2], k_rows, fine=fine.ctypes.data, q_heads=q_heads,
         coarse=coarse.ctypes.data, position_offset=POSITION, position_limit=table.capacity,
@@ -248,7 +262,7 @@ def _run_case(
     np.testing.assert_array_equal(buffer[..., :q_col], host[..., :q_col], err_msg=case)
     if not in_place:
         np.testing.assert_array_equal(buffer, host, err_msg=f"{case}: the source changed")
-    return vec, block, heads_at_once
+    return vec, geometry
 
 
 @pytest.mark.parametrize("neox", (True, False), ids=("neox", "interleaved"))
@@ -259,10 +273,10 @@ def test_kernel_on_host_threads_matches_oracle(kernels, rng, dtype, neox):
     widths, norm_lanes = set(), set()
     for case in _cases():
         if case[:2] == (dtype, neox):
-            vec, block, _ = _run_case(kernels, rng, *case)
+            vec, geometry = _run_case(kernels, rng, *case)
             widths.add(vec)
             if case[5] is not None:
-                norm_lanes.add(block[0])
+                norm_lanes.add(geometry.block[0])
     assert widths == {16 // ITEMSIZE[dtype], 1}
     assert 32 in norm_lanes and len(norm_lanes) > 1, norm_lanes
 
@@ -275,14 +289,19 @@ def test_launch_geometry_stays_within_cuda_limits():
         ("bfloat16", "float32"), (16, 64, 128, 256, 512), (1, 8), (True, False), (False, True),
         (1, 2, 5, 40, 64), (1, 3, 64, 5000, 1 << 16),
     ):  # fmt: skip
-        for rotary_dim in {2 * vec, head_dim // 2, head_dim}:
-            grid, block, _, _ = _rotate._geometry(
-                dtype, neox, vec, rotary_dim, head_dim, True, heads, tokens, norm
+        for rotary_dim, in_place in itertools.product(
+            {2 * vec, head_dim // 2, head_dim}, (False, True)
+        ):
+            grid, block, _, _, layout = _rotate._geometry(
+                dtype, neox, vec, rotary_dim, head_dim, True, heads, tokens, norm, in_place
             )
             assert math.prod(block) <= _rotate._THREADS_PER_BLOCK and block[2] <= 64, block
             assert grid[0] * block[2] >= tokens
             if norm:
                 assert block[0] <= 32 and block[0] & (block[0] - 1) == 0, block
+            if layout == _rotate.NORM_ROWS:  # a warp is one token's rows, blocks whole warps
+                assert block[0] * block[1] == 32, block
+                assert math.prod(block) == _rotate._ROWS_THREADS, block
 
 
 @pytest.mark.parametrize("neox", (True, False), ids=("neox", "interleaved"))
@@ -291,16 +310,24 @@ def test_large_launch_layout_on_host_threads(kernels, rng, monkeypatch, dtype, n
     """The layout of large launches, forced at host sizes, every shape, alignment and norm
     weight kind against the oracle: HEADS at a time in rounds, the last partly empty here
     (q and k's 6 heads on one y-lane in two rounds of four, or, float32's neox rotation, on
-    two y-lanes in three rounds of one)."""
+    two y-lanes in three rounds of one); bf16's in-place norm of whole rows in NORM_ROWS (one
+    pack a lane, 6 or 4 rows over 2 y-lanes of D128 or 4 of D64, two at a time, and the
+    second token of the last block past the last one)."""
     monkeypatch.setattr(_rotate, "_LARGE_LAUNCH_THREADS", 0)
     plain_heads = 1 if (dtype, neox) == ("float32", True) else 4
     seen = set()
     for case in _cases():
         if case[:2] == (dtype, neox):
-            _, block, heads = _run_case(kernels, rng, *case)
-            seen.add((case[5] is not None, heads, block[1]))
-    assert {(norm, heads) for norm, heads, _ in seen} == {(False, plain_heads), (True, 4)}
-    assert (False, plain_heads, 2 if plain_heads == 1 else 1) in seen, seen
+            _, geometry = _run_case(kernels, rng, *case)
+            seen.add((geometry.norm, geometry.heads, geometry.block[:2]))
+    layouts = {(_rotate.NO_NORM, plain_heads), (_rotate.NORM_CHUNKS, 4)}
+    if dtype == "bfloat16":
+        layouts.add((_rotate.NORM_ROWS, _rotate._ROWS_HEADS))
+        assert {(_rotate.NORM_ROWS, 2, (16, 2)), (_rotate.NORM_ROWS, 2, (8, 4))} <= seen, seen
+    assert {(layout, heads) for layout, heads, _ in seen} == layouts
+    assert (_rotate.NO_NORM, plain_heads, 2 if plain_heads == 1 else 1) in {
+        (layout, heads, block[1]) for layout, heads, block in seen
+    }, seen
 
 
 @pytest.mark.parametrize("neox", (True, False), ids=("neox", "interleaved"))
@@ -310,18 +337,26 @@ def test_blocks_of_partial_warps_on_host_threads(kernels, rng, neox):
     partial = 0
     for case in _cases():
         if case[:2] == ("bfloat16", neox) and case[5] is not None and case[7]:
-            block = _run_case(kernels, rng, *case, heads=(8, 4))[1]
+            block = _run_case(kernels, rng, *case, heads=(8, 4))[1].block
             partial += math.prod(block) % 32 != 0
     assert partial
 
 
-@pytest.mark.parametrize(("mode", "norm"), TABLE_CASES, ids=("mrope", "mrope-norm", "cache"))
+@pytest.mark.parametrize(
+    ("mode", "norm", "whole_rows"), TABLE_CASES, ids=("mrope", "mrope-norm", "cache", "mrope-rows")
+)
 @pytest.mark.parametrize("neox", (True, False), ids=("neox", "interleaved"))
 @pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
-def test_table_modes_on_host_threads_match_oracle(kernels, rng, dtype, neox, mode, norm):
-    """MRoPE (interleaved rows; with and without the norm) and the cos_sin_cache table at
-    per-token positions, in place, every element against the float64 oracle."""
+def test_table_modes_on_host_threads_match_oracle(
+    kernels, rng, monkeypatch, dtype, neox, mode, norm, whole_rows
+):
+    """MRoPE (interleaved rows; with and without the norm, in both of the norm's layouts) and
+    the cos_sin_cache table at per-token positions, in place, every element against the
+    float64 oracle."""
     head_dim, rotary_dim, pairs = TABLE_HEAD_DIM, TABLE_ROTARY_DIM, TABLE_ROTARY_DIM // 2
+    if whole_rows:
+        head_dim = rotary_dim
+        monkeypatch.setattr(_rotate, "_LARGE_LAUNCH_THREADS", 0)
     tokens = BATCH * SEQ
     data = {h: random_data(rng, (BATCH, SEQ, h, head_dim), dtype) for h in (HEADS, KV_HEADS)}
     x64 = {heads: array.astype(np.float64) for heads, array in data.items()}
@@ -343,10 +378,12 @@ def test_table_modes_on_host_threads_match_oracle(kernels, rng, dtype, neox, mod
         limit = CACHE_ROWS
     ids = np.ascontiguousarray(ids, dtype=np.int64)
     vec = _rotate._vector_width(dtype, neox, rotary_dim, head_dim, norm, rows)
-    grid, block, tail_chunks, heads = _rotate._geometry(
-        dtype, neox, vec, rotary_dim, head_dim, norm, HEADS + KV_HEADS, tokens, norm
+    grid, block, tail_chunks, heads, layout = _rotate._geometry(
+        dtype, neox, vec, rotary_dim, head_dim, norm, HEADS + KV_HEADS, tokens, norm, True
     )
-    name = _rotate._kernel(dtype, neox, vec, rotary_dim, mode, norm, heads)[1]
+    expected = _rotate.NORM_ROWS if whole_rows and dtype == "bfloat16" else int(norm)
+    assert layout == expected, (layout, expected)
+    name = _rotate._kernel(dtype, neox, vec, rotary_dim, mode, layout, heads)[1]
     _launch(
         kernels[name], grid, block, rows[:2], rows[2:], ids=ids.ctypes.data,
         fine=0 if fine is None else fine.ctypes.data,
