@@ -539,7 +539,10 @@ class RoPE:
     q (and k) is first normalised over its whole head_dim, ``x / sqrt(mean(x**2) + eps) *
     (weight + norm_weight_offset)`` in float32, then rotated, and rounded once; the
     columns past rotary_dim are written normalised but not rotated. Still one launch for q
-    and k, in place on fused-QKV views. As in HF Qwen3 both norms always come together: a
+    and k, in place on fused-QKV views (on CUDA, in-place calls of bf16/fp16 rows rotated
+    whole at head_dim 64 or 128, 16-byte aligned, take the fastest lane layout from a few
+    thousand tokens up: about 91% of the copy ceiling at 32768 tokens on an H200, 78% at
+    8192; other views take the general one). As in HF Qwen3 both norms always come together: a
     call with k needs both weights, a call without k only ``q_norm_weight``. ``backward``
     takes no weights (it is the transpose rotation alone); under autograd (torch) the
     gradient flows through the norm too, to the data and to both weights.
