@@ -61,7 +61,8 @@ for dtype in (torch.bfloat16, torch.float32):
             normed.forward(rows[:, :240], rows[:, 240:], positions=positions, **norms)
     # NORM_ROWS (one pack of a row a lane): bf16 rows rotated whole, in place, in a launch
     # large enough for that layout; an odd token count, so the last block's second token is
-    # past the last one (it reads the last token, writes nothing); plain and MRoPE tables
+    # past the last one (it reads the last token, writes nothing); plain and MRoPE tables.
+    # (float32 rows take NORM_CHUNKS's large layout here.)
     for rope_layout, section in (("neox", None), ("interleaved", None), ("neox", (16, 24, 24))):
         whole = RoPE(128, 3, 1, rope_layout=rope_layout, mrope_section=section)
         tokens = 32769

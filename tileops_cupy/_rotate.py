@@ -535,7 +535,7 @@ def _plan(
     alignment = 0
     for r in rows:
         alignment |= r.operand.ptr & 15
-    rows_in_place = _rows_in_place(rows)
+    rows_in_place = norm is not None and _rows_in_place(rows)  # (only the norm has two layouts)
     key = (
         dtype, neox, rotary_dim, mode, device, copy_tail, alignment, norm is not None,
         rows_in_place,
