@@ -305,12 +305,12 @@ def test_launch_geometry_stays_within_cuda_limits():
 
 
 @pytest.mark.parametrize("neox", (True, False), ids=("neox", "interleaved"))
-@pytest.mark.parametrize("dtype", ("bfloat16", "float32"))
+@pytest.mark.parametrize("dtype", ("bfloat16", "float16", "float32"))
 def test_large_launch_layout_on_host_threads(kernels, rng, monkeypatch, dtype, neox):
     """The layout of large launches, forced at host sizes, every shape, alignment and norm
     weight kind against the oracle: HEADS at a time in rounds, the last partly empty here
     (q and k's 6 heads on one y-lane in two rounds of four, or, float32's neox rotation, on
-    two y-lanes in three rounds of one); bf16's in-place norm of whole rows in NORM_ROWS (one
+    two y-lanes in three rounds of one); 16-bit in-place norm of whole rows in NORM_ROWS (one
     pack a lane, 6 or 4 rows over 2 y-lanes of D128 or 4 of D64, two at a time, and the
     second token of the last block past the last one)."""
     monkeypatch.setattr(_rotate, "_LARGE_LAUNCH_THREADS", 0)
@@ -321,7 +321,7 @@ def test_large_launch_layout_on_host_threads(kernels, rng, monkeypatch, dtype, n
             _, geometry = _run_case(kernels, rng, *case)
             seen.add((geometry.norm, geometry.heads, geometry.block[:2]))
     layouts = {(_rotate.NO_NORM, plain_heads), (_rotate.NORM_CHUNKS, 4)}
-    if dtype == "bfloat16":
+    if ITEMSIZE[dtype] == 2:
         layouts.add((_rotate.NORM_ROWS, _rotate._ROWS_HEADS))
         assert {(_rotate.NORM_ROWS, 2, (16, 2)), (_rotate.NORM_ROWS, 2, (8, 4))} <= seen, seen
     assert {(layout, heads) for layout, heads, _ in seen} == layouts
