@@ -30,15 +30,15 @@ template <>
 constexpr bool IS_BF16<bfloat16_t> = true;
 
 // Element e of a loaded pack as float. bf16 elements are read through the 32-bit word that
-// holds two of them: the upper one is then a mask, where extracting it first cost a second
-// instruction. (The fused norm is bound by instruction issue: N32768 went from 76.4% to 78.6%
-// of the copy ceiling.)
+// holds two of them (word_low / word_high, common.cuh): the upper one is then a mask, where
+// extracting it first cost a second instruction. (The fused norm is bound by instruction
+// issue: N32768 went from 76.4% to 78.6% of the copy ceiling.)
 template <typename T, int VEC>
 __device__ __forceinline__ float element_float(const Pack<T, VEC>& pack, int e) {
   if constexpr (IS_BF16<T> && VEC % 2 == 0) {
     u32 word;
     memcpy(&word, &pack.v[e & ~1], 4);
-    return __uint_as_float(e & 1 ? word & 0xffff0000u : word << 16);
+    return e & 1 ? word_high<T>(word) : word_low<T>(word);
   } else {
     return to_float(pack.v[e]);
   }
