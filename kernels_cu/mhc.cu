@@ -3,7 +3,7 @@
 // are converted with inline PTX and the tensor-core product is inline PTX `mma.sync`.
 //
 // Pre is one kernel per call for small batches (mhc_pre_small, below: decode; _mhc._pre_plan
-// says how small), otherwise three kernels, two when the batch is up to 256 tokens:
+// says how small), otherwise four kernels, two when the batch is up to 256 tokens:
 //   mhc_phi_pieces  phi as bf16 B fragments (below), once per call.
 //   mhc_project  h = x @ phi and sum(x*x) for a tile of 128 tokens over one range of K.
 //                phi is split into three bf16 pieces (hi + mid + lo == phi exactly), x into
@@ -11,10 +11,10 @@
 //                weight is at least 2^-16 goes through the bf16 tensor cores with float32
 //                accumulation: float32-accurate h at tensor-core speed (TF32 alone is not).
 //                x and phi fragments stream through a cp.async pipeline into a scratch
-//                [k_splits, batch, Q+1] of partial sums (the Q+1-th is sum(x*x)). The block
-//                that completes a tile (the only one, or the last of its K splits) sums the
-//                partials in a fixed order and computes every token's gates and Sinkhorn
-//                matrix (one token per n lanes), into a scratch [batch, n + n*n] and h_post.
+//                [k_splits, batch, Q+1] of partial sums (the Q+1-th is sum(x*x)).
+//   mhc_coefficients  COEF_ROWS tokens a block: the partials summed in a fixed order, then
+//                every token's gates and Sinkhorn matrix (n*n lanes a token), into a scratch
+//                [batch, n + n*n] and h_post.
 //   mhc_apply    one pass over the rows, one thread per 8 columns: x_layer and x_res.
 // With `fuse` set (small batches, decode) the blocks of one cooperative mhc_project launch
 // split K over every multiprocessor, meet at a grid barrier, compute the coefficients of
@@ -199,7 +199,7 @@ struct PreParams {
   const float* phi;       // [n*c_x, Q] through (phi_stride_k, phi_stride_q)
   const float* bias;      // [Q] through bias_stride
   float* partial;         // scratch [k_splits, batch, Q+1] (small: slices, see there)
-  unsigned int* counter;  // COUNTER_TILES + tiles words, zeroed by mhc_phi_pieces (small: see there)
+  unsigned int* counter;  // COUNTER_GROUPS words, zeroed by mhc_phi_pieces (small: see there)
   float* coef;            // scratch [batch, n + n*n]: h_pre, then M row-major
   u32* pieces;            // scratch: phi as bf16 B fragments, K block by K block (mhc_phi_pieces)
   void* x_res;            // [batch, n*c_x], contiguous
@@ -241,11 +241,13 @@ struct Dims {
 //                    puts the 8 rows of a fragment load in distinct banks
 //   STAGES           cp.async pipeline depth of mhc_project
 //   PROJECT_THREADS, APPLY_THREADS, POST_THREADS  threads per block of each kernel
-//   COUNTER_TILES    counter words: [0], [1] fused: blocks past the two grid barriers,
-//                    [COUNTER_TILES + t] blocks of tile t finished (k_splits > 1)
+//                    (mhc_coefficients: PROJECT_THREADS)
+//   COEF_ROWS        tokens per mhc_coefficients block
+//   COUNTER_GROUPS   counter words before mhc_pre_small's per-group ones: [0], [1] fused
+//                    mhc_project: blocks past the two grid barriers (small: see there)
 static_assert(TILE_ROWS == 128 && PROJECT_THREADS == 256, "mhc_project's warp layout");
 static_assert(STAGE_PITCH == BLOCK_K + 8 && BLOCK_K % 16 == 0, "fragment loads");
-static_assert(COUNTER_TILES >= 2 && STAGES >= 2, "counters and pipeline");
+static_assert(COUNTER_GROUPS >= 2 && STAGES >= 2, "counters and pipeline");
 
 
 // ------------------------------------------------------------------ coefficients and mix
@@ -650,8 +652,7 @@ __global__ void __launch_bounds__(PROJECT_THREADS) mhc_phi_pieces(const PreParam
   const i64 K = N * p.c_x;
   const i64 k0 = (i64)blockIdx.x * BLOCK_K;
   if (blockIdx.x == 0) {
-    const i64 words = COUNTER_TILES + (p.batch + TILE_ROWS - 1) / TILE_ROWS;
-    for (i64 i = threadIdx.x; i < words; i += blockDim.x) p.counter[i] = 0u;
+    for (int i = threadIdx.x; i < COUNTER_GROUPS; i += blockDim.x) p.counter[i] = 0u;
   }
   build_pieces<N>(p.pieces + (i64)blockIdx.x * piece_words<N>(), [&](int kk, int q) {
     const i64 k = k0 + kk;
@@ -667,35 +668,55 @@ __device__ __forceinline__ void load_pieces_stage(const PreParams& p, u32* dst, 
     cp_async16(dst + 4 * c, src + 4 * c);
 }
 
+// One thread's share of every x stage of a tile: the same 16-byte segment column of SLOTS
+// rows r, r + ROW_STEP, ... in each K block, so a stage only adds its K offset (the address
+// arithmetic, not the copies, was most of the K loop's instructions). A segment past the
+// batch or the K range is zero-filled by the copy itself. Rows of x that are not 16-byte
+// vectors (vector_io 0) go element by element.
 template <typename T>
-__device__ __forceinline__ void load_stage(const PreParams& p, typename Io<T>::elem* stage, i64 row0,
-                                           i64 k0, i64 k_end) {
+struct XStageLoader {
   typedef typename Io<T>::elem E;
-  const E* x = (const E*)p.x;
-  if (p.vector_io) {
-    constexpr int PER_SEG = 16 / sizeof(E);
-    constexpr int SEGS = BLOCK_K / PER_SEG;
-    for (int s = threadIdx.x; s < TILE_ROWS * SEGS; s += PROJECT_THREADS) {
-      const int r = s / SEGS, seg = s % SEGS;
-      const i64 row = row0 + r;
-      if (row >= p.batch) continue;  // stays zero from the kernel's start
-      const i64 k = k0 + seg * PER_SEG;
-      E* dst = stage + r * STAGE_PITCH + seg * PER_SEG;
-      if (k < k_end)
-        cp_async16(dst, x + row * p.x_stride + k);
-      else  // past this block's K range: zeros, so the padded products vanish
-        *(U4*)dst = U4{0u, 0u, 0u, 0u};
+  static constexpr int PER_SEG = 16 / sizeof(E), SEGS = BLOCK_K / PER_SEG;
+  static constexpr int ROW_STEP = PROJECT_THREADS / SEGS, SLOTS = TILE_ROWS / ROW_STEP;
+  static_assert(PROJECT_THREADS % SEGS == 0 && TILE_ROWS % ROW_STEP == 0, "whole slots");
+  const E* x;      // x itself: the valid address a zero-filling copy names
+  const E* first;  // slot 0's segment at K offset 0
+  i64 row_step;    // elements from one slot's row to the next
+  int dst, seg_k;  // slot 0's element offset in a stage; the segment's K offset
+  u32 live;        // bit i: slot i's row is inside the batch
+
+  __device__ __forceinline__ XStageLoader(const PreParams& p, i64 row0) {
+    const int r = threadIdx.x / SEGS;
+    seg_k = threadIdx.x % SEGS * PER_SEG;
+    x = (const E*)p.x;
+    first = x + (row0 + r) * p.x_stride + seg_k;
+    row_step = ROW_STEP * p.x_stride;
+    dst = r * STAGE_PITCH + seg_k;
+    live = 0u;
+#pragma unroll
+    for (int i = 0; i < SLOTS; ++i) live |= (row0 + r + i * ROW_STEP < p.batch ? 1u : 0u) << i;
+  }
+
+  __device__ __forceinline__ void load(const PreParams& p, E* stage, i64 row0, i64 k0, i64 k_end) const {
+    if (p.vector_io) {
+      const bool in_range = k0 + seg_k < k_end;
+#pragma unroll
+      for (int i = 0; i < SLOTS; ++i) {
+        const bool copy = in_range && (live >> i & 1u);
+        cp_async16_fill(stage + dst + i * ROW_STEP * STAGE_PITCH, copy ? first + i * row_step + k0 : x,
+                        copy ? 16 : 0);
+      }
+      return;
     }
-  } else {
     for (int s = threadIdx.x; s < TILE_ROWS * BLOCK_K; s += PROJECT_THREADS) {
       const int r = s / BLOCK_K, c = s % BLOCK_K;
       const i64 row = row0 + r;
-      if (row >= p.batch) continue;
+      if (row >= p.batch) continue;  // stays zero from the kernel's start
       const i64 k = k0 + c;
       stage[r * STAGE_PITCH + c] = k < k_end ? x[row * p.x_stride + k] : E{};
     }
   }
-}
+};
 
 // Spins (one thread) until *word >= target, with acquire ordering. Bounded: a block that never
 // arrives would otherwise hang the device; after ~2 s it traps.
@@ -735,7 +756,6 @@ __global__ void __launch_bounds__(PROJECT_THREADS, N <= 4 && Io<T>::x_pieces == 
   constexpr int PIECES = piece_words<N>();          // u32 words
   extern __shared__ U4 dynamic_smem[];
   __shared__ float sh_scratch[PROJECT_THREADS];
-  __shared__ int is_last_block;
 
   unsigned char* smem = (unsigned char*)dynamic_smem;
   E* x_stages = (E*)smem;
@@ -751,14 +771,16 @@ __global__ void __launch_bounds__(PROJECT_THREADS, N <= 4 && Io<T>::x_pieces == 
   const i64 k_end = k_begin + p.k_range < K ? k_begin + p.k_range : K;
   const int blocks = (int)((k_end - k_begin + BLOCK_K - 1) / BLOCK_K);
 
-  // rows past the batch are never loaded: they must read as zeros
-  for (int i = tid; i < X_BYTES / 16; i += PROJECT_THREADS) dynamic_smem[i] = U4{0u, 0u, 0u, 0u};
-  __syncthreads();  // the zeros land before any asynchronous copy into the same rows
+  if (!p.vector_io) {  // element rows past the batch are never loaded: they must read as zeros
+    for (int i = tid; i < X_BYTES / 16; i += PROJECT_THREADS) dynamic_smem[i] = U4{0u, 0u, 0u, 0u};
+    __syncthreads();  // the zeros land before the first stage's stores into the same rows
+  }
 
+  const XStageLoader<T> x_loader(p, row0);
   auto load_block = [&](int blk) {
     const int s = blk % STAGES;
     const i64 k0 = k_begin + (i64)blk * BLOCK_K;
-    load_stage<T>(p, x_stages + s * X_STAGE, row0, k0, k_end);
+    x_loader.load(p, x_stages + s * X_STAGE, row0, k0, k_end);
     load_pieces_stage<N>(p, piece_stages + s * PIECES, k0);
   };
   for (int s = 0; s < STAGES - 1; ++s) {
@@ -830,47 +852,42 @@ __global__ void __launch_bounds__(PROJECT_THREADS, N <= 4 && Io<T>::x_pieces == 
       }
     }
   }
-  float* sh_h = (float*)smem;  // reused once every thread is past the next barrier
+  if (!p.fuse) return;  // mhc_coefficients takes it from here
 
-  if (p.fuse) {
-    // Small batch, every block co-resident (cooperative launch): once all partials are in,
-    // block j computes the coefficients of rows j, j + grid, ...; once those are all
-    // published, every thread of the grid applies them to its share of (row, 8 columns).
-    grid_barrier(&p.counter[0], gridDim.x);
-    for (i64 row = blockIdx.x; row < p.batch; row += gridDim.x) {
-      sum_partials<N>(p, row, 1, sh_h, sh_scratch);
-      rows_rms<T, N>(p, sh_h, row, 1);
-      tile_coefficients<N>(p, sh_h, row, 1);
-      __syncthreads();  // sh_h is rewritten for the next row
-    }
-    grid_barrier(&p.counter[1], gridDim.x);
-    const i64 units = (p.c_x + 7) / 8;
-    for (i64 item = (i64)blockIdx.x * PROJECT_THREADS + tid; item < p.batch * units;
-         item += (i64)gridDim.x * PROJECT_THREADS) {
-      const i64 row = item / units, u = item - row * units;
-      apply_unit<T, N, true>(p, row, u * 8, p.coef + row * NC);
-    }
-    return;
+  // Small batch, every block co-resident (cooperative launch): once all partials are in,
+  // block j computes the coefficients of rows j, j + grid, ...; once those are all
+  // published, every thread of the grid applies them to its share of (row, 8 columns).
+  float* sh_h = (float*)smem;  // free: every thread is past the barrier's __syncthreads
+  grid_barrier(&p.counter[0], gridDim.x);
+  for (i64 row = blockIdx.x; row < p.batch; row += gridDim.x) {
+    sum_partials<N>(p, row, 1, sh_h, sh_scratch);
+    rows_rms<T, N>(p, sh_h, row, 1);
+    tile_coefficients<N>(p, sh_h, row, 1);
+    __syncthreads();  // sh_h is rewritten for the next row
   }
+  grid_barrier(&p.counter[1], gridDim.x);
+  const i64 units = (p.c_x + 7) / 8;
+  for (i64 item = (i64)blockIdx.x * PROJECT_THREADS + tid; item < p.batch * units;
+       item += (i64)gridDim.x * PROJECT_THREADS) {
+    const i64 row = item / units, u = item - row * units;
+    apply_unit<T, N, true>(p, row, u * 8, p.coef + row * NC);
+  }
+}
 
-  // The block that completes the tile computes its tokens' coefficients: the only block of
-  // the tile, or the last of its K splits to finish (the others' partials are then final).
-  __threadfence();  // this thread's partials are visible device-wide before the count moves
-  __syncthreads();
-  if (tid == 0) {
-    is_last_block = 1;
-    if (p.k_splits > 1) {
-      unsigned int* arrived = p.counter + COUNTER_TILES + tile;
-      is_last_block = atomicAdd(arrived, 1u) == p.k_splits - 1;
-    }
-  }
-  __syncthreads();
-  if (!is_last_block) return;
-  __threadfence();
-  const int tile_rows = p.batch - row0 < TILE_ROWS ? (int)(p.batch - row0) : TILE_ROWS;
-  sum_partials<N>(p, row0, tile_rows, sh_h, sh_scratch);
-  rows_rms<T, N>(p, sh_h, row0, tile_rows);
-  tile_coefficients<N>(p, sh_h, row0, tile_rows);
+// The coefficients of COEF_ROWS tokens from mhc_project's partials, every token's Sinkhorn
+// chain at once. They are a chain of latencies, not work: the last block of each projection
+// tile used to take its 128 tokens alone, eight rounds of 16 chains on 8 warps while the
+// rest of the device idled (H200, B4096 n4 c_x4096: projection 109 us, now 69 us and this
+// kernel 12 us).
+template <typename T, int N>
+__global__ void __launch_bounds__(PROJECT_THREADS) mhc_coefficients(const PreParams p) {
+  __shared__ float sh_h[COEF_ROWS * Dims<N>::QP];
+  __shared__ float sh_scratch[PROJECT_THREADS];
+  const i64 row0 = (i64)blockIdx.x * COEF_ROWS;
+  const int rows = p.batch - row0 < COEF_ROWS ? (int)(p.batch - row0) : COEF_ROWS;
+  sum_partials<N>(p, row0, rows, sh_h, sh_scratch);
+  rows_rms<T, N>(p, sh_h, row0, rows);
+  tile_coefficients<N>(p, sh_h, row0, rows);
 }
 
 // One thread per 8 columns of a row, last rows first: mhc_project streamed x in increasing
@@ -910,7 +927,7 @@ __global__ void __launch_bounds__(APPLY_THREADS) mhc_apply(const PreParams p) {
 // zeroed: the scratch is a per-stream workspace that persists between calls (_mhc).
 // partial: slices of batch * (Q+1) floats rounded up to 4 (16-byte aligned), each a
 // [batch, Q+1] of sums. Counters: [0] tickets, [1] blocks finished, then SMALL_FAN_IN + 2
-// per group g at COUNTER_TILES + g * (SMALL_FAN_IN + 2): the splits finished of each
+// per group g at COUNTER_GROUPS + g * (SMALL_FAN_IN + 2): the splits finished of each
 // SMALL_FAN_IN (one level: the first counts every split), the fan-in sums finished, the flag.
 template <typename T, int N>
 struct Small {
@@ -1181,7 +1198,7 @@ __device__ __forceinline__ void small_project(const PreParams& p, u32* smem, flo
   // The partials' sum: the group's last block sums every split in one pass where it can;
   // else the last of each SMALL_FAN_IN splits sums theirs, and the last of those sums the
   // fan-in sums. Then that block makes the coefficients.
-  unsigned int* counters = p.counter + COUNTER_TILES + group * (SMALL_FAN_IN + 2);
+  unsigned int* counters = p.counter + COUNTER_GROUPS + group * (SMALL_FAN_IN + 2);
   float* sh_h = (float*)smem;
   const float* group_partial = p.partial + row0 * QP;
   if (p.k_splits <= sum_slices_reach(rows * QP)) {  // group-uniform: one level
@@ -1216,7 +1233,7 @@ __device__ __forceinline__ void small_mix(const PreParams& p, i64 block) {
   if (threadIdx.x == 0) {
     const i64 last = first + PROJECT_THREADS - 1 < p.batch * units ? first + PROJECT_THREADS - 1 : p.batch * units - 1;
     for (i64 g = first / units / SMALL_ROWS; g <= last / units / SMALL_ROWS; ++g)
-      wait_until_at_least(p.counter + COUNTER_TILES + g * (SMALL_FAN_IN + 2) + SMALL_FAN_IN + 1, 1u);
+      wait_until_at_least(p.counter + COUNTER_GROUPS + g * (SMALL_FAN_IN + 2) + SMALL_FAN_IN + 1, 1u);
   }
   __syncthreads();
   if (active) mix_unit<T, N, true>(p, row, c0, raw, p.coef + row * Dims<N>::NC);
@@ -1244,7 +1261,7 @@ __global__ void __launch_bounds__(PROJECT_THREADS, N <= 6 ? 2 : 1) mhc_pre_small
   __syncthreads();  // (the block's counter reads are all behind it)
   if (threadIdx.x == 0 && atomicAdd(p.counter + 1, 1u) == gridDim.x - 1) {
     // every other block is done with the counters: zero them for the next launch
-    for (i64 i = 0; i < COUNTER_TILES + groups * (SMALL_FAN_IN + 2); ++i) p.counter[i] = 0u;
+    for (i64 i = 0; i < COUNTER_GROUPS + groups * (SMALL_FAN_IN + 2); ++i) p.counter[i] = 0u;
   }
 }
 

@@ -55,8 +55,8 @@ POST_BWD_PARAMS = _cuda.ParamStruct.declared("mhc_backward", "PostBwdParams")
 # Launch geometry fixed by the kernels (TILE_ROWS, BLOCK_K, STAGE_PITCH, thread counts).
 _GEOMETRY = {
     "TILE_ROWS": 128, "BLOCK_K": 64, "STAGE_PITCH": 72, "STAGES": 3, "PROJECT_THREADS": 256,
-    "APPLY_THREADS": 256, "POST_THREADS": 256, "COUNTER_TILES": 4, "SMALL_ROWS": 32,
-    "SMALL_CHUNK": 32, "SMALL_FAN_IN": 16,
+    "APPLY_THREADS": 256, "POST_THREADS": 256, "COEF_ROWS": 16, "COUNTER_GROUPS": 4,
+    "SMALL_ROWS": 32, "SMALL_CHUNK": 32, "SMALL_FAN_IN": 16,
 }  # fmt: skip
 _FORWARD_DEFINES = tuple(f"{name}={value}" for name, value in _GEOMETRY.items())
 _TILE_ROWS, _BLOCK_K, _STAGE_PITCH, _STAGES = (
@@ -65,7 +65,8 @@ _TILE_ROWS, _BLOCK_K, _STAGE_PITCH, _STAGES = (
 _PROJECT_THREADS, _APPLY_THREADS, _POST_THREADS = (
     _GEOMETRY[name] for name in ("PROJECT_THREADS", "APPLY_THREADS", "POST_THREADS")
 )
-_COUNTER_TILES = _GEOMETRY["COUNTER_TILES"]  # first per-tile counter word
+_COEF_ROWS = _GEOMETRY["COEF_ROWS"]  # tokens per mhc_coefficients block
+_COUNTER_GROUPS = _GEOMETRY["COUNTER_GROUPS"]  # counter words before mhc_pre_small's groups
 _MAX_FUSED_ROWS = 256  # batches this small: cooperative mhc_project, no mhc_apply launch
 # mhc_pre_small, one ordinary launch, for batches of at most _MAX_SMALL_ROWS tokens and
 # _SMALL_WORK elements of x: its projection runs on the CUDA cores, which beyond that lose to
@@ -77,7 +78,7 @@ _SMALL_ROWS, _SMALL_CHUNK, _FAN_IN = (
 )
 # mhc_pre_small's counters (mhc.cu): tickets, blocks finished, then per group of tokens the
 # splits finished of each fan-in, the fan-in sums finished and the group's flag
-_SMALL_COUNTER_WORDS = _COUNTER_TILES + (_FAN_IN + 2) * -(-_MAX_SMALL_ROWS // _SMALL_ROWS)
+_SMALL_COUNTER_WORDS = _COUNTER_GROUPS + (_FAN_IN + 2) * -(-_MAX_SMALL_ROWS // _SMALL_ROWS)
 
 # The sections of mHC pre backward's scratch, in their order in the one buffer (each a
 # PreBwdParams pointer; the counters first, in a section of one size for every plan, as
@@ -263,12 +264,13 @@ def zero_fill(output: Operand) -> None:
 
 
 def pre_module(dtype: str, n: int) -> _cuda.ModuleSpec:
-    """The phi-fragment, projection (with the coefficients) and apply kernels of one x
-    dtype and n."""
+    """The phi-fragment, projection, coefficient and apply kernels of one x dtype and n,
+    and the one-launch kernel of small batches."""
     cuda_type = CUDA_TYPES[dtype]
     names = (
         f"mhc_phi_pieces<{n}>",
         f"mhc_project<{cuda_type}, {n}>",
+        f"mhc_coefficients<{cuda_type}, {n}>",
         f"mhc_apply<{cuda_type}, {n}>",
         f"mhc_pre_small<{cuda_type}, {n}>",
     )
@@ -302,7 +304,8 @@ class _PrePlan:
     """Launch geometry of one (device, dtype, n, c_x, batch), computed once. ``small``: one
     mhc_pre_small launch, whose scratch is the stream's workspace (:func:`_scratch`).
     Otherwise phi's fragments, the projection (cooperative when fused: its blocks wait for
-    each other, so all must be resident at once), then the mix unless fused."""
+    each other, so all must be resident at once), then unless fused the coefficients and
+    the mix."""
 
     steps: tuple[_cuda.Step, ...]
     n: int
@@ -410,7 +413,7 @@ def _pre_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan
     if items >= 1 << 32:
         raise ValueError(f"mHC pre takes batch * ceil(c_x / 8) < 2**32, got {items}")
     spec = pre_module(dtype, n)
-    pieces_name, project_name, apply_name, small_name = spec.name_expressions
+    pieces_name, project_name, coefficients_name, apply_name, small_name = spec.name_expressions
     width, q = n * c_x, n * n + 2 * n
     threads = (_PROJECT_THREADS, 1, 1)
     if batch <= _MAX_SMALL_ROWS and batch * width <= _SMALL_WORK:
@@ -443,14 +446,18 @@ def _pre_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan
         _cuda.Step(project, (tiles * k_splits, 1, 1), threads, smem, cooperative=fuse),
     )
     if not fuse:
+        coefficients = _cuda.function(spec, coefficients_name, device)
         apply = _cuda.function(spec, apply_name, device)
-        steps += (_cuda.Step(apply, (-(-items // _APPLY_THREADS), 1, 1), (_APPLY_THREADS, 1, 1)),)
+        steps += (
+            _cuda.Step(coefficients, (-(-batch // _COEF_ROWS), 1, 1), threads),
+            _cuda.Step(apply, (-(-items // _APPLY_THREADS), 1, 1), (_APPLY_THREADS, 1, 1)),
+        )
     plan = _PrePlan(
         steps=steps, n=n, c_x=c_x, k_range=k_range, k_splits=k_splits, fuse=fuse, small=False,
         scratch=(
             k_splits * batch * (q + 1),
             batch * (n + n * n),
-            _COUNTER_TILES + tiles,
+            _COUNTER_GROUPS,
             k_blocks * piece_bytes // 4,
         ),
     )  # fmt: skip
