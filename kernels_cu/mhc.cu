@@ -163,7 +163,7 @@ __device__ __forceinline__ void store8(typename Io<T>::elem* p, const float (&v)
     u32 words[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i)
-      words[i] = (u32)Io<T>::from_float(v[2 * i]) | ((u32)Io<T>::from_float(v[2 * i + 1]) << 16);
+      words[i] = pack_word<T>(v[2 * i], v[2 * i + 1]);
     store_stream16(p, U4{words[0], words[1], words[2], words[3]});
   } else {
 #pragma unroll
@@ -460,8 +460,8 @@ __device__ __forceinline__ void unpack8(const Raw8<T>& r, float (&v)[8]) {
     const u32 words[4] = {r.w[0].x, r.w[0].y, r.w[0].z, r.w[0].w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      v[2 * i] = Io<T>::to_float((u16)(words[i] & 0xffffu));
-      v[2 * i + 1] = Io<T>::to_float((u16)(words[i] >> 16));
+      v[2 * i] = word_low<T>(words[i]);
+      v[2 * i + 1] = word_high<T>(words[i]);
     }
   } else {
 #pragma unroll
@@ -556,14 +556,14 @@ __device__ __forceinline__ void x_fragment(const typename Io<T>::elem* stage, in
       const u32 w = *(const u32*)src;
       a[0][r] = w;
       if constexpr (SUMSQ) {
-        f0 = bf16_bits_to_float(w & 0xffffu);
-        f1 = bf16_bits_to_float(w >> 16);
+        f0 = word_low<T>(w);
+        f1 = word_high<T>(w);
       }
     } else {
       if constexpr (sizeof(typename Io<T>::elem) == 2) {
         const u32 w = *(const u32*)src;
-        f0 = Io<T>::to_float((u16)(w & 0xffffu));
-        f1 = Io<T>::to_float((u16)(w >> 16));
+        f0 = word_low<T>(w);
+        f1 = word_high<T>(w);
       } else {
         const U2 w = *(const U2*)src;
         f0 = __uint_as_float(w.x);
@@ -999,10 +999,10 @@ template <typename T>
 __device__ __forceinline__ void small_load4(const typename Io<T>::elem* p, float (&v)[4]) {
   if constexpr (sizeof(typename Io<T>::elem) == 2) {
     const U2 w = *(const U2*)p;
-    v[0] = Io<T>::to_float((u16)(w.x & 0xffffu));
-    v[1] = Io<T>::to_float((u16)(w.x >> 16));
-    v[2] = Io<T>::to_float((u16)(w.y & 0xffffu));
-    v[3] = Io<T>::to_float((u16)(w.y >> 16));
+    v[0] = word_low<T>(w.x);
+    v[1] = word_high<T>(w.x);
+    v[2] = word_low<T>(w.y);
+    v[3] = word_high<T>(w.y);
   } else {
     const U4 w = *(const U4*)p;
     v[0] = __uint_as_float(w.x);

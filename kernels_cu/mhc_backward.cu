@@ -70,8 +70,8 @@ __device__ __forceinline__ void smem_floats(const typename Io<T>::elem* p, float
 #pragma unroll
   for (int i = 0; i < WORDS; ++i) {
     if constexpr (PER_WORD == 2) {
-      v[2 * i] = Io<T>::to_float((u16)(w[i] & 0xffffu));
-      v[2 * i + 1] = Io<T>::to_float((u16)(w[i] >> 16));
+      v[2 * i] = word_low<T>(w[i]);
+      v[2 * i + 1] = word_high<T>(w[i]);
     } else {
       v[i] = __uint_as_float(w[i]);
     }
@@ -886,8 +886,8 @@ __device__ __forceinline__ void grad_block(const PreBwdParams& p, i64 block) {
               a[mw][0][r] = w[r];
             } else {
               u32 p0[2], p1[2];
-              split_bf16<2>(Io<T>::to_float((u16)(w[r] & 0xffffu)), p0);
-              split_bf16<2>(Io<T>::to_float((u16)(w[r] >> 16)), p1);
+              split_bf16<2>(word_low<T>(w[r]), p0);
+              split_bf16<2>(word_high<T>(w[r]), p1);
               a[mw][0][r] = p0[0] | (p1[0] << 16);
               a[mw][1][r] = p0[1] | (p1[1] << 16);
             }
