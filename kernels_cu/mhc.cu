@@ -423,6 +423,16 @@ __device__ __attribute__((noinline)) void tile_coefficients(const PreParams& p, 
   }
 }
 
+// The coefficients of rows row0 .. row0+rows-1 from mhc_project's partials: summed, the
+// RMS, then the gates and Sinkhorn matrix. Every thread of the block calls it.
+template <typename T, int N>
+__device__ __forceinline__ void partials_to_coefficients(const PreParams& p, i64 row0, int rows,
+                                                         float* sh_h, float* sh_scratch) {
+  sum_partials<N>(p, row0, rows, sh_h, sh_scratch);
+  rows_rms<T, N>(p, sh_h, row0, rows);
+  tile_coefficients<N>(p, sh_h, row0, rows);
+}
+
 // 8 consecutive elements in their storage format: one 16-byte word for 16-bit types, two
 // for float.
 template <typename T>
@@ -860,9 +870,7 @@ __global__ void __launch_bounds__(PROJECT_THREADS, N <= 4 && Io<T>::x_pieces == 
   float* sh_h = (float*)smem;  // free: every thread is past the barrier's __syncthreads
   grid_barrier(&p.counter[0], gridDim.x);
   for (i64 row = blockIdx.x; row < p.batch; row += gridDim.x) {
-    sum_partials<N>(p, row, 1, sh_h, sh_scratch);
-    rows_rms<T, N>(p, sh_h, row, 1);
-    tile_coefficients<N>(p, sh_h, row, 1);
+    partials_to_coefficients<T, N>(p, row, 1, sh_h, sh_scratch);
     __syncthreads();  // sh_h is rewritten for the next row
   }
   grid_barrier(&p.counter[1], gridDim.x);
@@ -885,9 +893,7 @@ __global__ void __launch_bounds__(PROJECT_THREADS) mhc_coefficients(const PrePar
   __shared__ float sh_scratch[PROJECT_THREADS];
   const i64 row0 = (i64)blockIdx.x * COEF_ROWS;
   const int rows = p.batch - row0 < COEF_ROWS ? (int)(p.batch - row0) : COEF_ROWS;
-  sum_partials<N>(p, row0, rows, sh_h, sh_scratch);
-  rows_rms<T, N>(p, sh_h, row0, rows);
-  tile_coefficients<N>(p, sh_h, row0, rows);
+  partials_to_coefficients<T, N>(p, row0, rows, sh_h, sh_scratch);
 }
 
 // One thread per 8 columns of a row, last rows first: mhc_project streamed x in increasing
