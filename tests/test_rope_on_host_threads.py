@@ -104,15 +104,7 @@ def _name_expressions() -> list[str]:
     ]
     names = []
     for dtype, neox, rotary_dim, mode, norm in launches:
-        kernels = [
-            (vec, norm, heads)
-            for vec, heads in itertools.product(
-                (16 // ITEMSIZE[dtype], 1), _rotate._heads_choices(dtype, neox, norm)
-            )
-        ]
-        if norm and _rotate._rows_layout_compiled(dtype, rotary_dim):
-            kernels.append((16 // ITEMSIZE[dtype], _rotate.NORM_ROWS, _rotate._ROWS_HEADS))
-        for vec, layout, heads in kernels:
+        for vec, layout, heads in _rotate.instantiations(dtype, neox, rotary_dim, norm):
             name = _rotate._kernel(dtype, neox, vec, rotary_dim, mode, layout, heads)[1]
             if name not in names:
                 names.append(name)

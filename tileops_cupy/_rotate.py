@@ -370,20 +370,28 @@ def module_spec(
     dtype, rotary_dim (0 = rotary_dim passed at run time), table mode and norm flag (with
     it, both lane layouts of the fused norm where each is compiled): a process compiles only
     the modes it uses."""
-    wide = 16 // ITEMSIZE[dtype]
-    layout = NORM_CHUNKS if norm else NO_NORM
     names = tuple(
         _name(dtype, neox, vec, rotary_dim, mode, layout, heads)
         for neox in (True, False)
-        for vec in (wide, 1)
-        for heads in _heads_choices(dtype, neox, norm)
+        for vec, layout, heads in instantiations(dtype, neox, rotary_dim, norm)
+    )
+    return _cuda.ModuleSpec("rope", names, _DEFINES)
+
+
+def instantiations(
+    dtype: str, neox: bool, rotary_dim: int, norm: bool
+) -> tuple[tuple[int, int, int], ...]:
+    """(vector width, NORM, HEADS) of every kernel compiled for one dtype, rotation layout,
+    rotary_dim and norm flag (a rotary_dim outside the shipped set has the run-time
+    rotary_dim kernels: no NORM_ROWS)."""
+    wide = 16 // ITEMSIZE[dtype]
+    layout = NORM_CHUNKS if norm else NO_NORM
+    kernels = tuple(
+        (vec, layout, heads) for vec in (wide, 1) for heads in _heads_choices(dtype, neox, norm)
     )
     if norm and _rows_layout_compiled(dtype, rotary_dim):
-        names += tuple(
-            _name(dtype, neox, wide, rotary_dim, mode, NORM_ROWS, _ROWS_HEADS)
-            for neox in (True, False)
-        )
-    return _cuda.ModuleSpec("rope", names, _DEFINES)
+        kernels += ((wide, NORM_ROWS, _ROWS_HEADS),)
+    return kernels
 
 
 @cache
