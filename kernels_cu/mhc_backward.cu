@@ -222,6 +222,17 @@ __device__ __forceinline__ unsigned char* dynamic_smem_bytes() {
   return (unsigned char*)dynamic_smem;
 }
 
+// for (i = threadIdx.x; i < COUNT; i += BWD_BLOCK) body(i), unrolled (COUNT is known here,
+// the thread index is not: a plain loop compiles to a generic one with a remainder).
+template <int COUNT, typename Body>
+__device__ __forceinline__ void for_each_share(Body&& body) {
+#pragma unroll
+  for (int j = 0; j < (COUNT + BWD_BLOCK - 1) / BWD_BLOCK; ++j) {
+    const int i = (int)threadIdx.x + j * BWD_BLOCK;
+    if (COUNT % BWD_BLOCK == 0 || i < COUNT) body(i);
+  }
+}
+
 // The first sections of a stage of the two passes: rows row0 .. row0+TILE of x, then of
 // grad_x_res (columns c0 .. c0+W of every stream k, at k*W in a row of XPITCH elements),
 // then of grad_x_layer (columns c0 .. c0+W, rows LPITCH apart), zeros at columns >= c_end, so
@@ -328,7 +339,7 @@ __device__ __forceinline__ void stats_block(const PreBwdParams& p, i64 block) {
     u32* pc = (u32*)(base + 2 * G::XS_BYTES + G::LS_BYTES);
     const i64 cb = c_begin + (i64)b * CS;
     const u32* src = p.pieces + (cb / CS) * G::PIECE_WORDS;
-    for (int i = tid; i < G::PIECE_WORDS / 4; i += BWD_BLOCK) cp_async16(pc + 4 * i, src + 4 * i);
+    for_each_share<G::PIECE_WORDS / 4>([&](int i) { cp_async16(pc + 4 * i, src + 4 * i); });
     stage_rows<T, N, TILE, CS, G::XS_PITCH, G::LS_PITCH, true>(p, base, row0, cb, c_end);
   };
 
@@ -744,7 +755,7 @@ __device__ __forceinline__ void grad_block(const PreBwdParams& p, i64 block) {
     loading.next(tiles);
     stage_rows<T, N, TILE, CG, G::GX_PITCH, G::GL_PITCH, false>(p, base, row0, c0, c_x);
     constexpr int DH_SEGS = G::DH_ROW * 2 / 16, CF_SEGS = CW4 / 4;
-    for (int j = tid; j < TILE * DH_SEGS; j += BWD_BLOCK) {
+    for_each_share<TILE * DH_SEGS>([&](int j) {
       const int r = j / DH_SEGS, seg = j - r * DH_SEGS;
       const i64 row = row0 + r;
       u16* dst = dh + r * G::DH_PITCH + seg * 8;
@@ -752,8 +763,8 @@ __device__ __forceinline__ void grad_block(const PreBwdParams& p, i64 block) {
         cp_async16(dst, p.dh_pieces + row * G::DH_ROW + seg * 8);
       else
         *(U4*)dst = U4{0u, 0u, 0u, 0u};
-    }
-    for (int j = tid; j < TILE * CF_SEGS; j += BWD_BLOCK) {
+    });
+    for_each_share<TILE * CF_SEGS>([&](int j) {
       const int r = j / CF_SEGS, seg = j - r * CF_SEGS;
       const i64 row = row0 + r;
       float* dst = cf + r * CW4 + seg * 4;
@@ -761,7 +772,7 @@ __device__ __forceinline__ void grad_block(const PreBwdParams& p, i64 block) {
         cp_async16(dst, p.coef + row * CW4 + seg * 4);
       else
         *(U4*)dst = U4{0u, 0u, 0u, 0u};
-    }
+    });
   };
 
   // phi^T as B fragments of (a) for one chunk: n = position nt*8 + g, k = q; DP pieces
