@@ -253,9 +253,9 @@ __device__ __forceinline__ void stage_rows(const PreBwdParams& p, unsigned char*
   const E* gxl = (const E*)p.grad_x_layer;
   if (p.vector_io) {
     // 16-byte copies, each wholly inside or outside [c0, c_end), zero-filled by the copy
-    // itself outside. Thread tid takes one (row, 16-byte segment) pair of every SLOTS-th row
-    // and the pair's n streams of x and gxr (or every PARTS-th stream, where the pairs are
-    // fewer than the threads) and its gxl segment: the address arithmetic is done once a
+    // itself outside. Thread tid takes SLOTS (row, 16-byte segment) pairs, ROW_STEP rows
+    // apart, and each pair's n streams of x and gxr (or every PARTS-th stream, where the pairs
+    // are fewer than the threads) and its gxl segment: the address arithmetic is done once a
     // pair, not once a copy (mhc_bwd_stats and _grad: H200 bf16 n=4 B4096 c_x4096 446 ->
     // 417 µs, B16384 c_x7168 2573 -> 2391 µs).
     constexpr int SEGS = W / VEC, PAIRS = TILE * SEGS;
@@ -1226,38 +1226,24 @@ __global__ void __launch_bounds__(BWD_POST_THREADS) mhc_post_bwd(const PostBwdPa
     float gate[N], dot[N];
 #pragma unroll
     for (int i = 0; i < N; ++i) gate[i] = gates[i * p.h_stride_col], dot[i] = 0.f;
-#ifndef BWD_POST_UNROLL
-#define BWD_POST_UNROLL 1
-#endif
-    constexpr int U = BWD_POST_UNROLL;
-    for (i64 u0 = tid; u0 < p.units; u0 += U * BWD_POST_THREADS) {
-      float xl[U][8], v[U][N][8];
+    for (i64 u = tid; u < p.units; u += BWD_POST_THREADS) {
+      const i64 c0 = u * 8;
+      const int count = p.c_x - c0 < 8 ? (int)(p.c_x - c0) : 8;
+      float xl[8], acc[8];
+      load8_or_some<T>(layer + c0, vector, count, xl);
 #pragma unroll
-      for (int j = 0; j < U; ++j) {
-        const i64 c0 = (u0 + j * BWD_POST_THREADS) * 8;
-        if (c0 >= p.c_x) break;
-        const int count = p.c_x - c0 < 8 ? (int)(p.c_x - c0) : 8;
-        load8_or_some<T>(layer + c0, vector, count, xl[j]);
+      for (int e = 0; e < 8; ++e) acc[e] = 0.f;
 #pragma unroll
-        for (int i = 0; i < N; ++i) load8_or_some<T>(grad + i * p.c_x + c0, vector, count, v[j][i]);
+      for (int i = 0; i < N; ++i) {
+        float v[8];
+        load8_or_some<T>(grad + i * p.c_x + c0, vector, count, v);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          acc[e] = fmaf(gate[i], v[e], acc[e]);
+          dot[i] = fmaf(xl[e], v[e], dot[i]);
+        }
       }
-#pragma unroll
-      for (int j = 0; j < U; ++j) {
-        const i64 c0 = (u0 + j * BWD_POST_THREADS) * 8;
-        if (c0 >= p.c_x) break;
-        const int count = p.c_x - c0 < 8 ? (int)(p.c_x - c0) : 8;
-        float acc[8];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[e] = 0.f;
-#pragma unroll
-        for (int i = 0; i < N; ++i)
-#pragma unroll
-          for (int e = 0; e < 8; ++e) {
-            acc[e] = fmaf(gate[i], v[j][i][e], acc[e]);
-            dot[i] = fmaf(xl[j][e], v[j][i][e], dot[i]);
-          }
-        store8_or_some<T>(out_layer + c0, vector, count, acc);
-      }
+      store8_or_some<T>(out_layer + c0, vector, count, acc);
     }
     block_sums<N>(dot, scratch, out_gates);
   } else {
