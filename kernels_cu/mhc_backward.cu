@@ -223,7 +223,10 @@ __device__ __forceinline__ unsigned char* dynamic_smem_bytes() {
 }
 
 // for (i = threadIdx.x; i < COUNT; i += BWD_BLOCK) body(i), unrolled (COUNT is known here,
-// the thread index is not: a plain loop compiles to a generic one with a remainder).
+// the thread index is not: a plain loop compiles to a generic one with a remainder). The
+// forward's twin, load_pieces_stage (mhc.cu), keeps its plain loop: unrolled there, its
+// addresses stay live across mhc_project's K loop, which then spills at its 128-register
+// cap (bf16 n = 4, sm_90: 24 bytes).
 template <int COUNT, typename Body>
 __device__ __forceinline__ void for_each_share(Body&& body) {
 #pragma unroll
@@ -460,26 +463,57 @@ __global__ void __launch_bounds__(BWD_BLOCK, 1) mhc_bwd_stats(const PreBwdParams
 
 // ------------------------------------------------------------------ per token
 
-// m[first + j*stride], j < N (a row or a column), divided by their sum + eps.
+// 1 / s[k] for every k, bit for bit as `1.f / s[k]`. CUDA's correctly rounded reciprocal is
+// MUFU.RCP and one Newton step unless s's exponent is extreme (0, subnormal, at the top,
+// inf or NaN), where it calls a slow path. Compiled one division at a time, each sits in a
+// branch region of its own, so a Sinkhorn step's N reciprocals issued one after another;
+// the token chain is pure latency. One check for all N lets them issue together.
 template <int N>
-__device__ __forceinline__ void sinkhorn_divide(float (&m)[N * N], int first, int stride, float eps) {
-  float s = 0.f;
+__device__ __forceinline__ void reciprocals(const float (&s)[N], float (&r)[N]) {
+  bool fast = true;
 #pragma unroll
-  for (int j = 0; j < N; ++j) s += m[first + j * stride];
-  s += eps;
-  const float r = 1.f / (s == 0.f ? 1.f : s);
+  for (int k = 0; k < N; ++k) fast &= ((__float_as_uint(s[k]) + 0x1800000u) & 0x7f800000u) > 0x1ffffffu;
+  if (fast) {
 #pragma unroll
-  for (int j = 0; j < N; ++j) m[first + j * stride] *= r;
+    for (int k = 0; k < N; ++k) {
+      float a;
+      asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(a) : "f"(s[k]));
+      r[k] = fmaf(a, fmaf(-s[k], a, 1.f), a);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) r[k] = 1.f / s[k];
+  }
 }
 
-// One Sinkhorn step as the forward takes it (rows, then columns; a sum that is exactly 0
-// divides by 1), each division as a multiplication by the divisor's reciprocal.
+// The divisors of one half of a Sinkhorn step as reciprocals, along rows (ROWS) or columns:
+// the N entries summed in index order, plus eps. A sum that is exactly 0 (every entry 0 and
+// eps 0) divides by 1, which keeps the zeros.
+template <int N, bool ROWS>
+__device__ __forceinline__ void sinkhorn_divisors(const float (&m)[N * N], float eps, float (&r)[N]) {
+  float s[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    float t = 0.f;
+#pragma unroll
+    for (int k = 0; k < N; ++k) t += m[ROWS ? i * N + k : k * N + i];
+    t += eps;
+    s[i] = t == 0.f ? 1.f : t;
+  }
+  reciprocals<N>(s, r);
+}
+
+// One Sinkhorn step in the forward's order (rows, then columns), each division as a
+// multiplication by the divisor's reciprocal.
 template <int N>
 __device__ __forceinline__ void sinkhorn_step(float (&m)[N * N], float eps) {
+  float r[N];
+  sinkhorn_divisors<N, true>(m, eps, r);
 #pragma unroll
-  for (int i = 0; i < N; ++i) sinkhorn_divide<N>(m, i * N, 1, eps);  // row i
+  for (int e = 0; e < N * N; ++e) m[e] *= r[e / N];
+  sinkhorn_divisors<N, false>(m, eps, r);
 #pragma unroll
-  for (int k = 0; k < N; ++k) sinkhorn_divide<N>(m, k, N, eps);  // column k
+  for (int e = 0; e < N * N; ++e) m[e] *= r[e % N];
 }
 
 // The gradient through one Sinkhorn step, in log form: `a` holds the step's input
@@ -491,25 +525,11 @@ __device__ __forceinline__ void sinkhorn_step(float (&m)[N * N], float eps) {
 // replaced by 1, m and out are all zero and the formula still holds.
 template <int N>
 __device__ __forceinline__ void sinkhorn_step_backward(float (&a)[N * N], float (&u)[N * N], float eps) {
-  float col_inv[N];
+  float row_inv[N], col_inv[N];
+  sinkhorn_divisors<N, true>(a, eps, row_inv);  // the row step again: a becomes its output
 #pragma unroll
-  for (int i = 0; i < N; ++i) {  // the row step again: a becomes its output
-    float s = 0.f;
-#pragma unroll
-    for (int k = 0; k < N; ++k) s += a[i * N + k];
-    s += eps;
-    const float r = 1.f / (s == 0.f ? 1.f : s);
-#pragma unroll
-    for (int k = 0; k < N; ++k) a[i * N + k] *= r;
-  }
-#pragma unroll
-  for (int k = 0; k < N; ++k) {  // the column step's divisors; its output is a * col_inv
-    float c = 0.f;
-#pragma unroll
-    for (int i = 0; i < N; ++i) c += a[i * N + k];
-    c += eps;
-    col_inv[k] = 1.f / (c == 0.f ? 1.f : c);
-  }
+  for (int e = 0; e < N * N; ++e) a[e] *= row_inv[e / N];
+  sinkhorn_divisors<N, false>(a, eps, col_inv);  // the column step's: its output is a * col_inv
 #pragma unroll
   for (int k = 0; k < N; ++k) {  // back through the column step
     float s = 0.f;
@@ -577,36 +597,52 @@ __device__ __forceinline__ void token_chain(const PreBwdParams& p, i64 t, i64 sp
   const float root_width = sqrtf((float)(N * p.c_x));
   const float rms = sqrtf(sumsq) / root_width / scale + 1e-4f;  // as the forward
 
+  // logit q = alpha*h[q]/rms + b[q], by one reciprocal of rms: the chain's divisions would
+  // each wait out a branch region of their own
+  const float inv_rms = 1.f / rms;
+  auto logit = [&](int q) {
+    const float alpha = q < N ? p.alpha_pre : q < 2 * N ? p.alpha_post : p.alpha_res;
+    return alpha * h[q] * inv_rms + bias(q);
+  };
+
   float* coef = p.coef + t * CW4;
   u16* dh_out = p.dh_pieces + t * (DP * QP16);
   float* per_token = p.per_token + t;  // [Q + 3][batch]
   float grad_alpha_pre = 0.f, grad_alpha_post = 0.f, grad_alpha_res = 0.f;
   float rms_sum = 0.f;  // sum over logits of dloss/dlogit * alpha*h/rms
-  // logit q = alpha*h[q]/rms + b[q]; `grad` = dloss/dlogit, final
+  // `grad` = dloss/dlogit, final
   auto emit = [&](int q, float grad, float alpha, float& grad_alpha) {
-    const float v = h[q] / rms;  // dlogit/dalpha
+    const float v = h[q] * inv_rms;  // dlogit/dalpha
     per_token[q * batch] = grad;
     grad_alpha = fmaf(grad, v, grad_alpha);
     rms_sum = fmaf(grad, alpha * v, rms_sum);
     u32 pieces[3];
-    split_bf16<3>(grad * alpha / rms, pieces);  // dloss/dh[q]
+    split_bf16<3>(grad * alpha * inv_rms, pieces);  // dloss/dh[q]
 #pragma unroll
     for (int j = 0; j < DP; ++j) dh_out[j * QP16 + q] = (u16)pieces[j];
   };
 
-  // gates: h_pre = sigmoid(z), h_post = 2*sigmoid(z); sigmoid' = sigmoid(z)*sigmoid(-z)
+  // gates: h_pre = sigmoid(z), h_post = 2*sigmoid(z); sigmoid' = sigmoid(z)*sigmoid(-z), where
+  // sigmoid(-z) = exp(-z)*sigmoid(z) while exp(-z) <= 1, else 1 - sigmoid(z) (no cancellation)
+  float exp_neg[2 * N], one_plus_e[2 * N], gate[2 * N];
+#pragma unroll
+  for (int q = 0; q < 2 * N; ++q) {
+    exp_neg[q] = expf(-logit(q));
+    one_plus_e[q] = 1.f + exp_neg[q];
+  }
+  reciprocals<2 * N>(one_plus_e, gate);  // sigmoid(z) = 1 / (1 + exp(-z)), as the forward's
+  auto gate_slope = [&](int q) {
+    return gate[q] * (exp_neg[q] <= 1.f ? exp_neg[q] * gate[q] : 1.f - gate[q]);
+  };
 #pragma unroll
   for (int k = 0; k < N; ++k) {
-    const float z = p.alpha_pre * h[k] / rms + bias(k);
-    const float gate = sigmoid(z);
-    coef[k] = gate;
-    emit(k, up_pre[k] * gate * sigmoid(-z), p.alpha_pre, grad_alpha_pre);
+    coef[k] = gate[k];
+    emit(k, up_pre[k] * gate_slope(k), p.alpha_pre, grad_alpha_pre);
   }
 #pragma unroll
   for (int i = 0; i < N; ++i) {
-    const float z = p.alpha_post * h[N + i] / rms + bias(N + i);
     const float up = p.grad_h_post[t * p.ghp_stride_row + i * p.ghp_stride_col];
-    emit(N + i, 2.f * up * sigmoid(z) * sigmoid(-z), p.alpha_post, grad_alpha_post);
+    emit(N + i, 2.f * up * gate_slope(N + i), p.alpha_post, grad_alpha_post);
   }
 
   // M = exp(L - rowmax(L)), then the Sinkhorn steps, input of every seg-th step kept
@@ -616,8 +652,7 @@ __device__ __forceinline__ void token_chain(const PreBwdParams& p, i64 t, i64 sp
     float peak = __uint_as_float(0xff800000u);  // -inf
 #pragma unroll
     for (int k = 0; k < N; ++k) {
-      const int q = 2 * N + i * N + k;
-      m[i * N + k] = p.alpha_res * h[q] / rms + bias(q);
+      m[i * N + k] = logit(2 * N + i * N + k);
       peak = fmaxf(peak, m[i * N + k]);
     }
     row_max[i] = peak;
@@ -637,29 +672,46 @@ __device__ __forceinline__ void token_chain(const PreBwdParams& p, i64 t, i64 sp
 #pragma unroll
     for (int e = 0; e < NN; ++e) v[e] = trace[((i64)slot * NN + e) * batch];
   };
-  for (int it = 0; it < repeat; ++it) {
-    if (it % seg == 0) save(it / seg, m);
+  for (int it = 0, phase = 0, slot = 0; it < repeat; ++it) {  // (no division a step)
+    if (phase == 0) save(slot++, m);
+    phase = phase + 1 == seg ? 0 : phase + 1;
     sinkhorn_step<N>(m, p.eps);
   }
 #pragma unroll
   for (int e = 0; e < NN; ++e) coef[N + e] = m[e];  // the final matrix, for grad_x
 
   // back through the Sinkhorn steps (log form: u = dloss/dM (.) M), one segment at a time
-  // from its checkpoint
-  float u[NN];
+  // from its checkpoint. `a` holds the input of the step whose gradient is taken; the input
+  // of the step before is loaded meanwhile wherever it is saved already (within a segment,
+  // and from one segment to the next when they are one step long), so that the chain does
+  // not wait a round trip for it. (Up to n = 6: three n*n matrices in registers spill beyond.)
+  constexpr bool LOAD_AHEAD = N <= 6;
+  float u[NN], a[NN];
 #pragma unroll
   for (int e = 0; e < NN; ++e) u[e] = up_mix[e] * m[e];  // dloss/dM[i,k] * M[i,k]
   for (int c = checkpoints - 1; c >= 0; --c) {
     const int first = c * seg, last = first + seg < repeat ? first + seg : repeat;
-    float a[NN];
-    restore(c, a);
-    for (int it = first + 1; it < last; ++it) {  // the segment's other inputs, again
-      sinkhorn_step<N>(a, p.eps);
-      save(checkpoints + it - first - 1, a);
+    auto slot_of = [&](int it) { return it == first ? c : checkpoints + it - first - 1; };
+    if (seg > 1 || c == checkpoints - 1 || !LOAD_AHEAD) {
+      restore(c, a);
+      for (int it = first + 1; it < last; ++it) {  // the segment's other inputs, again
+        sinkhorn_step<N>(a, p.eps);
+        save(slot_of(it), a);
+      }
     }
     for (int it = last - 1; it >= first; --it) {
-      restore(it == first ? c : checkpoints + it - first - 1, a);
-      sinkhorn_step_backward<N>(a, u, p.eps);
+      if constexpr (LOAD_AHEAD) {
+        float before[NN];
+        const bool ahead = it > first || (seg == 1 && c > 0);
+        if (ahead) restore(it > first ? slot_of(it - 1) : c - 1, before);
+        sinkhorn_step_backward<N>(a, u, p.eps);
+        if (ahead)
+#pragma unroll
+          for (int e = 0; e < NN; ++e) a[e] = before[e];
+      } else {
+        if (it < last - 1) restore(slot_of(it), a);
+        sinkhorn_step_backward<N>(a, u, p.eps);
+      }
     }
   }
 
@@ -672,8 +724,7 @@ __device__ __forceinline__ void token_chain(const PreBwdParams& p, i64 t, i64 sp
     int ties = 0;
 #pragma unroll
     for (int k = 0; k < N; ++k) {
-      const int q = 2 * N + i * N + k;
-      top[k] = p.alpha_res * h[q] / rms + bias(q) == row_max[i];  // the forward's logit again
+      top[k] = logit(2 * N + i * N + k) == row_max[i];  // the same expression as above: the same bits
       total += u[i * N + k];
       ties += top[k];
     }
