@@ -464,10 +464,11 @@ __global__ void __launch_bounds__(BWD_BLOCK, 1) mhc_bwd_stats(const PreBwdParams
 // ------------------------------------------------------------------ per token
 
 // 1 / s[k] for every k, bit for bit as `1.f / s[k]`. CUDA's correctly rounded reciprocal is
-// MUFU.RCP and one Newton step unless s's exponent is extreme (0, subnormal, at the top,
-// inf or NaN), where it calls a slow path. Compiled one division at a time, each sits in a
-// branch region of its own, so a Sinkhorn step's N reciprocals issued one after another;
-// the token chain is pure latency. One check for all N lets them issue together.
+// MUFU.RCP and one Newton step unless s's biased exponent is 0, 253, 254 or 255 (zero,
+// subnormal, near the top, inf or NaN: its own check, below), where it calls a slow path.
+// Compiled one division at a time, each sits in a branch region of its own, so a Sinkhorn
+// step's N reciprocals issued one after another; the token chain is pure latency. One
+// check for all N lets them issue together.
 template <int N>
 __device__ __forceinline__ void reciprocals(const float (&s)[N], float (&r)[N]) {
   bool fast = true;
