@@ -222,6 +222,16 @@ __device__ __forceinline__ unsigned char* dynamic_smem_bytes() {
   return (unsigned char*)dynamic_smem;
 }
 
+// threadIdx.x in a block of BWD_BLOCK threads (every launch of the two passes). Stated, warp
+// < 8 is known and the tile loops' bounds (warp + 8 * i < tiles) fold away where the tiles
+// are a multiple of 8; unstated, each HMMA under one ran predicated behind a WARPSYNC (4% of
+// mhc_bwd_grad's instructions).
+__device__ __forceinline__ int block_thread() {
+  const int tid = (int)threadIdx.x;
+  __builtin_assume(tid < BWD_BLOCK);
+  return tid;
+}
+
 // for (i = threadIdx.x; i < COUNT; i += BWD_BLOCK) body(i), unrolled (COUNT is known here,
 // the thread index is not: a plain loop compiles to a generic one with a remainder). The
 // forward's twin, load_pieces_stage (mhc.cu), keeps its plain loop: unrolled there, its
@@ -321,7 +331,7 @@ __device__ __forceinline__ void stats_block(const PreBwdParams& p, i64 block) {
   constexpr int Q = G::Q, NT = G::NT, KS = G::KS, CS = G::CS, HC = G::HC;
   constexpr int NN = G::NN, W = G::W, PW = G::PW, TILE = G::TILE, VEC = G::VEC;
   unsigned char* smem = dynamic_smem_bytes();
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tid = block_thread(), lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, tg = lane & 3;
   const int row_group = warp & 3, k_half = warp >> 2;
   const int token = tid & (TILE - 1), half = tid / TILE;
@@ -786,7 +796,7 @@ __device__ __forceinline__ void grad_block(const PreBwdParams& p, i64 block) {
   constexpr int DP = G::DP, VEC = G::VEC, NN = G::NN, TILE = G::GTILE, XPG = G::XPG;
   constexpr int MTK = G::MTK, MT_W = G::MT_W, NTK = G::NTK, NW = G::NW, CW4 = G::CW4;
   unsigned char* smem = dynamic_smem_bytes();
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tid = block_thread(), lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, tg = lane & 3;
   const int stages = p.stages;
   const i64 batch = p.batch, c_x = p.c_x;
