@@ -232,8 +232,8 @@ __device__ __forceinline__ int block_thread() {
   return tid;
 }
 
-// for (i = threadIdx.x; i < COUNT; i += BWD_BLOCK) body(i), unrolled (COUNT is known here,
-// the thread index is not: a plain loop compiles to a generic one with a remainder). The
+// for (i = block_thread(); i < COUNT; i += BWD_BLOCK) body(i), unrolled (COUNT is known
+// here, the thread index is not: a plain loop compiles to a generic one with a remainder). The
 // forward's twin, load_pieces_stage (mhc.cu), keeps its plain loop: unrolled there, its
 // addresses stay live across mhc_project's K loop, which then spills at its 128-register
 // cap (bf16 n = 4, sm_90: 24 bytes).
@@ -241,7 +241,7 @@ template <int COUNT, typename Body>
 __device__ __forceinline__ void for_each_share(Body&& body) {
 #pragma unroll
   for (int j = 0; j < (COUNT + BWD_BLOCK - 1) / BWD_BLOCK; ++j) {
-    const int i = (int)threadIdx.x + j * BWD_BLOCK;
+    const int i = block_thread() + j * BWD_BLOCK;
     if (COUNT % BWD_BLOCK == 0 || i < COUNT) body(i);
   }
 }
