@@ -308,8 +308,8 @@ def test_pre_backward_one_launch_is_the_five_kernels(rng, monkeypatch, n, c_x, b
 @pytest.mark.parametrize("n", (1, 2, 4, 6, 8))
 def test_post_backward_matches_oracle(rng, place, n, dtype):
     """Each shape twice on one op with fresh data: the second call of a torch CUDA layout
-    relaunches the first call's launch with new addresses. On the device a block takes 8
-    rows, a warp each: 19 rows leave the last block 3."""
+    relaunches the first call's launch with new addresses. 19 rows: a batch no power of two
+    divides, so a layout that put several rows in a block would have a partial last one."""
     op = MHCPostBwdOp()
     for c_x, batch in ((130, 5), (1000, 19), (4096, 2)):
         for _ in range(2):
