@@ -15,7 +15,8 @@
 //   mhc_coefficients  COEF_ROWS tokens a block: the partials summed in a fixed order, then
 //                every token's gates and Sinkhorn matrix (n*n lanes a token), into a scratch
 //                [batch, n + n*n] and h_post.
-//   mhc_apply    one pass over the rows, one thread per 8 columns: x_layer and x_res.
+//   mhc_apply    one pass over the rows, one thread per 8 columns: x_layer and x_res. On
+//                sm_90 it starts, and loads x, while mhc_coefficients runs (below).
 // With `fuse` set (small batches, decode) the blocks of one cooperative mhc_project launch
 // split K over every multiprocessor, meet at a grid barrier, compute the coefficients of
 // one token each, meet again, and apply them to a share of the columns: no mhc_apply
@@ -728,6 +729,26 @@ struct XStageLoader {
   }
 };
 
+// Programmatic dependent launch (sm_90 and newer): the host launches mhc_apply with
+// programmatic stream serialization (_mhc._pre_plan), so its blocks start once every
+// mhc_coefficients block has called launch_dependents, not once that kernel has finished:
+// the launch gap and mhc_apply's loads of x (which no kernel of the call writes) overlap the
+// coefficients' Sinkhorn chains. wait_for_prerequisites returns once the kernel before has
+// finished and its writes are visible; nothing it writes may be read before. Both are no-ops
+// in a kernel launched without the attribute, and compiled out before sm_90. (Launching
+// mhc_coefficients the same way was slower: its early blocks wait on SMs mhc_project needs.)
+__device__ __forceinline__ void launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wait_for_prerequisites() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // Spins (one thread) until *word >= target, with acquire ordering. Bounded: a block that never
 // arrives would otherwise hang the device; after ~2 s it traps.
 __device__ __forceinline__ void wait_until_at_least(const unsigned int* word, unsigned int target) {
@@ -891,6 +912,7 @@ template <typename T, int N>
 __global__ void __launch_bounds__(PROJECT_THREADS) mhc_coefficients(const PreParams p) {
   __shared__ float sh_h[COEF_ROWS * Dims<N>::QP];
   __shared__ float sh_scratch[PROJECT_THREADS];
+  launch_dependents();  // mhc_apply's blocks may start and load x
   const i64 row0 = (i64)blockIdx.x * COEF_ROWS;
   const int rows = p.batch - row0 < COEF_ROWS ? (int)(p.batch - row0) : COEF_ROWS;
   partials_to_coefficients<T, N>(p, row0, rows, sh_h, sh_scratch);
@@ -907,7 +929,10 @@ __global__ void __launch_bounds__(APPLY_THREADS) mhc_apply(const PreParams p) {
   const u32 r = (u32)item / (u32)units;
   const i64 u = (i64)item - (i64)r * units;
   const i64 row = p.batch - 1 - r;
-  apply_unit<T, N, false>(p, row, u * 8, p.coef + row * Dims<N>::NC);
+  Raw8<T> raw[N];
+  load_unit<T, N>(p, row, u * 8, raw);  // x is the caller's: in flight before the wait
+  wait_for_prerequisites();             // mhc_coefficients' coefficients
+  mix_unit<T, N, false>(p, row, u * 8, raw, p.coef + row * Dims<N>::NC);
 }
 
 // ------------------------------------------------------------------ pre, small batches

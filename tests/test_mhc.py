@@ -206,6 +206,31 @@ def test_pre_production_shapes(rng):
 
 
 @GPU
+def test_pre_mix_launched_early_gives_the_same_bits(rng):
+    """On sm_90 mhc_apply starts while mhc_coefficients runs (programmatic dependent launch,
+    griddepcontrol.wait before the coefficients are read): the same bits as the plan
+    launched in plain stream order, and the oracle's values."""
+    require("cuda", "torch")
+    import dataclasses
+
+    import torch
+
+    case = random_pre_case(rng, 4, 512, 300 + 4096)
+    phi, x, b = (to_place(a, "cuda", "torch") for a in (case.phi, case.x, case.b))
+    plan = _mhc._pre_plan(0, "bfloat16", 4, 512, x.shape[0])
+    early = _mhc._compute_capability(0) >= 90
+    assert [step.programmatic for step in plan.steps] == [False, False, False, early]
+    results = []
+    for programmatic in (False, early):  # (the cached plan is left as it was made)
+        steps = plan.steps[:3] + (dataclasses.replace(plan.steps[3], programmatic=programmatic),)
+        object.__setattr__(plan, "steps", steps)
+        results.append(MHCPreFwdOp(*case.alphas, case.repeat, case.eps)(phi, x, b))
+    for got, expected in zip(*results, strict=True):
+        assert torch.equal(got, expected)
+    assert_pre_matches(case, results[1])
+
+
+@GPU
 def test_pre_large_batch_without_k_split(rng):
     """Enough tiles that every block takes all of K (k_splits = 1), last tile partial."""
     case = random_pre_case(rng, 4, 64, 132 * 128 + 77)

@@ -309,6 +309,17 @@ def test_cubin_comes_back_whole():
     assert _cuda._whole(cubin[:-1]) == cubin
 
 
+def test_programmatic_launch_structs_have_the_driver_layout():
+    """cuLaunchKernelEx's CUlaunchConfig and CUlaunchAttribute (cuda.h) as ctypes lays them
+    out on a 64-bit host: the driver reads these bytes as they are."""
+    import ctypes
+
+    config, attribute = _cuda._LaunchConfig, _cuda._LaunchAttribute
+    assert ctypes.sizeof(attribute) == 72 and attribute.value.offset == 8
+    assert ctypes.sizeof(config) == 56
+    assert (config.stream.offset, config.attrs.offset, config.num_attrs.offset) == (32, 40, 48)
+
+
 def test_device_arch_falls_back_to_ptx_of_the_newest_known():
     from cupy_backends.cuda.libs import nvrtc
 

@@ -303,13 +303,17 @@ _thread_state = _ThreadLaunchState()
 class Step:
     """One kernel of a launch: its grid, block and dynamic shared memory. ``cooperative``:
     cuLaunchCooperativeKernel, for kernels whose blocks wait for each other (the driver
-    refuses a grid that cannot be resident at once instead of hanging)."""
+    refuses a grid that cannot be resident at once instead of hanging). ``programmatic``:
+    cuLaunchKernelEx with programmatic stream serialization (sm_90 and newer), for kernels
+    that call ``griddepcontrol.wait`` before reading what the kernel before them wrote:
+    their blocks may start while that kernel still runs."""
 
     kernel: Any
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     shared_mem: int = 0
     cooperative: bool = False
+    programmatic: bool = False
 
     @property
     def driver_arguments(self) -> tuple:
@@ -337,7 +341,9 @@ class Launch:
         calls = tuple(
             (
                 step.cooperative,
-                functools.partial(
+                _ProgrammaticLaunch(step)
+                if step.programmatic
+                else functools.partial(
                     driver.launch_cooperative if step.cooperative else driver.launch,
                     *step.driver_arguments,
                 ),
@@ -392,6 +398,49 @@ def launch(device: int, params: bytes, steps: tuple[Step, ...], stream: int) -> 
     done = Launch(device, params, steps)
     done.relaunch(stream)
     return done
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, then a 64-byte union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int * 16)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [
+        *((name, ctypes.c_uint) for name in ("gx", "gy", "gz", "bx", "by", "bz", "shared_mem")),
+        ("stream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(_LaunchAttribute)),
+        ("num_attrs", ctypes.c_uint),
+    ]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CUlaunchAttributeID
+
+
+class _ProgrammaticLaunch:
+    """A Step's cuLaunchKernelEx with programmatic stream serialization allowed (CuPy binds
+    no cuLaunchKernelEx): called as the driver's launchKernel is, (stream, params, extra)."""
+
+    def __init__(self, step: Step) -> None:
+        self.attribute = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION)
+        self.attribute.value[0] = 1
+        self.config = _LaunchConfig(
+            *step.grid, *step.block, step.shared_mem, None, ctypes.pointer(self.attribute), 1
+        )
+        self.function = ctypes.c_void_p(step.kernel.ptr)
+        if _ProgrammaticLaunch.driver_call is None:
+            _ProgrammaticLaunch.driver_call = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+
+    driver_call: Any = None
+
+    def __call__(self, stream: int, params: int, extra: int) -> None:
+        self.config.stream = stream
+        result = self.driver_call(
+            ctypes.byref(self.config), self.function, ctypes.c_void_p(params), None
+        )
+        if result:
+            from cupy_backends.cuda.api.driver import CUDADriverError
+
+            raise CUDADriverError(result)
 
 
 class _Driver:
