@@ -433,9 +433,12 @@ class _ProgrammaticLaunch:
     driver_call: Any = None
 
     def __call__(self, stream: int, params: int, extra: int) -> None:
-        self.config.stream = stream
+        # a copy per call: threads may launch this step on their own streams at once (the
+        # driver reads the config after ctypes has released the GIL)
+        config = _LaunchConfig.from_buffer_copy(self.config)
+        config.stream = stream
         result = self.driver_call(
-            ctypes.byref(self.config), self.function, ctypes.c_void_p(params), None
+            ctypes.byref(config), self.function, ctypes.c_void_p(params), None
         )
         if result:
             from cupy_backends.cuda.api.driver import CUDADriverError
