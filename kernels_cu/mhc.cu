@@ -135,6 +135,27 @@ __device__ __forceinline__ void store_release(unsigned int* p, unsigned int v) {
   asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+// Programmatic dependent launch (sm_90 and newer): the host launches mhc_project (not
+// fused) and mhc_apply with programmatic stream serialization (_mhc._pre_plan), so their
+// blocks start once every block of the kernel before them (mhc_phi_pieces,
+// mhc_coefficients) has called launch_dependents, not once that kernel has finished: the
+// launch gap and their first loads of x (which no kernel of the call writes) overlap it.
+// wait_for_prerequisites returns once the kernel before has finished and its writes are
+// visible; nothing it writes may be read before. Both are no-ops in a kernel launched
+// without the attribute, and compiled out before sm_90. (Launching mhc_coefficients the
+// same way was slower: its early blocks wait on SMs that mhc_project needs.)
+__device__ __forceinline__ void launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wait_for_prerequisites() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ U4 load_stream16(const void* p) {
   U4 r;
   asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
@@ -662,6 +683,7 @@ __global__ void __launch_bounds__(PROJECT_THREADS) mhc_phi_pieces(const PreParam
   constexpr int Q = Dims<N>::Q;
   const i64 K = N * p.c_x;
   const i64 k0 = (i64)blockIdx.x * BLOCK_K;
+  launch_dependents();  // mhc_project's blocks may start and load x
   if (blockIdx.x == 0) {
     for (int i = threadIdx.x; i < COUNTER_GROUPS; i += blockDim.x) p.counter[i] = 0u;
   }
@@ -729,26 +751,6 @@ struct XStageLoader {
   }
 };
 
-// Programmatic dependent launch (sm_90 and newer): the host launches mhc_apply with
-// programmatic stream serialization (_mhc._pre_plan), so its blocks start once every
-// mhc_coefficients block has called launch_dependents, not once that kernel has finished:
-// the launch gap and mhc_apply's loads of x (which no kernel of the call writes) overlap the
-// coefficients' Sinkhorn chains. wait_for_prerequisites returns once the kernel before has
-// finished and its writes are visible; nothing it writes may be read before. Both are no-ops
-// in a kernel launched without the attribute, and compiled out before sm_90. (Launching
-// mhc_coefficients the same way was slower: its early blocks wait on SMs mhc_project needs.)
-__device__ __forceinline__ void launch_dependents() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void wait_for_prerequisites() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
 // Spins (one thread) until *word >= target, with acquire ordering. Bounded: a block that never
 // arrives would otherwise hang the device; after ~2 s it traps.
 __device__ __forceinline__ void wait_until_at_least(const unsigned int* word, unsigned int target) {
@@ -814,8 +816,13 @@ __global__ void __launch_bounds__(PROJECT_THREADS, N <= 4 && Io<T>::x_pieces == 
     x_loader.load(p, x_stages + s * X_STAGE, row0, k0, k_end);
     load_pieces_stage<N>(p, piece_stages + s * PIECES, k0);
   };
+  // The first stages' x, then mhc_phi_pieces' fragments (and counters) once it is done (the
+  // first commit group so holds every first stage's x: a stage is still whole when waited).
+  for (int s = 0; s < STAGES - 1; ++s)
+    if (s < blocks) x_loader.load(p, x_stages + s * X_STAGE, row0, k_begin + (i64)s * BLOCK_K, k_end);
+  wait_for_prerequisites();
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < blocks) load_block(s);
+    if (s < blocks) load_pieces_stage<N>(p, piece_stages + s * PIECES, k_begin + (i64)s * BLOCK_K);
     cp_async_commit();
   }
 

@@ -206,10 +206,11 @@ def test_pre_production_shapes(rng):
 
 
 @GPU
-def test_pre_mix_launched_early_gives_the_same_bits(rng):
-    """On sm_90 mhc_apply starts while mhc_coefficients runs (programmatic dependent launch,
-    griddepcontrol.wait before the coefficients are read): the same bits as the plan
-    launched in plain stream order, and the oracle's values."""
+def test_pre_launched_early_gives_the_same_bits(rng):
+    """On sm_90 mhc_project starts while mhc_phi_pieces runs and mhc_apply while
+    mhc_coefficients runs (programmatic dependent launch, griddepcontrol.wait before what the
+    kernel before wrote is read): the same bits as the plan launched in plain stream order,
+    and the oracle's values."""
     require("cuda", "torch")
     import dataclasses
 
@@ -219,10 +220,13 @@ def test_pre_mix_launched_early_gives_the_same_bits(rng):
     phi, x, b = (to_place(a, "cuda", "torch") for a in (case.phi, case.x, case.b))
     plan = _mhc._pre_plan(0, "bfloat16", 4, 512, x.shape[0])
     early = _mhc._compute_capability(0) >= 90
-    assert [step.programmatic for step in plan.steps] == [False, False, False, early]
+    assert [step.programmatic for step in plan.steps] == [False, early, False, early]
     results = []
     for programmatic in (False, early):  # (the cached plan is left as it was made)
-        steps = plan.steps[:3] + (dataclasses.replace(plan.steps[3], programmatic=programmatic),)
+        steps = tuple(
+            dataclasses.replace(step, programmatic=programmatic and i % 2 == 1)
+            for i, step in enumerate(plan.steps)
+        )
         object.__setattr__(plan, "steps", steps)
         results.append(MHCPreFwdOp(*case.alphas, case.repeat, case.eps)(phi, x, b))
     for got, expected in zip(*results, strict=True):

@@ -446,16 +446,20 @@ def _pre_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan
     k_range, k_splits, fuse = plan_geometry(batch, width, resident)
     tiles = -(-batch // _TILE_ROWS)
     k_blocks = -(-width // _BLOCK_K)
+    # the projection and the mix start, and load x, while the kernel before them runs
+    # (mhc.cu: programmatic dependent launch; H200, bf16 n4, the mix alone: B300 c_x2048
+    # 37.3 -> 35.7 us, B4096 c_x4096 151.5 -> 149.6)
+    early = _compute_capability(device) >= 90
     steps = (
         _cuda.Step(_cuda.function(spec, pieces_name, device), (k_blocks, 1, 1), threads),
-        _cuda.Step(project, (tiles * k_splits, 1, 1), threads, smem, cooperative=fuse),
-    )
+        _cuda.Step(
+            project, (tiles * k_splits, 1, 1), threads, smem, cooperative=fuse,
+            programmatic=early and not fuse,
+        ),
+    )  # fmt: skip
     if not fuse:
         coefficients = _cuda.function(spec, coefficients_name, device)
         apply = _cuda.function(spec, apply_name, device)
-        # the mix loads x while the coefficients are made (mhc.cu: programmatic dependent
-        # launch; H200, bf16 n4: B300 c_x2048 37.3 -> 35.7 us, B4096 c_x4096 151.5 -> 149.6)
-        early = _compute_capability(device) >= 90
         steps += (
             _cuda.Step(coefficients, (-(-batch // _COEF_ROWS), 1, 1), threads),
             _cuda.Step(
