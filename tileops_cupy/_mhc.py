@@ -68,6 +68,7 @@ _PROJECT_THREADS, _APPLY_THREADS, _POST_THREADS = (
 _COEF_ROWS = _GEOMETRY["COEF_ROWS"]  # tokens per mhc_coefficients block
 _COUNTER_GROUPS = _GEOMETRY["COUNTER_GROUPS"]  # counter words before mhc_pre_small's groups
 _MAX_FUSED_ROWS = 256  # batches this small: cooperative mhc_project, no mhc_apply launch
+_MIN_EARLY_ROWS = 512  # from here on sm_90 mhc_project and mhc_apply start early (_pre_plan)
 # mhc_pre_small, one ordinary launch, for batches of at most _MAX_SMALL_ROWS tokens and
 # _SMALL_WORK elements of x: its projection runs on the CUDA cores, which beyond that lose to
 # the tensor-core path (H200, n = 4, device time: B32 c_x1280 27.7 us vs 30.3 fused, B4
@@ -447,9 +448,11 @@ def _pre_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan
     tiles = -(-batch // _TILE_ROWS)
     k_blocks = -(-width // _BLOCK_K)
     # the projection and the mix start, and load x, while the kernel before them runs
-    # (mhc.cu: programmatic dependent launch; H200, bf16 n4, the mix alone: B300 c_x2048
-    # 37.3 -> 35.7 us, B4096 c_x4096 151.5 -> 149.6)
-    early = _compute_capability(device) >= 90
+    # (mhc.cu: programmatic dependent launch). H200, bf16 n4, median us, plain -> early:
+    # B512 c_x4096 48.9 -> 45.8-46.4, B2000 c_x1280 46.0-46.8 -> 42.0-42.3, B4096 c_x4096
+    # 151.2 -> 147.3, B16384 c_x7168 869-871 -> 863-867; at B300 c_x2048 runs disagreed
+    # (37.5 -> 34.7-41.0), so batches that small launch in plain stream order
+    early = _compute_capability(device) >= 90 and batch >= _MIN_EARLY_ROWS
     steps = (
         _cuda.Step(_cuda.function(spec, pieces_name, device), (k_blocks, 1, 1), threads),
         _cuda.Step(
