@@ -15,8 +15,9 @@
 //   mhc_coefficients  COEF_ROWS tokens a block: the partials summed in a fixed order, then
 //                every token's gates and Sinkhorn matrix (n*n lanes a token), into a scratch
 //                [batch, n + n*n] and h_post.
-//   mhc_apply    one pass over the rows, one thread per 8 columns: x_layer and x_res. On
-//                sm_90 it starts, and loads x, while mhc_coefficients runs (below).
+//   mhc_apply    one pass over the rows, one thread per 8 columns: x_layer and x_res.
+// On sm_90, from 512 tokens, mhc_project and mhc_apply start and load their first x while
+// the kernel before them runs (programmatic dependent launch, below).
 // With `fuse` set (small batches, decode) the blocks of one cooperative mhc_project launch
 // split K over every multiprocessor, meet at a grid barrier, compute the coefficients of
 // one token each, meet again, and apply them to a share of the columns: no mhc_apply
@@ -136,10 +137,11 @@ __device__ __forceinline__ void store_release(unsigned int* p, unsigned int v) {
 }
 
 // Programmatic dependent launch (sm_90 and newer): the host launches mhc_project (not
-// fused) and mhc_apply with programmatic stream serialization (_mhc._pre_plan), so their
-// blocks start once every block of the kernel before them (mhc_phi_pieces,
-// mhc_coefficients) has called launch_dependents, not once that kernel has finished: the
-// launch gap and their first loads of x (which no kernel of the call writes) overlap it.
+// fused) and mhc_apply with programmatic stream serialization (_mhc._pre_plan, from 512
+// tokens), so their blocks start once every block of the kernel before them
+// (mhc_phi_pieces, mhc_coefficients) has called launch_dependents, not once that kernel has
+// finished: the launch gap and their first loads of x (which no kernel of the call writes)
+// overlap it.
 // wait_for_prerequisites returns once the kernel before has finished and its writes are
 // visible; nothing it writes may be read before. Both are no-ops in a kernel launched
 // without the attribute, and compiled out before sm_90. (Launching mhc_coefficients the
