@@ -322,6 +322,13 @@ def test_programmatic_launch_structs_have_the_driver_layout():
     assert (config.stream.offset, config.attrs.offset, config.num_attrs.offset) == (32, 40, 48)
 
 
+def test_a_step_is_cooperative_or_programmatic_not_both():
+    """cuLaunchKernelEx here carries the programmatic attribute alone: a step asking for both
+    would silently lose its cooperative launch (and its co-residency check)."""
+    with pytest.raises(ValueError, match="cooperative or programmatic"):
+        _cuda.Step(None, (1, 1, 1), (1, 1, 1), cooperative=True, programmatic=True)
+
+
 def test_device_arch_falls_back_to_ptx_of_the_newest_known():
     from cupy_backends.cuda.libs import nvrtc
 

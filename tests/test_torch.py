@@ -520,6 +520,8 @@ _CAPTURE = textwrap.dedent(
             randn(2, 16, 8 * 128), randn(2, 16, 2 * 128)]),
         "MHCPreFwdOp-B4": (lambda x: pre(phi, x, b), lambda: [randn(4, 4 * 512)]),
         "MHCPreFwdOp-B300": (lambda x: pre(phi, x, b), lambda: [randn(300, 4 * 512)]),
+        # (from 512 tokens on sm_90 the projection and the mix are launched early)
+        "MHCPreFwdOp-B600": (lambda x: pre(phi, x, b), lambda: [randn(600, 4 * 512)]),
         "MHCPostFwdOp": (post, lambda: [randn(8, 512), randn(8, 4, dtype=torch.float32),
                                        randn(8, 4 * 512)]),
         "MHCPreBwdOp-B4": (lambda x, *up: pre_bwd(phi, x, b, *up), lambda: pre_bwd_inputs(4)),
@@ -548,6 +550,7 @@ _CAPTURED = (
     "apply_rope",
     "MHCPreFwdOp-B4",
     "MHCPreFwdOp-B300",
+    "MHCPreFwdOp-B600",
     "MHCPostFwdOp",
     "MHCPreBwdOp-B4",
     "MHCPreBwdOp-B300",

@@ -315,6 +315,10 @@ class Step:
     cooperative: bool = False
     programmatic: bool = False
 
+    def __post_init__(self) -> None:
+        if self.cooperative and self.programmatic:
+            raise ValueError("a launch step is cooperative or programmatic, not both")
+
     @property
     def driver_arguments(self) -> tuple:
         """The driver call's leading arguments: function, grid, block, shared memory."""
