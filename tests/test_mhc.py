@@ -219,7 +219,7 @@ def test_pre_launched_early_gives_the_same_bits(rng):
     case = random_pre_case(rng, 4, 512, 300 + 4096)
     phi, x, b = (to_place(a, "cuda", "torch") for a in (case.phi, case.x, case.b))
     plan = _mhc._pre_plan(0, "bfloat16", 4, 512, x.shape[0])
-    early = _mhc._compute_capability(0) >= 90
+    early = _mhc._attribute(0, _mhc._COMPUTE_MAJOR) >= 9
     assert [step.programmatic for step in plan.steps] == [False, early, False, early]
     results = []
     for programmatic in (False, early):  # (the cached plan is left as it was made)

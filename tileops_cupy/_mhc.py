@@ -107,7 +107,7 @@ _MAX_STAGES = 3  # cp.async pipeline depth where shared memory allows (at least 
 _MAX_FUSED_BWD_ROWS = 64
 _SCRATCH_ALIGN_WORDS = 64  # 256-byte sections: the scratch rows are read by 16-byte cp.async
 _SINKHORN_KEPT_FLOATS = 1024  # per token: every Sinkhorn step's input kept up to this
-_MAX_SMEM_OPTIN, _MULTIPROCESSORS = 97, 16  # cudaDeviceAttr values
+_MAX_SMEM_OPTIN, _MULTIPROCESSORS, _COMPUTE_MAJOR = 97, 16, 75  # cudaDeviceAttr values
 
 
 # --------------------------------------------------------------------------- primitives
@@ -343,22 +343,8 @@ class _PrePlan:
 
 
 _pre_plans: dict[tuple, _PrePlan] = {}
-_multiprocessors: dict[int, int] = {}
 _smem_raised: set[tuple[int, int]] = set()
 _lock = threading.Lock()
-
-
-def _multiprocessor_count(device: int) -> int:
-    count = _multiprocessors.get(device)
-    if count is None:
-        count = cupy().cuda.runtime.deviceGetAttribute(16, device)  # cudaDevAttrMultiProcessorCount
-        _multiprocessors[device] = count
-    return count
-
-
-def _compute_capability(device: int) -> int:
-    """75, 80, 90, ... of ``device``."""
-    return int(cupy().cuda.Device(device).compute_capability)
 
 
 def _raise_smem_limit(kernel: Any, device: int, nbytes: int) -> int:
@@ -443,7 +429,7 @@ def _pre_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan
     smem = _STAGES * (_TILE_ROWS * _STAGE_PITCH * ITEMSIZE[dtype] + piece_bytes)
     with _lock:
         per_multiprocessor = _raise_smem_limit(project, device, smem)
-    resident = per_multiprocessor * _multiprocessor_count(device)
+    resident = per_multiprocessor * _attribute(device, _MULTIPROCESSORS)
     k_range, k_splits, fuse = plan_geometry(batch, width, resident)
     tiles = -(-batch // _TILE_ROWS)
     k_blocks = -(-width // _BLOCK_K)
@@ -452,7 +438,7 @@ def _pre_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan
     # B512 c_x4096 48.9 -> 45.8-46.4, B2000 c_x1280 46.0-46.8 -> 42.0-42.3, B4096 c_x4096
     # 151.2 -> 147.3, B16384 c_x7168 869-871 -> 863-867; at B300 c_x2048 runs disagreed
     # (37.5 -> 34.7-41.0), so batches that small launch in plain stream order
-    early = _compute_capability(device) >= 90 and batch >= _MIN_EARLY_ROWS
+    early = _attribute(device, _COMPUTE_MAJOR) >= 9 and batch >= _MIN_EARLY_ROWS
     steps = (
         _cuda.Step(_cuda.function(spec, pieces_name, device), (k_blocks, 1, 1), threads),
         _cuda.Step(
