@@ -812,19 +812,19 @@ __global__ void __launch_bounds__(PROJECT_THREADS, N <= 4 && Io<T>::x_pieces == 
   }
 
   const XStageLoader<T> x_loader(p, row0);
-  auto load_block = [&](int blk) {
-    const int s = blk % STAGES;
-    const i64 k0 = k_begin + (i64)blk * BLOCK_K;
-    x_loader.load(p, x_stages + s * X_STAGE, row0, k0, k_end);
-    load_pieces_stage<N>(p, piece_stages + s * PIECES, k0);
+  auto load_x = [&](int blk) {
+    x_loader.load(p, x_stages + blk % STAGES * X_STAGE, row0, k_begin + (i64)blk * BLOCK_K, k_end);
+  };
+  auto load_pieces = [&](int blk) {
+    load_pieces_stage<N>(p, piece_stages + blk % STAGES * PIECES, k_begin + (i64)blk * BLOCK_K);
   };
   // The first stages' x, then mhc_phi_pieces' fragments (and counters) once it is done (the
   // first commit group so holds every first stage's x: a stage is still whole when waited).
   for (int s = 0; s < STAGES - 1; ++s)
-    if (s < blocks) x_loader.load(p, x_stages + s * X_STAGE, row0, k_begin + (i64)s * BLOCK_K, k_end);
+    if (s < blocks) load_x(s);
   wait_for_prerequisites();
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < blocks) load_pieces_stage<N>(p, piece_stages + s * PIECES, k_begin + (i64)s * BLOCK_K);
+    if (s < blocks) load_pieces(s);
     cp_async_commit();
   }
 
@@ -840,7 +840,10 @@ __global__ void __launch_bounds__(PROJECT_THREADS, N <= 4 && Io<T>::x_pieces == 
   for (int b = 0; b < blocks; ++b) {
     cp_async_wait_all_but(STAGES - 2);
     __syncthreads();  // block b's stage is in; every warp is done with block b-1
-    if (b + STAGES - 1 < blocks) load_block(b + STAGES - 1);  // into the stage b-1 used
+    if (b + STAGES - 1 < blocks) {  // into the stage b-1 used
+      load_x(b + STAGES - 1);
+      load_pieces(b + STAGES - 1);
+    }
     cp_async_commit();
     const U2* frag = (const U2*)(piece_stages + (b % STAGES) * PIECES);
     const E* stage = x_stages + (b % STAGES) * X_STAGE;
