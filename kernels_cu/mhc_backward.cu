@@ -11,9 +11,11 @@
 //   mhc_bwd_pieces  phi as bf16 B fragments of h = x @ phi, one column block per block.
 //   mhc_bwd_stats   the first pass over x, grad_x_res (gxr) and grad_x_layer (gxl), a tile of
 //                   128 tokens by a range of columns c of every stream: h on the tensor cores
-//                   (phi in three exact bf16 pieces, as the forward), and in float32 FMA
-//                   sum(x*x), dh_pre[k] = sum_c gxl[c]*x_k[c] and dM[i,k] = sum_c gxr_i[c]*x_k[c],
-//                   into per-split partial sums.
+//                   (phi in three exact bf16 pieces, as the forward), and sum(x*x),
+//                   dh_pre[k] = sum_c gxl[c]*x_k[c] and dM[i,k] = sum_c gxr_i[c]*x_k[c] on the
+//                   tensor cores too for 16-bit x and n <= 4 (TokenProducts), else in float32
+//                   FMA, into per-split partial sums. Its stages take each row 32 bytes at a
+//                   time and ask L2 for the whole line (cp_async16_fill_line).
 //   mhc_bwd_token   one thread per token: the partials summed in a fixed order, the gates and
 //                   the Sinkhorn steps recomputed (each step's input kept in a scratch, or, when
 //                   repeat*n*n is large, every ~sqrt(repeat)-th and one segment's at a time),
@@ -88,6 +90,31 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* smem)
                : "memory");
 }
 
+// Four 8x8 matrices of 16-bit elements from shared memory: lane l gives the address of row
+// l%8 of matrix l/8 and receives, of each matrix, its elements (l/4, 2(l%4)) and
+// (l/4, 2(l%4)+1) in one register (the first in the low half).
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void* smem) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_address(smem))
+               : "memory");
+}
+
+// d += a @ b on the tensor cores for A and B fragments in x's own 16-bit type: the products
+// are exact, the sums float32.
+template <typename T>
+__device__ __forceinline__ void mma_own_16816(float (&d)[4], const u32 (&a)[4], U2 b) {
+  static_assert(sizeof(typename Io<T>::elem) == 2, "16-bit x only");
+  if constexpr (Io<T>::x_pieces == 1) {  // bf16
+    mma_bf16_16816(d, a, b);
+  } else {  // fp16
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b.x), "r"(b.y));
+  }
+}
+
 // ================================================================== pre backward
 #ifdef BWD_N
 
@@ -151,6 +178,9 @@ struct BwdGeo {
   static constexpr int HC = CS / 2;  // columns of one product thread (two per token)
   static constexpr int W = Q + 1 + N + NN;  // stats row: h, sum(x*x), dh_pre, dM
   static constexpr int PW = 1 + N + NN;     // product sums of one token
+  // sum(x*x), dh_pre and dM on the tensor cores (TokenProducts) for 16-bit x and up to four
+  // streams (two tokens' rows fill one product), else in float32 FMA
+  static constexpr bool MMA_PRODUCTS = ES == 2 && N <= 4;
   static constexpr int PIECE_WORDS = KS * NT * 3 * 32 * 2;
   static constexpr int XS_BYTES = TILE * XS_PITCH * ES;
   static constexpr int LS_BYTES = TILE * LS_PITCH * ES;
@@ -185,6 +215,7 @@ struct BwdGeo {
   static_assert(BWD_BLOCK == 2 * TILE && TILE == 128, "stats: 8 warps, 2 threads per token");
   static_assert(GTILE == 32, "grad: two 16-token m-tiles per item");
   static_assert(CS % VEC == 0 && CS % 2 == 0 && CG % 16 == 0 && CG % VEC == 0, "widths");
+  static_assert(!MMA_PRODUCTS || CS % 16 == 0, "TokenProducts: whole 16-column k-steps");
 };
 
 // ------------------------------------------------------------------ phi fragments
@@ -246,6 +277,18 @@ __device__ __forceinline__ void for_each_share(Body&& body) {
   }
 }
 
+// cp_async16_fill that has L2 fetch the whole 128-byte line around the copy, for a pass whose
+// stages take a row 32 bytes at a time: the next stages then find their bytes in L2, where
+// DRAM served the same line's sectors a stage apart at about two thirds the speed (a 3-stage
+// pipeline of 32-byte runs of 1152 rows a block, 302 MB, H200: 148 -> 116 µs; 128-byte runs
+// without the hint 95-101 µs). Pre backward, bf16 n = 4, same process: B4096 c_x4096 362 ->
+// 347 µs, B16384 c_x7168 2069 -> 2002 µs, the same bits.
+__device__ __forceinline__ void cp_async16_fill_line(void* smem, const void* gmem, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;" ::"r"(smem_address(smem)),
+               "l"(gmem), "r"(src_bytes)
+               : "memory");
+}
+
 // The first sections of a stage of the two passes: rows row0 .. row0+TILE of x, then of
 // grad_x_res (columns c0 .. c0+W of every stream k, at k*W in a row of XPITCH elements),
 // then of grad_x_layer (columns c0 .. c0+W, rows LPITCH apart), zeros at columns >= c_end, so
@@ -271,6 +314,15 @@ __device__ __forceinline__ void stage_rows(const PreBwdParams& p, unsigned char*
     // are fewer than the threads) and its gxl segment: the address arithmetic is done once a
     // pair, not once a copy (mhc_bwd_stats and _grad: H200 bf16 n=4 B4096 c_x4096 446 ->
     // 417 µs, B16384 c_x7168 2573 -> 2391 µs).
+    // rows in runs shorter than a 128-byte line (the first pass's stages) ask L2 for the line
+    constexpr bool SHORT_RUNS = W * (int)sizeof(E) < 128;
+    auto copy16 = [](void* dst, const void* src, int bytes) {
+      if constexpr (SHORT_RUNS) {
+        cp_async16_fill_line(dst, src, bytes);
+      } else {
+        cp_async16_fill(dst, src, bytes);
+      }
+    };
     constexpr int SEGS = W / VEC, PAIRS = TILE * SEGS;
     constexpr bool WIDE = PAIRS >= BWD_BLOCK;
     static_assert(WIDE ? PAIRS % BWD_BLOCK == 0 : BWD_BLOCK % PAIRS == 0, "whole slots");
@@ -294,11 +346,11 @@ __device__ __forceinline__ void stage_rows(const PreBwdParams& p, unsigned char*
       const int at = rr * XPITCH + seg * VEC;
 #pragma unroll
       for (int k = part; k < N; k += PARTS) {
-        cp_async16_fill(xs + at + k * W, xr + k * step, bytes);
-        cp_async16_fill(gs + at + k * W, gr + k * step, bytes);
+        copy16(xs + at + k * W, xr + k * step, bytes);
+        copy16(gs + at + k * W, gr + k * step, bytes);
       }
       if (part == 0)
-        cp_async16_fill(ls + rr * LPITCH + seg * VEC, copy ? gxl + row * p.gxl_stride + c : gxl, bytes);
+        copy16(ls + rr * LPITCH + seg * VEC, copy ? gxl + row * p.gxl_stride + c : gxl, bytes);
     }
   } else {  // rows not 16-byte aligned: element by element
     for (int i = tid; i < TILE * N * W; i += BWD_BLOCK) {
@@ -318,6 +370,109 @@ __device__ __forceinline__ void stage_rows(const PreBwdParams& p, unsigned char*
     }
   }
 }
+
+// The first pass's per-token products of 16-bit x for N <= 4 on the tensor cores: sum(x*x),
+// dh_pre[k] = gxl . x_k and dM[i,k] = gxr_i . x_k, each a sum over the columns. Warp w takes
+// tokens 16w .. 16w+15 of the tile. Two tokens (t, t+1) are one m16n8k16 product per 16
+// columns: A's rows are gxr_0..3 of t, of t+1 (rows 0-7), then x_0..3 of t, of t+1 (8-15);
+// B's columns are x_0..3 of t, of t+1, which is A's x half as ldmatrix gives it (no second
+// load). C's diagonal 4x4 blocks then hold both tokens' dM (rows 0-7) and x_i . x_k (rows
+// 8-15, whose diagonal sums to sum(x*x)). dh_pre of four tokens is one more product: A the x
+// rows of two pairs, B gxl of eight tokens. Streams past N (N < 4) read stream N-1's row and
+// their products are dropped. The products are exact and the sums float32, as in the FMA
+// path. (Those FMAs and the bf16 unpacking they need were more than half of mhc_bwd_stats'
+// instructions; pre backward, bf16 n = 4, H200, same process: B4096 c_x4096 347 -> 336 µs,
+// B16384 c_x7168 2002 -> 1933 µs.)
+template <typename T, int N>
+struct TokenProducts {
+  typedef BwdGeo<T, N> G;
+  typedef typename G::E E;
+  static_assert(G::MMA_PRODUCTS, "16-bit x and N <= 4");
+  static constexpr int PAIRS = 8, GROUPS = 4;  // of the warp's 16 tokens
+  float mix[PAIRS][4];                         // C of pair p: tokens 2p, 2p+1
+  float pre[GROUPS][4];                        // C of group q: tokens 4q .. 4q+3
+
+  __device__ __forceinline__ TokenProducts() {
+#pragma unroll
+    for (int p = 0; p < PAIRS; ++p) mix[p][0] = mix[p][1] = mix[p][2] = mix[p][3] = 0.f;
+#pragma unroll
+    for (int q = 0; q < GROUPS; ++q) pre[q][0] = pre[q][1] = pre[q][2] = pre[q][3] = 0.f;
+  }
+
+  // One stage: CS columns of each stream of xs, gs (x, gxr: XS_PITCH rows) and ls (gxl).
+  __device__ __forceinline__ void add(const E* xs, const E* gs, const E* ls, int first_token,
+                                      int lane) {
+    const int row = lane & 7, matrix = lane >> 3;
+    // this lane's ldmatrix row of a pair's A: row (matrix & 1) * 8 + row, columns
+    // (matrix >> 1) * 8 ..; rows 0-7 gxr, 8-15 x, each token (row >> 2), stream (row & 3)
+    const int stream = (row & 3) < N ? (row & 3) : N - 1;
+    const E* pair_row = ((matrix & 1) ? xs : gs) + (first_token + (row >> 2)) * G::XS_PITCH +
+                        stream * G::CS + (matrix >> 1) * 8;
+    // and of gxl's B fragments: token (matrix >> 1) * 8 + row, columns (matrix & 1) * 8 ..
+    const E* layer_row = ls + (first_token + (matrix >> 1) * 8 + row) * G::LS_PITCH + (matrix & 1) * 8;
+#pragma unroll
+    for (int kc = 0; kc < G::CS / 16; ++kc) {
+      u32 gl[4];
+      ldmatrix_x4(gl, layer_row + kc * 16);
+#pragma unroll
+      for (int q = 0; q < GROUPS; ++q) {
+        u32 a0[4], a1[4];
+        ldmatrix_x4(a0, pair_row + (4 * q) * G::XS_PITCH + kc * 16);
+        ldmatrix_x4(a1, pair_row + (4 * q + 2) * G::XS_PITCH + kc * 16);
+        mma_own_16816<T>(mix[2 * q], a0, U2{a0[1], a0[3]});
+        mma_own_16816<T>(mix[2 * q + 1], a1, U2{a1[1], a1[3]});
+        const u32 x_rows[4] = {a0[1], a1[1], a0[3], a1[3]};
+        mma_own_16816<T>(pre[q], x_rows, (q & 2) ? U2{gl[2], gl[3]} : U2{gl[0], gl[1]});
+      }
+    }
+  }
+
+  // The warp's sums into prod [token][PW] (sum(x*x), dh_pre, dM), each entry written once.
+  // C's entry (R, n) is lane 4*(R%8) + n/2's register (R >= 8 ? 2 : 0) + n%2.
+  __device__ __forceinline__ void to_shared(float* prod, int first_token, int lane) const {
+    const int g = lane >> 2;
+#pragma unroll
+    for (int p = 0; p < PAIRS; ++p) {
+      // token j's x_k . x_k: C (8 + 4j + k, 4j + k), summed in stream order
+      const int j = lane & 1;
+      float sumsq = 0.f;
+#pragma unroll
+      for (int k = 0; k < N; ++k)
+        sumsq += __shfl_sync(0xffffffffu, mix[p][2 + (k & 1)], 18 * j + 4 * k + (k >> 1));
+      if (lane < 2) prod[(first_token + 2 * p + j) * G::PW] = sumsq;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {  // dM: C (4j + i, 4j + k), rows 0-7
+        const int n = 2 * (lane & 3) + e, i = g & 3, k = n & 3;
+        if ((g >> 2) == (n >> 2) && i < N && k < N)
+          prod[(first_token + 2 * p + (g >> 2)) * G::PW + 1 + N + i * N + k] = mix[p][e];
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < GROUPS; ++q) {
+      // token 4q + R/4's dh_pre[R % 4]: C (R, 4(q % 2) + R/4)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int r = g + 8 * h, n = 2 * (lane & 3) + e, k = r & 3;
+          if (n == 4 * (q & 1) + (r >> 2) && k < N)
+            prod[(first_token + 4 * q + (r >> 2)) * G::PW + 1 + k] = pre[q][2 * h + e];
+        }
+    }
+  }
+};
+
+// stats_block's tensor-core products where G::MMA_PRODUCTS, else nothing (the FMA path's
+// registers): TokenProducts is only instantiated where it applies.
+struct NoTokenProducts {};
+template <bool MMA, typename Products>
+struct ProductsIf {
+  typedef Products type;
+};
+template <typename Products>
+struct ProductsIf<false, Products> {
+  typedef NoTokenProducts type;
+};
 
 // Grid: (tiles of 128 tokens) x k_splits; block b takes tile b / k_splits and columns
 // [split*c_range, (split+1)*c_range) of every stream, c_range a multiple of CS. Warps as
@@ -367,7 +522,8 @@ __device__ __forceinline__ void stats_block(const PreBwdParams& p, i64 block) {
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
   float sumsq = 0.f, pre[N], mix[NN];
-  float no_sumsq[2][2];  // mma_x_phi leaves it alone: sum(x*x) is summed below, in float32 FMA
+  float no_sumsq[2][2];  // mma_x_phi leaves it alone: sum(x*x) is summed below
+  typename ProductsIf<G::MMA_PRODUCTS, TokenProducts<T, N>>::type products;
 #pragma unroll
   for (int k = 0; k < N; ++k) pre[k] = 0.f;
 #pragma unroll
@@ -389,8 +545,11 @@ __device__ __forceinline__ void stats_block(const PreBwdParams& p, i64 block) {
     for (int ks = k_half; ks < KS; ks += 2)
       mma_x_phi<T, NT, G::XS_PITCH, false>(xs, frag, row_group * 32 + g, ks, tg, lane, acc, no_sumsq);
 
-    // sum(x*x), dh_pre and dM of this thread's token and columns, in float32 FMA
-    {
+    // sum(x*x), dh_pre and dM of this thread's token and columns, in float32 FMA, or of the
+    // warp's 16 tokens on the tensor cores
+    if constexpr (G::MMA_PRODUCTS) {
+      products.add(xs, gs, ls, 16 * warp, lane);
+    } else {
       const E* xr = xs + token * G::XS_PITCH + half * HC;
       const E* gr = gs + token * G::XS_PITCH + half * HC;
       float gl[HC], gv[N][HC];
@@ -426,7 +585,9 @@ __device__ __forceinline__ void stats_block(const PreBwdParams& p, i64 block) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) red[(mt * NT + nt) * 4 + e] = acc[mt][nt][e];
   }
-  if (half == 1) {
+  if constexpr (G::MMA_PRODUCTS) {  // every entry once; sumsq, pre and mix stay zero
+    products.to_shared(prod, 16 * warp, lane);
+  } else if (half == 1) {
     float* mine = prod + token * PW;
     mine[0] = sumsq;
 #pragma unroll
