@@ -14,8 +14,9 @@
 //                   (phi in three exact bf16 pieces, as the forward), and sum(x*x),
 //                   dh_pre[k] = sum_c gxl[c]*x_k[c] and dM[i,k] = sum_c gxr_i[c]*x_k[c] on the
 //                   tensor cores too for 16-bit x and n <= 4 (TokenProducts), else in float32
-//                   FMA, into per-split partial sums. Its stages take each row 32 bytes at a
-//                   time and ask L2 for the whole line (cp_async16_fill_line).
+//                   FMA, into per-split partial sums. Where its stages take a row in runs
+//                   shorter than a 128-byte line (bf16 n = 4: 32 bytes), they ask L2 for the
+//                   whole line (cp_async16_fill_line).
 //   mhc_bwd_token   one thread per token: the partials summed in a fixed order, the gates and
 //                   the Sinkhorn steps recomputed (each step's input kept in a scratch, or, when
 //                   repeat*n*n is large, every ~sqrt(repeat)-th and one segment's at a time),

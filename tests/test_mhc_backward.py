@@ -1,8 +1,9 @@
 """mHC backward (SPEC section 8): MHCPreBwdOp and MHCPostBwdOp on the host and on CUDA against
 float64 torch autograd of SPEC section 4, every output element; ties in the row max, eps = 0,
-saturated gates, the row norm of |x| ~ 1e19, an empty batch, a chained training step,
-determinism and the validation errors. Outputs start as NaN (``poisoned``), so an element an
-op leaves unwritten fails. CUDA cases are ``gpu``-marked (skipped without a device)."""
+saturated gates, the row norm of |x| ~ 1e19, the first pass's tensor-core products (16-bit
+x, n <= 4), an empty batch, a chained training step, determinism and the validation errors.
+Outputs start as NaN (``poisoned``), so an element an op leaves unwritten fails. CUDA cases
+are ``gpu``-marked (skipped without a device)."""
 
 from __future__ import annotations
 
@@ -132,6 +133,22 @@ def test_pre_backward_shapes(rng, place):
             grads = pre_backward(place, case, upstream, op)
             check_pre_layouts(place, case, grads)
             assert_pre_backward_matches(case, upstream, grads)
+
+
+# 16-bit x with n <= 4 takes the first pass's tensor-core products (two tokens' rows in one
+# product; streams past n read as stream n-1, their products dropped): every such n, both
+# 16-bit types, one cooperative launch (9 tokens) and the five kernels (150: a partial second
+# tile of 128), c_x 136 (a partial last stage at every n)
+@pytest.mark.parametrize("place", PLACES)
+@pytest.mark.parametrize("dtype", ("bfloat16", "float16"))
+@pytest.mark.parametrize("n", (1, 2, 3, 4))
+@pytest.mark.parametrize("batch", (9, 150))
+def test_pre_backward_tensor_core_products(rng, place, batch, n, dtype):
+    case = random_pre_case(rng, n, 136, batch=batch, dtype=dtype)
+    upstream = upstream_grads(rng, case)
+    grads = pre_backward(place, case, upstream)
+    check_pre_layouts(place, case, grads)
+    assert_pre_backward_matches(case, upstream, grads)
 
 
 # Saturated logits at widths where float32 and float64 agree on which Sinkhorn entries
