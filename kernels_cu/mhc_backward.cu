@@ -431,11 +431,10 @@ struct TokenProducts {
   // The warp's sums into prod [token][PW] (sum(x*x), dh_pre, dM), each entry written once.
   // C's entry (R, n) is lane 4*(R%8) + n/2's register (R >= 8 ? 2 : 0) + n%2.
   __device__ __forceinline__ void to_shared(float* prod, int first_token, int lane) const {
-    const int g = lane >> 2;
+    const int g = lane >> 2, j = lane & 1;  // lanes 0 and 1 gather tokens 2p and 2p+1's sums
 #pragma unroll
     for (int p = 0; p < PAIRS; ++p) {
       // token j's x_k . x_k: C (8 + 4j + k, 4j + k), summed in stream order
-      const int j = lane & 1;
       float sumsq = 0.f;
 #pragma unroll
       for (int k = 0; k < N; ++k)
@@ -478,7 +477,8 @@ struct ProductsIf<false, Products> {
 // Grid: (tiles of 128 tokens) x k_splits; block b takes tile b / k_splits and columns
 // [split*c_range, (split+1)*c_range) of every stream, c_range a multiple of CS. Warps as
 // mhc_project: warp w takes tokens 32*(w%4) .. +32 (two m-tiles) and the k-steps of parity
-// w/4. Product thread tid takes token tid%128 and half tid/128 of each stage's columns.
+// w/4. The per-token products: on the tensor cores (TokenProducts) warp w takes tokens
+// 16w .. 16w+15; in FMA thread tid takes token tid%128 and half tid/128 of each stage's columns.
 // Dynamic shared memory: `stages` stages of (x, gxr, gxl, phi fragments).
 template <typename T, int N>
 __device__ __forceinline__ void stats_block(const PreBwdParams& p, i64 block) {
