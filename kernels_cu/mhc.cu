@@ -2,8 +2,9 @@
 // and the post-layer mix. Header-free: NVRTC here has no toolkit headers, so 16-bit floats
 // are converted with inline PTX and the tensor-core product is inline PTX `mma.sync`.
 //
-// Pre is one kernel per call for small batches (mhc_pre_small, below: decode; _mhc._pre_plan
-// says how small), otherwise four kernels, two when the batch is up to 256 tokens:
+// Pre is one kernel per call for small batches (decode; _mhc._pre_plan says how small): on
+// sm_90 mhc_pre_cluster (thread block clusters, below) where a block's slice of x is small,
+// else mhc_pre_small (below); otherwise four kernels, two when the batch is up to 256 tokens:
 //   mhc_phi_pieces  phi as bf16 B fragments (below), once per call.
 //   mhc_project  h = x @ phi and sum(x*x) for a tile of 128 tokens over one range of K.
 //                phi is split into three bf16 pieces (hi + mid + lo == phi exactly), x into
@@ -233,9 +234,10 @@ struct PreParams {
   i64 batch, c_x, k_range, k_splits;
   int vector_io, fuse, repeat, phi_dense;  // phi_dense: [n*c_x, Q] rows packed, 16-byte aligned
   float alpha_pre, alpha_post, alpha_res, eps;
+  int cluster_rows, cluster_columns;  // mhc_pre_cluster: tokens a cluster, columns a block
 };
 
-static_assert(sizeof(PreParams) == 176, "PreParams changed size: update this number");
+static_assert(sizeof(PreParams) == 184, "PreParams changed size: update this number");
 
 struct PostParams {
   const void* x_layer_out;  // [batch, c_x], rows layer_stride apart, columns dense
@@ -354,15 +356,16 @@ __device__ void rows_rms(const PreParams& p, float* sh_h, i64 row0, int rows) {
   __syncthreads();
 }
 
-// Gates and Sinkhorn matrix of rows row0 .. row0+rows-1 from sh_h [rows][Q+1] (h, then the
-// RMS from rows_rms), into p.coef [row][n + n*n] and p.h_post. A decode token's 20 Sinkhorn
+// Gates and Sinkhorn matrix of `rows` tokens from sh_h [rows][Q+1] (h, then the RMS from
+// rows_rms), into coef [rows][n + n*n] and, unless it is null, h_post [rows][n] (shared or
+// global memory: the tokens' own rows of either). A decode token's 20 Sinkhorn
 // steps are pure latency, so its matrix is spread over lanes: for n*n <= 32 one lane per
 // entry (a step: the row's or column's entries gathered by n shuffles, summed in index order
 // as on the host, one division), else one lane per row (column sums by n*n shuffles).
 // Not inlined: one compiled body for every caller.
 template <int N>
 __device__ __attribute__((noinline)) void tile_coefficients(const PreParams& p, const float* sh_h,
-                                                             i64 row0, int rows) {
+                                                             int rows, float* coef, float* h_post) {
   constexpr int Q = Dims<N>::Q, QP = Dims<N>::QP, NC = Dims<N>::NC;
   constexpr bool PER_ENTRY = N * N <= 32;
   constexpr int LANES = PER_ENTRY ? N * N : N;  // lanes of one token
@@ -435,11 +438,10 @@ __device__ __attribute__((noinline)) void tile_coefficients(const PreParams& p, 
       }
     }
     if (active) {
-      const i64 row = row0 + t;
-      float* dst = p.coef + row * NC;
+      float* dst = coef + t * NC;
       if (k0 == 0) {
         dst[i] = pre;
-        p.h_post[row * N + i] = post;
+        if (h_post != nullptr) h_post[t * N + i] = post;
       }
 #pragma unroll
       for (int r = 0; r < R; ++r) dst[N + i * N + k0 + r] = m[r];
@@ -454,7 +456,7 @@ __device__ __forceinline__ void partials_to_coefficients(const PreParams& p, i64
                                                          float* sh_h, float* sh_scratch) {
   sum_partials<N>(p, row0, rows, sh_h, sh_scratch);
   rows_rms<T, N>(p, sh_h, row0, rows);
-  tile_coefficients<N>(p, sh_h, row0, rows);
+  tile_coefficients<N>(p, sh_h, rows, p.coef + row0 * Dims<N>::NC, p.h_post + row0 * N);
 }
 
 // 8 consecutive elements in their storage format: one 16-byte word for 16-bit types, two
@@ -1055,6 +1057,38 @@ __device__ __forceinline__ void small_load4(const typename Io<T>::elem* p, float
   }
 }
 
+// Four K elements (k .. k+3) of the projection on the CUDA cores, mhc_pre_small's and
+// mhc_pre_cluster's: lane = h column (mod 32), the warp's rows warp_row + row_warps * i
+// (i < 4, below `rows`), phi's rows from phis ([k][Q] floats), x from xs (`pitch` elements
+// a row). sumsq gathers sum(x*x) (every lane the same; callers that keep their own leave it
+// unread, and the compiler drops it).
+template <typename T, int N>
+__device__ __forceinline__ void project_four(const float* phis, const typename Io<T>::elem* xs, int pitch,
+                                             int k, int rows, int warp_row, int row_warps,
+                                             float (&acc)[(Dims<N>::Q + 31) / 32][4], float (&sumsq)[4]) {
+  constexpr int Q = Dims<N>::Q, ROUNDS = (Q + 31) / 32;
+  const int lane = threadIdx.x & 31;
+  float w[ROUNDS][4];
+#pragma unroll
+  for (int j = 0; j < ROUNDS; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) w[j][e] = lane + 32 * j < Q ? phis[(k + e) * Q + lane + 32 * j] : 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int r = warp_row + row_warps * i;
+    if (r < rows) {  // warp-uniform
+      float v[4];
+      small_load4<T>(xs + r * pitch + k, v);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sumsq[i] = fmaf(v[e], v[e], sumsq[i]);
+#pragma unroll
+      for (int j = 0; j < ROUNDS; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][i] = fmaf(v[e], w[j][e], acc[j][i]);
+    }
+  }
+}
+
 // This block's writes are done; counts it on `arrived` and tells whether it was the last of
 // `expected` (then the others' writes are visible to it). Every thread calls it.
 // (The block's barrier orders its threads' writes before thread 0's release fence and count,
@@ -1191,25 +1225,9 @@ __device__ __forceinline__ void small_project(const PreParams& p, u32* smem, flo
 #pragma unroll
       for (int e = 0; e < 4; ++e) sumsq = fmaf(v[e], v[e], sumsq);
     }
-    for (int kk = k_lo; kk < k_lo + k_len; kk += 4) {
-      float w[ROUNDS][4];
-#pragma unroll
-      for (int j = 0; j < ROUNDS; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) w[j][e] = lane + 32 * j < Q ? phis[(kk + e) * Q + lane + 32 * j] : 0.f;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int r = warp_row + row_warps * i;
-        if (r < rows) {  // warp-uniform
-          float v[4];
-          small_load4<T>(xs + r * S::X_PITCH + kk, v);
-#pragma unroll
-          for (int j = 0; j < ROUNDS; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[j][i] = fmaf(v[e], w[j][e], acc[j][i]);
-        }
-      }
-    }
+    float unread[4];
+    for (int kk = k_lo; kk < k_lo + k_len; kk += 4)
+      project_four<T, N>(phis, xs, S::X_PITCH, kk, rows, warp_row, row_warps, acc, unread);
   }
   cp_async_wait_all_but(0);
   __syncthreads();  // the stages are free
@@ -1259,7 +1277,7 @@ __device__ __forceinline__ void small_project(const PreParams& p, u32* smem, flo
                (float4*)sh_scratch);
   }
   rows_rms<T, N>(p, sh_h, row0, rows);
-  tile_coefficients<N>(p, sh_h, row0, rows);
+  tile_coefficients<N>(p, sh_h, rows, p.coef + row0 * Dims<N>::NC, p.h_post + row0 * N);
   __syncthreads();  // every thread's coefficients before thread 0's release
   if (tid == 0) store_release(counters + SMALL_FAN_IN + 1, 1u);
 }
@@ -1306,6 +1324,292 @@ __global__ void __launch_bounds__(PROJECT_THREADS, N <= 6 ? 2 : 1) mhc_pre_small
     // every other block is done with the counters: zero them for the next launch
     for (i64 i = 0; i < COUNTER_GROUPS + groups * (SMALL_FAN_IN + 2); ++i) p.counter[i] = 0u;
   }
+}
+
+// ------------------------------------------------------------------ pre, thread block clusters
+
+// Decode-sized batches on sm_90 run as one launch of thread block clusters (mhc_pre_cluster):
+// cluster g takes tokens [g * cluster_rows, ...), and its block of rank r the columns
+// [r * cluster_columns, ...) of every stream of them. A block copies its x and phi slices
+// into shared memory at once (every load in flight together: a decode step waits for one
+// round trip, not a pipeline), projects them (h and sum(x*x) over its columns, float32 on
+// the CUDA cores), then the cluster meets at a barrier and every block sums the blocks'
+// partials, rank by rank, out of their shared memory (distributed shared memory): the same
+// order, so the same bits, in every block. Each block then computes the tokens' gates and
+// Sinkhorn matrices itself and mixes its own columns from the x it holds. No scratch, no
+// counters, no flag: the cluster's blocks run at once by construction, and the only waits
+// are two cluster barriers (the second keeps each block's partials alive until every
+// block has read them).
+// Shared memory (dynamic; _mhc.cluster_smem_bytes sizes it, and the kernel traps on less):
+//   phi   [n * cluster_columns][Q] float32: the block's K rows, stream by stream
+//   part  [cluster_rows][Q+1]: this block's partial h and sum(x*x), read by the cluster
+//   sh_h  [cluster_rows][Q+1]: the cluster's sums
+//   coef  [cluster_rows][n + n*n]: h_pre, then M
+//   red   [7][RED_STRIDE]: the K-split warps' partials ((k_warps - 1) * row_warps < 8 rows)
+//   xs    [cluster_rows][n * cluster_columns] of x's type: row r holds stream k's columns
+//         at k * cols (cols: the block's own count), so a row's K elements are contiguous
+template <int N>
+struct ClusterLayout {
+  static constexpr int Q = Dims<N>::Q, QP = Dims<N>::QP, NC = Dims<N>::NC;
+  static constexpr int ROUNDS = (Q + 31) / 32;  // lane = h column (mod 32)
+  static constexpr int RED_STRIDE = ROUNDS * 32 + 4;  // a warp's h columns, then sum(x*x)
+  static constexpr int MAX_BLOCKS = 16;  // the largest cluster (non-portable size)
+  __device__ static int floats4(int floats) { return (floats + 3) & ~3; }  // 16-byte sections
+  int part, sh_h, coef, red, xs, bytes;  // float offsets of each section; total bytes
+  __device__ ClusterLayout(int rows, int columns, int elem_bytes) {
+    part = N * columns * Q;
+    sh_h = part + floats4(rows * QP);
+    coef = sh_h + floats4(rows * QP);
+    red = coef + floats4(rows * NC);
+    xs = red + 7 * RED_STRIDE;
+    bytes = 4 * xs + rows * N * columns * elem_bytes;
+  }
+};
+
+#if __CUDA_ARCH__ >= 900
+// This thread's value of a PTX special register (sm_90: the cluster ones).
+#define SPECIAL_REGISTER(function, name)          \
+  __device__ __forceinline__ u32 function() {     \
+    u32 r;                                        \
+    asm("mov.u32 %0, %%" name ";" : "=r"(r));     \
+    return r;                                     \
+  }
+SPECIAL_REGISTER(cluster_rank, "cluster_ctarank")      // this block's rank in its cluster
+SPECIAL_REGISTER(cluster_blocks, "cluster_nctarank")   // blocks in the cluster
+SPECIAL_REGISTER(cluster_index, "clusterid.x")         // the cluster's index in the grid
+SPECIAL_REGISTER(dynamic_smem_size, "dynamic_smem_size")  // bytes the launch gave the block
+#undef SPECIAL_REGISTER
+
+// Every thread of every block of the cluster: arrive (this block's shared-memory writes
+// released to the cluster), then wait for all (theirs acquired). Split, so that work
+// between the two overlaps the others' arrival.
+__device__ __forceinline__ void cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// An mbarrier in shared memory that bulk copies complete: initialised for one arrival (the
+// thread that announces the bytes), made visible to the copies (the async proxy) and to the
+// block before any copy is issued.
+__device__ __forceinline__ void bulk_barrier_init(unsigned long long* barrier) {
+  if (threadIdx.x == 0) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_address(barrier)) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+}
+
+// One thread: `bytes` in all are coming to `barrier` by bulk copies (its one arrival).
+__device__ __forceinline__ void bulk_expect(unsigned long long* barrier, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_address(barrier)),
+               "r"(bytes)
+               : "memory");
+}
+
+// `bytes` (a multiple of 16; both addresses 16-byte aligned) from global to shared memory by
+// the copy engine of the multiprocessor (TMA), counted on `barrier`: one instruction for a
+// whole run, where 16-byte cp.async copies keep only so many bytes in flight a multiprocessor.
+__device__ __forceinline__ void bulk_copy(void* smem, const void* gmem, u32 bytes,
+                                          unsigned long long* barrier) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+          smem_address(smem)),
+      "l"(gmem), "r"(bytes), "r"(smem_address(barrier))
+      : "memory");
+}
+
+// Every thread: until the barrier's first phase completes (every announced byte landed).
+__device__ __forceinline__ void bulk_wait(unsigned long long* barrier) {
+  asm volatile(
+      "{ .reg .pred done; WAIT: mbarrier.try_wait.parity.shared::cta.b64 done, [%0], 0; @!done bra WAIT; }" ::"r"(
+          smem_address(barrier))
+      : "memory");
+}
+
+// The float at `local` (this block's shared memory) in the shared memory of block `rank`.
+__device__ __forceinline__ float load_peer(const float* local, u32 rank) {
+  u32 address;
+  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(address) : "r"(smem_address(local)), "r"(rank));
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(address) : "memory");
+  return v;
+}
+#endif
+
+// The block's slices of x (rows x n streams x cols) and of phi (n * cols rows of Q) into
+// shared memory, asynchronously: where x rows are 16-byte aligned and phi packed, one bulk
+// copy per (row, stream) run of x and per stream of phi, issued by the first warp and
+// counted on `barrier`; otherwise 16- and 4-byte cp.async copies (one commit group).
+// Returns whether the bulk copies were used (cluster_loaded waits for either).
+template <typename T, int N>
+__device__ __forceinline__ bool cluster_load(const PreParams& p, const ClusterLayout<N>& at, float* smem,
+                                             unsigned long long* barrier, i64 row0, int rows, i64 c_lo,
+                                             int cols) {
+  typedef typename Io<T>::elem E;
+  constexpr int Q = Dims<N>::Q;
+  const int tid = threadIdx.x;
+  const E* x = (const E*)p.x + row0 * p.x_stride + c_lo;
+  E* xs = (E*)(smem + at.xs);
+  const int pitch = N * p.cluster_columns;
+  float* phis = smem;
+  if (p.vector_io && p.phi_dense) {  // c_x, c_lo and cols multiples of 8: runs of 16 bytes
+    if (tid < 32) {
+      const u32 x_run = cols * (int)sizeof(E), phi_run = cols * Q * 4;
+      if (tid == 0) bulk_expect(barrier, (u32)(rows * N) * x_run + N * phi_run);
+      __syncwarp();
+      if (cols > 0) {
+        for (int k = tid; k < N; k += 32)
+          bulk_copy(phis + k * cols * Q, p.phi + (k * p.c_x + c_lo) * Q, phi_run, barrier);
+        for (int s = tid; s < rows * N; s += 32) {
+          const int r = s / N, k = s - r * N;
+          bulk_copy(xs + r * pitch + k * cols, x + r * p.x_stride + k * p.c_x, x_run, barrier);
+        }
+      }
+    }
+    return true;
+  }
+  if (p.vector_io) {
+    constexpr int PER = 16 / (int)sizeof(E);
+    const int segs = cols / PER, row_segs = N * segs;
+    for (int s = tid; s < rows * row_segs; s += PROJECT_THREADS) {
+      const int r = s / row_segs, rest = s - r * row_segs, k = rest / segs, j = rest - k * segs;
+      cp_async16(xs + r * pitch + k * cols + j * PER, x + r * p.x_stride + k * p.c_x + j * PER);
+    }
+  } else {
+    const int row_elems = N * cols;
+    for (int s = tid; s < rows * row_elems; s += PROJECT_THREADS) {
+      const int r = s / row_elems, rest = s - r * row_elems, k = rest / cols, c = rest - k * cols;
+      xs[r * pitch + rest] = x[r * p.x_stride + k * p.c_x + c];
+    }
+  }
+  if (p.phi_dense) {  // a stream's cols rows are contiguous, and (c_lo * Q) a multiple of 8
+    const int words = cols * Q / 4;  // cols is a multiple of 8
+    for (int s = tid; s < N * words; s += PROJECT_THREADS) {
+      const int k = s / words, j = s - k * words;
+      cp_async16(phis + k * cols * Q + 4 * j, p.phi + (k * p.c_x + c_lo) * Q + 4 * j);
+    }
+  } else {
+    for (int s = tid; s < N * cols * Q; s += PROJECT_THREADS) {
+      const int f = s / Q, q = s - f * Q, k = f / cols, c = f - k * cols;
+      cp_async4(phis + s, p.phi + (k * p.c_x + c_lo + c) * p.phi_stride_k + q * p.phi_stride_q);
+    }
+  }
+  cp_async_commit();
+  return false;
+}
+
+// Grid: one cluster of `blocks` (<= 16) blocks per cluster_rows tokens (_mhc._pre_plan: as
+// many clusters as are resident at once, so one wave). cluster_rows <= 32; c_x a multiple
+// of 8 (cluster_columns too).
+template <typename T, int N>
+__global__ void __launch_bounds__(PROJECT_THREADS, 1) mhc_pre_cluster(const PreParams p) {
+#if __CUDA_ARCH__ >= 900
+  typedef typename Io<T>::elem E;
+  typedef ClusterLayout<N> L;
+  constexpr int Q = L::Q, QP = L::QP, NC = L::NC, ROUNDS = L::ROUNDS;
+  extern __shared__ __align__(16) float smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const u32 rank = cluster_rank(), blocks = cluster_blocks();
+  const i64 row0 = (i64)cluster_index() * p.cluster_rows;
+  const int rows = p.batch - row0 < p.cluster_rows ? (int)(p.batch - row0) : p.cluster_rows;
+  const i64 c_lo = (i64)rank * p.cluster_columns;
+  const int cols = p.c_x - c_lo < p.cluster_columns ? (p.c_x > c_lo ? (int)(p.c_x - c_lo) : 0)
+                                                    : p.cluster_columns;
+  const L at(p.cluster_rows, p.cluster_columns, (int)sizeof(E));
+  if (at.bytes > (int)dynamic_smem_size()) __trap();  // the host sized it otherwise
+  __shared__ __align__(8) unsigned long long barrier;
+  bulk_barrier_init(&barrier);
+  const bool bulk = cluster_load<T, N>(p, at, smem, &barrier, row0, rows, c_lo, cols);
+
+  // Warps over (row, K), as mhc_pre_small: with 8 rows or more each warp takes rows w,
+  // w+8, ...; with fewer the warps of one row split its K, 4 elements at a time.
+  int row_warps = 8;
+  while (row_warps > 1 && row_warps / 2 >= rows) row_warps /= 2;
+  const int k_warps = 8 / row_warps;
+  const int warp_row = warp % row_warps, k_part = warp / row_warps;
+  const float* phis = smem;
+  const E* xs = (const E*)(smem + at.xs);
+  const int pitch = N * p.cluster_columns, width = N * cols;
+  float acc[ROUNDS][4], sumsq[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    sumsq[i] = 0.f;
+#pragma unroll
+    for (int j = 0; j < ROUNDS; ++j) acc[j][i] = 0.f;
+  }
+  if (bulk)
+    bulk_wait(&barrier);
+  else
+    cp_async_wait_all_but(0);
+  __syncthreads();
+  for (int f = 4 * k_part; f < width; f += 4 * k_warps)  // (sumsq: lane 0's is kept)
+    project_four<T, N>(phis, xs, pitch, f, rows, warp_row, row_warps, acc, sumsq);
+  // k_warps > 1 only when rows <= row_warps: one row a warp, in acc[.][0] and sumsq[0]
+  float* red = smem + at.red;
+  if (k_part > 0) {
+    float* mine = red + ((k_part - 1) * row_warps + warp_row) * L::RED_STRIDE;
+#pragma unroll
+    for (int j = 0; j < ROUNDS; ++j) mine[j * 32 + lane] = acc[j][0];
+    if (lane == 0) mine[ROUNDS * 32] = sumsq[0];
+  }
+  __syncthreads();
+  float* part = smem + at.part;
+  if (k_part == 0) {
+    for (int kp = 1; kp < k_warps; ++kp) {  // a fixed order: deterministic
+      const float* theirs = red + ((kp - 1) * row_warps + warp_row) * L::RED_STRIDE;
+#pragma unroll
+      for (int j = 0; j < ROUNDS; ++j) acc[j][0] += theirs[j * 32 + lane];
+      sumsq[0] += theirs[ROUNDS * 32];
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = warp_row + row_warps * i;
+      if (r < rows) {
+#pragma unroll
+        for (int j = 0; j < ROUNDS; ++j)
+          if (lane + 32 * j < Q) part[r * QP + lane + 32 * j] = acc[j][i];
+        if (lane == 0) part[r * QP + Q] = sumsq[i];
+      }
+    }
+  }
+  cluster_arrive();  // this block's partials, to the cluster
+  cluster_wait();    // every block's
+
+  // The cluster's sums, rank by rank (every block the same order: the same bits), loads
+  // first, all in flight.
+  float* sh_h = smem + at.sh_h;
+  for (int i = tid; i < rows * QP; i += PROJECT_THREADS) {
+    float v[L::MAX_BLOCKS];
+#pragma unroll
+    for (int b = 0; b < L::MAX_BLOCKS; ++b) v[b] = b < (int)blocks ? load_peer(part + i, b) : 0.f;
+    float s = v[0];
+#pragma unroll
+    for (int b = 1; b < L::MAX_BLOCKS; ++b) s += v[b];  // (+0.f past the cluster: exact)
+    sh_h[i] = s;
+  }
+  __syncthreads();
+  cluster_arrive();  // done reading the others' partials (they wait for it before exiting)
+  rows_rms<T, N>(p, sh_h, row0, rows);
+  float* coef = smem + at.coef;
+  tile_coefficients<N>(p, sh_h, rows, coef, rank == 0 ? p.h_post + row0 * N : nullptr);
+  __syncthreads();
+
+  // The mix of this block's columns, x from shared memory.
+  const int units = cols / 8;
+  for (int u = tid; u < rows * units; u += PROJECT_THREADS) {
+    const int r = u / units, c = (u - r * units) * 8;
+    Raw8<T> raw[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) raw[k] = *(const Raw8<T>*)(xs + r * pitch + k * cols + c);
+    mix_unit<T, N, false>(p, row0 + r, c_lo + c, raw, coef + r * NC);
+  }
+  cluster_wait();  // no block leaves while another may still read its partials
+#else
+  __trap();  // launched on sm_90 and newer only (_mhc._pre_plan)
+#endif
 }
 
 // ------------------------------------------------------------------ post

@@ -205,6 +205,56 @@ def test_pre_production_shapes(rng):
         assert_pre_matches(case, run_pre(case, "cuda"))
 
 
+# (c_x, batch) that sm_90 runs as one mhc_pre_cluster launch: 16 blocks of 80 columns;
+# 1000 = 15 blocks of 64 and one of 40; 136 = 8 blocks of 16 and one of 8; two tokens a
+# cluster where the batch outnumbers the resident clusters (7-8 on the H200)
+CLUSTER_SHAPES = ((1280, 1), (1000, 3), (136, 4), (64, 2), (256, 20))
+
+
+@GPU
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", (1, 2, 4, 8))
+def test_pre_cluster_launch(rng, n, dtype):
+    """Decode on sm_90: the cluster plan (checked chosen), every output against the
+    oracle, and a second call bit-identical (every block of a cluster sums the partials
+    in the same order)."""
+    require("cuda", "torch")
+    import torch
+
+    clustered = _mhc._attribute(0, _mhc._COMPUTE_MAJOR) >= 9
+    for c_x, batch in CLUSTER_SHAPES:
+        case = random_pre_case(rng, n, c_x, batch, dtype=dtype)
+        plan = _mhc._pre_plan(0, dtype, n, c_x, batch)
+        blocks, columns = _mhc.cluster_geometry(c_x)
+        spec = _mhc.pre_module(dtype, n)
+        kernel = _mhc._cuda.function(spec, spec.name_expressions[-1], 0)  # mhc_pre_cluster
+        fits = _mhc.cluster_smem_bytes(n, batch, columns, _mhc.ITEMSIZE[dtype]) <= (
+            _mhc._dynamic_smem_limit(kernel, 0)
+        )
+        if clustered and batch * n * columns <= _mhc._MAX_CLUSTER_SLICE and fits:
+            assert plan.cluster_columns == columns and plan.steps[0].cluster == blocks
+        first, second = run_pre(case, "cuda"), run_pre(case, "cuda")
+        assert_pre_matches(case, first)
+        for a, b in zip(first, second, strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("c_x", (8, 64, 136, 1000, 1280, 4096, 7168, 8200))
+def test_cluster_geometry_covers_c_x(c_x):
+    """Up to 16 blocks of a multiple of 8 columns, every column in one block, none empty."""
+    blocks, columns = _mhc.cluster_geometry(c_x)
+    assert 1 <= blocks <= 16 and columns % 8 == 0
+    assert (blocks - 1) * columns < c_x <= blocks * columns
+
+
+def test_cluster_smem_counts_every_section():
+    """ClusterLayout (mhc.cu) for n = 4, 2 tokens, 80 columns, bf16: phi 4*80 rows of 24
+    floats, partials and sums 2*25 floats each (rounded to 4), coefficients 2*20, the
+    K-split warps' 7 rows of 36 floats, then x."""
+    floats = 4 * 80 * 24 + 52 + 52 + 40 + 7 * 36
+    assert _mhc.cluster_smem_bytes(4, 2, 80, 2) == 4 * floats + 2 * 4 * 80 * 2
+
+
 @GPU
 def test_pre_launched_early_gives_the_same_bits(rng):
     """On sm_90 mhc_project starts while mhc_phi_pieces runs and mhc_apply while

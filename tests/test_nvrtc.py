@@ -322,11 +322,27 @@ def test_programmatic_launch_structs_have_the_driver_layout():
     assert (config.stream.offset, config.attrs.offset, config.num_attrs.offset) == (32, 40, 48)
 
 
-def test_a_step_is_cooperative_or_programmatic_not_both():
-    """cuLaunchKernelEx here carries the programmatic attribute alone: a step asking for both
-    would silently lose its cooperative launch (and its co-residency check)."""
-    with pytest.raises(ValueError, match="cooperative or programmatic"):
-        _cuda.Step(None, (1, 1, 1), (1, 1, 1), cooperative=True, programmatic=True)
+def test_a_cooperative_step_is_neither_programmatic_nor_clustered():
+    """cuLaunchKernelEx here carries the programmatic and cluster attributes alone: a
+    cooperative step asking for either would silently lose its cooperative launch (and its
+    co-residency check). A clustered grid is whole clusters."""
+    for extra in ({"programmatic": True}, {"cluster": 2}):
+        with pytest.raises(ValueError, match="cooperative launch step is neither"):
+            _cuda.Step(None, (2, 1, 1), (1, 1, 1), cooperative=True, **extra)
+    with pytest.raises(ValueError, match="not a whole number of clusters of 4"):
+        _cuda.Step(None, (6, 1, 1), (1, 1, 1), cluster=4)
+
+
+def test_launch_config_carries_the_asked_attributes():
+    """A clustered step's config names the cluster's x dimension (CU_LAUNCH_ATTRIBUTE_
+    CLUSTER_DIMENSION, 4), a programmatic one the stream serialization (6), in that order."""
+    step = _cuda.Step(None, (32, 1, 1), (256, 1, 1), 4096, programmatic=True, cluster=16)
+    config = _cuda.launch_config(step)
+    assert (config.gx, config.bx, config.shared_mem, config.num_attrs) == (32, 256, 4096, 2)
+    assert [config.attrs[i].id for i in range(2)] == [6, 4]
+    assert list(config.attrs[0].value[:1]) == [1]
+    assert list(config.attrs[1].value[:3]) == [16, 1, 1]
+    assert _cuda.launch_config(_cuda.Step(None, (4, 1, 1), (256, 1, 1), cluster=4)).num_attrs == 1
 
 
 def test_device_arch_falls_back_to_ptx_of_the_newest_known():
