@@ -1057,38 +1057,6 @@ __device__ __forceinline__ void small_load4(const typename Io<T>::elem* p, float
   }
 }
 
-// Four K elements (k .. k+3) of the projection on the CUDA cores, mhc_pre_small's and
-// mhc_pre_cluster's: lane = h column (mod 32), the warp's rows warp_row + row_warps * i
-// (i < 4, below `rows`), phi's rows from phis ([k][Q] floats), x from xs (`pitch` elements
-// a row). sumsq gathers sum(x*x) (every lane the same; callers that keep their own leave it
-// unread, and the compiler drops it).
-template <typename T, int N>
-__device__ __forceinline__ void project_four(const float* phis, const typename Io<T>::elem* xs, int pitch,
-                                             int k, int rows, int warp_row, int row_warps,
-                                             float (&acc)[(Dims<N>::Q + 31) / 32][4], float (&sumsq)[4]) {
-  constexpr int Q = Dims<N>::Q, ROUNDS = (Q + 31) / 32;
-  const int lane = threadIdx.x & 31;
-  float w[ROUNDS][4];
-#pragma unroll
-  for (int j = 0; j < ROUNDS; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) w[j][e] = lane + 32 * j < Q ? phis[(k + e) * Q + lane + 32 * j] : 0.f;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int r = warp_row + row_warps * i;
-    if (r < rows) {  // warp-uniform
-      float v[4];
-      small_load4<T>(xs + r * pitch + k, v);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) sumsq[i] = fmaf(v[e], v[e], sumsq[i]);
-#pragma unroll
-      for (int j = 0; j < ROUNDS; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[j][i] = fmaf(v[e], w[j][e], acc[j][i]);
-    }
-  }
-}
-
 // This block's writes are done; counts it on `arrived` and tells whether it was the last of
 // `expected` (then the others' writes are visible to it). Every thread calls it.
 // (The block's barrier orders its threads' writes before thread 0's release fence and count,
@@ -1225,9 +1193,27 @@ __device__ __forceinline__ void small_project(const PreParams& p, u32* smem, flo
 #pragma unroll
       for (int e = 0; e < 4; ++e) sumsq = fmaf(v[e], v[e], sumsq);
     }
-    float unread[4];
-    for (int kk = k_lo; kk < k_lo + k_len; kk += 4)
-      project_four<T, N>(phis, xs, S::X_PITCH, kk, rows, warp_row, row_warps, acc, unread);
+    // (mhc_pre_cluster's loop is this one with sum(x*x) added: as one shared inline step,
+    // this kernel spilled 40-136 bytes at n = 5, 6 under ptxas, 0 as it is)
+    for (int kk = k_lo; kk < k_lo + k_len; kk += 4) {
+      float w[ROUNDS][4];
+#pragma unroll
+      for (int j = 0; j < ROUNDS; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) w[j][e] = lane + 32 * j < Q ? phis[(kk + e) * Q + lane + 32 * j] : 0.f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int r = warp_row + row_warps * i;
+        if (r < rows) {  // warp-uniform
+          float v[4];
+          small_load4<T>(xs + r * S::X_PITCH + kk, v);
+#pragma unroll
+          for (int j = 0; j < ROUNDS; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[j][i] = fmaf(v[e], w[j][e], acc[j][i]);
+        }
+      }
+    }
   }
   cp_async_wait_all_but(0);
   __syncthreads();  // the stages are free
@@ -1545,8 +1531,27 @@ __global__ void __launch_bounds__(PROJECT_THREADS, 1) mhc_pre_cluster(const PreP
   else
     cp_async_wait_all_but(0);
   __syncthreads();
-  for (int f = 4 * k_part; f < width; f += 4 * k_warps)  // (sumsq: lane 0's is kept)
-    project_four<T, N>(phis, xs, pitch, f, rows, warp_row, row_warps, acc, sumsq);
+  for (int f = 4 * k_part; f < width; f += 4 * k_warps) {  // (mhc_pre_small's loop, + sum(x*x))
+    float w[ROUNDS][4];
+#pragma unroll
+    for (int j = 0; j < ROUNDS; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) w[j][e] = lane + 32 * j < Q ? phis[(f + e) * Q + lane + 32 * j] : 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = warp_row + row_warps * i;
+      if (r < rows) {  // warp-uniform
+        float v[4];
+        small_load4<T>(xs + r * pitch + f, v);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          sumsq[i] = fmaf(v[e], v[e], sumsq[i]);  // (every lane the same: lane 0's is kept)
+#pragma unroll
+          for (int j = 0; j < ROUNDS; ++j) acc[j][i] = fmaf(v[e], w[j][e], acc[j][i]);
+        }
+      }
+    }
+  }
   // k_warps > 1 only when rows <= row_warps: one row a warp, in acc[.][0] and sumsq[0]
   float* red = smem + at.red;
   if (k_part > 0) {

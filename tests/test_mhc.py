@@ -687,7 +687,7 @@ def test_launch_values_pack_into_the_kernel_structs(dtype):
         for s, d in (((3, 520), dtype), ((3, 130), dtype), ((3, 4), "float32"))
     ]
     params = _mhc.pre_launch_params(gates, plan, x, phi, b, *outputs, (1, 2, 3, 4))
-    assert len(params) == 176
+    assert len(params) == 184
     fields = _mhc.PRE_PARAMS
     assert fields.read(params, "x") == x.ptr and fields.read(params, "pieces") == 4
     assert fields.read(params, "batch") == batch and fields.read(params, "c_x") == c_x
