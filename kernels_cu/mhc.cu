@@ -271,9 +271,12 @@ struct Dims {
 //   COEF_ROWS        tokens per mhc_coefficients block
 //   COUNTER_GROUPS   counter words before mhc_pre_small's per-group ones: [0], [1] fused
 //                    mhc_project: blocks past the two grid barriers (small: see there)
+//   CLUSTER_BLOCKS   the most blocks an mhc_pre_cluster cluster has (16: sm_90's largest,
+//                    non-portable)
 static_assert(TILE_ROWS == 128 && PROJECT_THREADS == 256, "mhc_project's warp layout");
 static_assert(STAGE_PITCH == BLOCK_K + 8 && BLOCK_K % 16 == 0, "fragment loads");
 static_assert(COUNTER_GROUPS >= 2 && STAGES >= 2, "counters and pipeline");
+static_assert(CLUSTER_BLOCKS >= 1 && CLUSTER_BLOCKS <= 16, "sm_90 clusters");
 
 
 // ------------------------------------------------------------------ coefficients and mix
@@ -1331,7 +1334,8 @@ __global__ void __launch_bounds__(PROJECT_THREADS, N <= 6 ? 2 : 1) mhc_pre_small
 //   part  [cluster_rows][Q+1]: this block's partial h and sum(x*x), read by the cluster
 //   sh_h  [cluster_rows][Q+1]: the cluster's sums
 //   coef  [cluster_rows][n + n*n]: h_pre, then M
-//   red   [7][RED_STRIDE]: the K-split warps' partials ((k_warps - 1) * row_warps < 8 rows)
+//   red   [RED_ROWS][RED_STRIDE]: the K-split warps' partials ((k_warps - 1) * row_warps
+//         rows, fewer than the block's 8 warps)
 //   xs    [cluster_rows][n * cluster_columns] of x's type: row r holds stream k's columns
 //         at k * cols (cols: the block's own count), so a row's K elements are contiguous
 template <int N>
@@ -1339,7 +1343,7 @@ struct ClusterLayout {
   static constexpr int Q = Dims<N>::Q, QP = Dims<N>::QP, NC = Dims<N>::NC;
   static constexpr int ROUNDS = (Q + 31) / 32;  // lane = h column (mod 32)
   static constexpr int RED_STRIDE = ROUNDS * 32 + 4;  // a warp's h columns, then sum(x*x)
-  static constexpr int MAX_BLOCKS = 16;  // the largest cluster (non-portable size)
+  static constexpr int RED_ROWS = PROJECT_THREADS / 32 - 1;
   __device__ static int floats4(int floats) { return (floats + 3) & ~3; }  // 16-byte sections
   int part, sh_h, coef, red, xs, bytes;  // float offsets of each section; total bytes
   __device__ ClusterLayout(int rows, int columns, int elem_bytes) {
@@ -1347,7 +1351,7 @@ struct ClusterLayout {
     sh_h = part + floats4(rows * QP);
     coef = sh_h + floats4(rows * QP);
     red = coef + floats4(rows * NC);
-    xs = red + 7 * RED_STRIDE;
+    xs = red + RED_ROWS * RED_STRIDE;
     bytes = 4 * xs + rows * N * columns * elem_bytes;
   }
 };
@@ -1397,7 +1401,8 @@ __device__ __forceinline__ void bulk_expect(unsigned long long* barrier, u32 byt
 
 // `bytes` (a multiple of 16; both addresses 16-byte aligned) from global to shared memory by
 // the copy engine of the multiprocessor (TMA), counted on `barrier`: one instruction for a
-// whole run, where 16-byte cp.async copies keep only so many bytes in flight a multiprocessor.
+// whole run. (H200, B1 n4 bf16, against 16-byte cp.async: c_x4096 18.5 -> 17.5 us, c_x1280
+// and c_x7168 unchanged.)
 __device__ __forceinline__ void bulk_copy(void* smem, const void* gmem, u32 bytes,
                                           unsigned long long* barrier) {
   asm volatile(
@@ -1429,7 +1434,8 @@ __device__ __forceinline__ float load_peer(const float* local, u32 rank) {
 // shared memory, asynchronously: where x rows are 16-byte aligned and phi packed, one bulk
 // copy per (row, stream) run of x and per stream of phi, issued by the first warp and
 // counted on `barrier`; otherwise 16- and 4-byte cp.async copies (one commit group).
-// Returns whether the bulk copies were used (cluster_loaded waits for either).
+// Returns whether the bulk copies were used (the caller waits on the barrier, else on the
+// commit group).
 template <typename T, int N>
 __device__ __forceinline__ bool cluster_load(const PreParams& p, const ClusterLayout<N>& at, float* smem,
                                              unsigned long long* barrier, i64 row0, int rows, i64 c_lo,
@@ -1487,7 +1493,7 @@ __device__ __forceinline__ bool cluster_load(const PreParams& p, const ClusterLa
   return false;
 }
 
-// Grid: one cluster of `blocks` (<= 16) blocks per cluster_rows tokens (_mhc._pre_plan: as
+// Grid: one cluster of `blocks` (<= CLUSTER_BLOCKS) blocks per cluster_rows tokens (_mhc._pre_plan: as
 // many clusters as are resident at once, so one wave). cluster_rows <= 32; c_x a multiple
 // of 8 (cluster_columns too).
 template <typename T, int N>
@@ -1587,12 +1593,12 @@ __global__ void __launch_bounds__(PROJECT_THREADS, 1) mhc_pre_cluster(const PreP
   // first, all in flight.
   float* sh_h = smem + at.sh_h;
   for (int i = tid; i < rows * QP; i += PROJECT_THREADS) {
-    float v[L::MAX_BLOCKS];
+    float v[CLUSTER_BLOCKS];
 #pragma unroll
-    for (int b = 0; b < L::MAX_BLOCKS; ++b) v[b] = b < (int)blocks ? load_peer(part + i, b) : 0.f;
+    for (int b = 0; b < CLUSTER_BLOCKS; ++b) v[b] = b < (int)blocks ? load_peer(part + i, b) : 0.f;
     float s = v[0];
 #pragma unroll
-    for (int b = 1; b < L::MAX_BLOCKS; ++b) s += v[b];  // (+0.f past the cluster: exact)
+    for (int b = 1; b < CLUSTER_BLOCKS; ++b) s += v[b];  // (+0.f past the cluster: exact)
     sh_h[i] = s;
   }
   __syncthreads();

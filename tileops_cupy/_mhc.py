@@ -59,7 +59,7 @@ POST_BWD_PARAMS = _cuda.ParamStruct.declared("mhc_backward", "PostBwdParams")
 _GEOMETRY = {
     "TILE_ROWS": 128, "BLOCK_K": 64, "STAGE_PITCH": 72, "STAGES": 3, "PROJECT_THREADS": 256,
     "APPLY_THREADS": 256, "POST_THREADS": 256, "COEF_ROWS": 16, "COUNTER_GROUPS": 4,
-    "SMALL_ROWS": 32, "SMALL_CHUNK": 32, "SMALL_FAN_IN": 16,
+    "SMALL_ROWS": 32, "SMALL_CHUNK": 32, "SMALL_FAN_IN": 16, "CLUSTER_BLOCKS": 16,
 }  # fmt: skip
 _FORWARD_DEFINES = tuple(f"{name}={value}" for name, value in _GEOMETRY.items())
 _TILE_ROWS, _BLOCK_K, _STAGE_PITCH, _STAGES = (
@@ -92,7 +92,8 @@ _SMALL_COUNTER_WORDS = _COUNTER_GROUPS + (_FAN_IN + 2) * -(-_MAX_SMALL_ROWS // _
 # 21.6, B32 c_x1280 (2 tokens a cluster) 24.4 -> 18.9; B1 c_x7168 21.0 -> 21.2 (one
 # cluster reads phi at ~270 GB/s); larger slices lose (B16 c_x4096, 2 tokens of 1024
 # elements a block: 24.1 -> 25.6; B64 c_x1280, 4 tokens: 22.2 -> 23.5)
-_MAX_CLUSTER_ROWS, _MAX_CLUSTER_SLICE, _MAX_CLUSTER_BLOCKS = 2, 1792, 16
+_MAX_CLUSTER_ROWS, _MAX_CLUSTER_SLICE = 2, 1792
+_MAX_CLUSTER_BLOCKS = _GEOMETRY["CLUSTER_BLOCKS"]
 
 # The sections of mHC pre backward's scratch, in their order in the one buffer (each a
 # PreBwdParams pointer; the counters first, in a section of one size for every plan, as
@@ -424,7 +425,8 @@ def cluster_smem_bytes(n: int, rows: int, columns: int, itemsize: int) -> int:
     def floats4(floats: int) -> int:
         return -(-floats // 4) * 4
 
-    xs = n * columns * q + 2 * floats4(rows * (q + 1)) + floats4(rows * nc) + 7 * red_stride
+    red_rows = _PROJECT_THREADS // 32 - 1  # the K-split warps but one
+    xs = n * columns * q + 2 * floats4(rows * (q + 1)) + floats4(rows * nc) + red_rows * red_stride
     return 4 * xs + rows * n * columns * itemsize
 
 
