@@ -234,10 +234,12 @@ struct PreParams {
   i64 batch, c_x, k_range, k_splits;
   int vector_io, fuse, repeat, phi_dense;  // phi_dense: [n*c_x, Q] rows packed, 16-byte aligned
   float alpha_pre, alpha_post, alpha_res, eps;
-  int cluster_rows, cluster_columns;  // mhc_pre_cluster: tokens a cluster, columns a block
+  // mhc_pre_cluster: tokens a cluster, columns a block, clusters splitting K for one group of
+  // tokens (1: a cluster takes all of K)
+  int cluster_rows, cluster_columns, cluster_groups, unused;
 };
 
-static_assert(sizeof(PreParams) == 184, "PreParams changed size: update this number");
+static_assert(sizeof(PreParams) == 192, "PreParams changed size: update this number");
 
 struct PostParams {
   const void* x_layer_out;  // [batch, c_x], rows layer_stride apart, columns dense
@@ -361,14 +363,16 @@ __device__ void rows_rms(const PreParams& p, float* sh_h, i64 row0, int rows) {
 
 // Gates and Sinkhorn matrix of `rows` tokens from sh_h [rows][Q+1] (h, then the RMS from
 // rows_rms), into coef [rows][n + n*n] and, unless it is null, h_post [rows][n] (shared or
-// global memory: the tokens' own rows of either). A decode token's 20 Sinkhorn
+// global memory: the tokens' own rows of either), with b at `bias` (global memory, or a copy
+// in shared memory made while the data loaded). A decode token's 20 Sinkhorn
 // steps are pure latency, so its matrix is spread over lanes: for n*n <= 32 one lane per
 // entry (a step: the row's or column's entries gathered by n shuffles, summed in index order
 // as on the host, one division), else one lane per row (column sums by n*n shuffles).
 // Not inlined: one compiled body for every caller.
 template <int N>
 __device__ __attribute__((noinline)) void tile_coefficients(const PreParams& p, const float* sh_h,
-                                                             int rows, float* coef, float* h_post) {
+                                                             int rows, float* coef, float* h_post,
+                                                             const float* bias, i64 bias_stride) {
   constexpr int Q = Dims<N>::Q, QP = Dims<N>::QP, NC = Dims<N>::NC;
   constexpr bool PER_ENTRY = N * N <= 32;
   constexpr int LANES = PER_ENTRY ? N * N : N;  // lanes of one token
@@ -385,13 +389,13 @@ __device__ __attribute__((noinline)) void tile_coefficients(const PreParams& p, 
     const bool active = slot < PER_WARP && t < rows;  // idle lanes shadow token t0
     const float* h = sh_h + (active ? t : t0) * QP;
     const float rms = h[Q] + 1e-4f;
-    const float pre = sigmoid(p.alpha_pre * h[i] / rms + p.bias[i * p.bias_stride]);
-    const float post = 2.f * sigmoid(p.alpha_post * h[N + i] / rms + p.bias[(N + i) * p.bias_stride]);
+    const float pre = sigmoid(p.alpha_pre * h[i] / rms + bias[i * bias_stride]);
+    const float post = 2.f * sigmoid(p.alpha_post * h[N + i] / rms + bias[(N + i) * bias_stride]);
     float m[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       const int j = 2 * N + i * N + k0 + r;
-      m[r] = p.alpha_res * h[j] / rms + p.bias[j * p.bias_stride];
+      m[r] = p.alpha_res * h[j] / rms + bias[j * bias_stride];
     }
     // the row's max, then the exponentials
     float row_max = __uint_as_float(0xff800000u);  // -inf
@@ -459,7 +463,8 @@ __device__ __forceinline__ void partials_to_coefficients(const PreParams& p, i64
                                                          float* sh_h, float* sh_scratch) {
   sum_partials<N>(p, row0, rows, sh_h, sh_scratch);
   rows_rms<T, N>(p, sh_h, row0, rows);
-  tile_coefficients<N>(p, sh_h, rows, p.coef + row0 * Dims<N>::NC, p.h_post + row0 * N);
+  tile_coefficients<N>(p, sh_h, rows, p.coef + row0 * Dims<N>::NC, p.h_post + row0 * N, p.bias,
+                       p.bias_stride);
 }
 
 // 8 consecutive elements in their storage format: one 16-byte word for 16-bit types, two
@@ -1266,7 +1271,8 @@ __device__ __forceinline__ void small_project(const PreParams& p, u32* smem, flo
                (float4*)sh_scratch);
   }
   rows_rms<T, N>(p, sh_h, row0, rows);
-  tile_coefficients<N>(p, sh_h, rows, p.coef + row0 * Dims<N>::NC, p.h_post + row0 * N);
+  tile_coefficients<N>(p, sh_h, rows, p.coef + row0 * Dims<N>::NC, p.h_post + row0 * N, p.bias,
+                       p.bias_stride);
   __syncthreads();  // every thread's coefficients before thread 0's release
   if (tid == 0) store_release(counters + SMALL_FAN_IN + 1, 1u);
 }
@@ -1328,33 +1334,58 @@ __global__ void __launch_bounds__(PROJECT_THREADS, N <= 6 ? 2 : 1) mhc_pre_small
 // Sinkhorn matrices itself and mixes its own columns from the x it holds. No scratch, no
 // counters, no flag: the cluster's blocks run at once by construction, and the only waits
 // are two cluster barriers (the second keeps each block's partials alive until every
-// block has read them).
+// block has read them). Where one cluster a group of tokens does not fit (its slice of x,
+// or more clusters than are resident), K is split over cluster_groups clusters of a token
+// group, and the last of them to arrive finishes the tokens (a ticket counter).
 // Shared memory (dynamic; _mhc.cluster_smem_bytes sizes it, and the kernel traps on less):
 //   phi   [n * cluster_columns][Q] float32: the block's K rows, stream by stream
 //   part  [cluster_rows][Q+1]: this block's partial h and sum(x*x), read by the cluster
 //   sh_h  [cluster_rows][Q+1]: the cluster's sums
 //   coef  [cluster_rows][n + n*n]: h_pre, then M
-//   red   [RED_ROWS][RED_STRIDE]: the K-split warps' partials ((k_warps - 1) * row_warps
-//         rows, fewer than the block's 8 warps)
+//   red   [cluster_rows][8 warps][RED_STRIDE]: each warp's sums (h, then sum(x*x))
 //   xs    [cluster_rows][n * cluster_columns] of x's type: row r holds stream k's columns
 //         at k * cols (cols: the block's own count), so a row's K elements are contiguous
 template <int N>
 struct ClusterLayout {
   static constexpr int Q = Dims<N>::Q, QP = Dims<N>::QP, NC = Dims<N>::NC;
-  static constexpr int ROUNDS = (Q + 31) / 32;  // lane = h column (mod 32)
-  static constexpr int RED_STRIDE = ROUNDS * 32 + 4;  // a warp's h columns, then sum(x*x)
-  static constexpr int RED_ROWS = PROJECT_THREADS / 32 - 1;
+  static constexpr int WARPS = PROJECT_THREADS / 32;
+  static constexpr int P = (QP + 31) / 32 * 32;  // a thread's sums, padded for warp_halving_sum
   __device__ static int floats4(int floats) { return (floats + 3) & ~3; }  // 16-byte sections
+  static constexpr int RED_STRIDE = (QP + 3) & ~3;
   int part, sh_h, coef, red, xs, bytes;  // float offsets of each section; total bytes
   __device__ ClusterLayout(int rows, int columns, int elem_bytes) {
     part = N * columns * Q;
     sh_h = part + floats4(rows * QP);
     coef = sh_h + floats4(rows * QP);
     red = coef + floats4(rows * NC);
-    xs = red + RED_ROWS * RED_STRIDE;
+    xs = red + rows * WARPS * RED_STRIDE;
     bytes = 4 * xs + rows * N * columns * elem_bytes;
   }
 };
+
+// Half of v's P sums (P a multiple of 32) added to the partner lane's at each of five
+// levels (recursive halving): lane l ends with the warp's sums of entries
+// [l * P/32, (l+1) * P/32) in v[0 .. P/32), each added in a fixed tree. 31P/32 shuffles,
+// where a butterfly of every entry takes 5P.
+template <int C, int P>
+__device__ __forceinline__ void halve(float (&v)[P], bool upper, int offset) {
+#pragma unroll
+  for (int i = 0; i < C / 2; ++i) {
+    const float send = upper ? v[i] : v[i + C / 2];
+    const float keep = upper ? v[i + C / 2] : v[i];
+    v[i] = keep + __shfl_xor_sync(0xffffffffu, send, offset);
+  }
+}
+
+template <int P>
+__device__ __forceinline__ void warp_halving_sum(float (&v)[P], int lane) {
+  static_assert(P % 32 == 0, "five halvings");
+  halve<P>(v, lane & 16, 16);
+  halve<P / 2>(v, lane & 8, 8);
+  halve<P / 4>(v, lane & 4, 4);
+  halve<P / 8>(v, lane & 2, 2);
+  halve<P / 16>(v, lane & 1, 1);
+}
 
 #if __CUDA_ARCH__ >= 900
 // This thread's value of a PTX special register (sm_90: the cluster ones).
@@ -1375,6 +1406,13 @@ SPECIAL_REGISTER(dynamic_smem_size, "dynamic_smem_size")  // bytes the launch ga
 // between the two overlaps the others' arrival.
 __device__ __forceinline__ void cluster_arrive() {
   asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+}
+
+// Arrive without releasing anything: for "done reading the others' shared memory", whose
+// loads have completed (their values were used) before it. (A release here, which waits
+// for this block's writes to be visible to the cluster, cost ~0.5 us a decode step.)
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
 }
 
 __device__ __forceinline__ void cluster_wait() {
@@ -1420,13 +1458,17 @@ __device__ __forceinline__ void bulk_wait(unsigned long long* barrier) {
       : "memory");
 }
 
-// The float at `local` (this block's shared memory) in the shared memory of block `rank`.
-__device__ __forceinline__ float load_peer(const float* local, u32 rank) {
-  u32 address;
+// The 32-bit word at `local` (this block's shared memory) in the shared memory of block
+// `rank`, and the same as a float.
+__device__ __forceinline__ u32 load_peer_word(const void* local, u32 rank) {
+  u32 address, v;
   asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(address) : "r"(smem_address(local)), "r"(rank));
-  float v;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(address) : "memory");
+  asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(address) : "memory");
   return v;
+}
+
+__device__ __forceinline__ float load_peer(const float* local, u32 rank) {
+  return __uint_as_float(load_peer_word(local, rank));
 }
 #endif
 
@@ -1493,98 +1535,95 @@ __device__ __forceinline__ bool cluster_load(const PreParams& p, const ClusterLa
   return false;
 }
 
-// Grid: one cluster of `blocks` (<= CLUSTER_BLOCKS) blocks per cluster_rows tokens (_mhc._pre_plan: as
-// many clusters as are resident at once, so one wave). cluster_rows <= 32; c_x a multiple
-// of 8 (cluster_columns too).
+// Grid: cluster_groups clusters of `blocks` (<= CLUSTER_BLOCKS) blocks per cluster_rows tokens
+// (_mhc._cluster_plan: as many clusters as are resident at once, so one wave); the block of
+// rank r in the token group's cluster g takes slice g * blocks + r of K. cluster_rows <= 32;
+// c_x a multiple of 8 (cluster_columns too). With cluster_groups > 1 the scratch holds
+// [token groups][cluster_groups][cluster_rows][Q+1] sums and counter[token group] is zero
+// at the start, and is left zero.
 template <typename T, int N>
 __global__ void __launch_bounds__(PROJECT_THREADS, 1) mhc_pre_cluster(const PreParams p) {
 #if __CUDA_ARCH__ >= 900
   typedef typename Io<T>::elem E;
   typedef ClusterLayout<N> L;
-  constexpr int Q = L::Q, QP = L::QP, NC = L::NC, ROUNDS = L::ROUNDS;
+  constexpr int Q = L::Q, QP = L::QP, NC = L::NC;
   extern __shared__ __align__(16) float smem[];
+  __shared__ float sbias[Q];  // b, for tile_coefficients
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const u32 rank = cluster_rank(), blocks = cluster_blocks();
-  const i64 row0 = (i64)cluster_index() * p.cluster_rows;
+  const int groups = p.cluster_groups;
+  const i64 token_group = cluster_index() / groups;
+  const int k_group = (int)(cluster_index() - token_group * groups);
+  const i64 row0 = token_group * p.cluster_rows;
   const int rows = p.batch - row0 < p.cluster_rows ? (int)(p.batch - row0) : p.cluster_rows;
-  const i64 c_lo = (i64)rank * p.cluster_columns;
-  const int cols = p.c_x - c_lo < p.cluster_columns ? (p.c_x > c_lo ? (int)(p.c_x - c_lo) : 0)
-                                                    : p.cluster_columns;
+  // slice s of K: columns [s * cluster_columns, ...) of every stream (none past c_x)
+  auto slice_columns = [&](i64 c_lo) {
+    return p.c_x - c_lo < p.cluster_columns ? (p.c_x > c_lo ? (int)(p.c_x - c_lo) : 0)
+                                            : p.cluster_columns;
+  };
+  const i64 c_lo = ((i64)k_group * blocks + rank) * p.cluster_columns;
+  const int cols = slice_columns(c_lo);
   const L at(p.cluster_rows, p.cluster_columns, (int)sizeof(E));
   if (at.bytes > (int)dynamic_smem_size()) __trap();  // the host sized it otherwise
   __shared__ __align__(8) unsigned long long barrier;
   bulk_barrier_init(&barrier);
   const bool bulk = cluster_load<T, N>(p, at, smem, &barrier, row0, rows, c_lo, cols);
 
-  // Warps over (row, K), as mhc_pre_small: with 8 rows or more each warp takes rows w,
-  // w+8, ...; with fewer the warps of one row split its K, 4 elements at a time.
-  int row_warps = 8;
-  while (row_warps > 1 && row_warps / 2 >= rows) row_warps /= 2;
-  const int k_warps = 8 / row_warps;
-  const int warp_row = warp % row_warps, k_part = warp / row_warps;
+  // b for the coefficients, read now, while the slices load: read there, from DRAM, it cost
+  // a decode step ~0.7 us
+  if (tid < Q) sbias[tid] = p.bias[tid * p.bias_stride];
   const float* phis = smem;
   const E* xs = (const E*)(smem + at.xs);
   const int pitch = N * p.cluster_columns, width = N * cols;
-  float acc[ROUNDS][4], sumsq[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    sumsq[i] = 0.f;
-#pragma unroll
-    for (int j = 0; j < ROUNDS; ++j) acc[j][i] = 0.f;
-  }
+  float* red = smem + at.red;
   if (bulk)
     bulk_wait(&barrier);
   else
     cp_async_wait_all_but(0);
   __syncthreads();
-  for (int f = 4 * k_part; f < width; f += 4 * k_warps) {  // (mhc_pre_small's loop, + sum(x*x))
-    float w[ROUNDS][4];
+  // The projection: each thread takes K elements tid, tid + PROJECT_THREADS, ... of a row,
+  // with every column of h and sum(x*x) in its registers: independent FMAs, where one lane
+  // per column of h chained them (H200, B1 n4 bf16 c_x7168: 7.4 -> 2.2 us, c_x1280 1.9 ->
+  // 1.0); then the warp's sums by recursive halving (each lane ends with L::P / 32 of them),
+  // and the warps' in order (deterministic).
+  for (int r = 0; r < rows; ++r) {
+    float v[L::P];
 #pragma unroll
-    for (int j = 0; j < ROUNDS; ++j)
+    for (int q = 0; q < L::P; ++q) v[q] = 0.f;
+    for (int k = tid; k < width; k += PROJECT_THREADS) {
+      const float xv = Io<T>::to_float(xs[r * pitch + k]);
+      const float* row = phis + k * Q;
+      if constexpr (Q % 4 == 0) {  // rows of whole 16-byte words
 #pragma unroll
-      for (int e = 0; e < 4; ++e) w[j][e] = lane + 32 * j < Q ? phis[(f + e) * Q + lane + 32 * j] : 0.f;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int r = warp_row + row_warps * i;
-      if (r < rows) {  // warp-uniform
-        float v[4];
-        small_load4<T>(xs + r * pitch + f, v);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          sumsq[i] = fmaf(v[e], v[e], sumsq[i]);  // (every lane the same: lane 0's is kept)
-#pragma unroll
-          for (int j = 0; j < ROUNDS; ++j) acc[j][i] = fmaf(v[e], w[j][e], acc[j][i]);
+        for (int q = 0; q < Q; q += 4) {
+          const float4 w = *reinterpret_cast<const float4*>(row + q);
+          v[q] = fmaf(xv, w.x, v[q]);
+          v[q + 1] = fmaf(xv, w.y, v[q + 1]);
+          v[q + 2] = fmaf(xv, w.z, v[q + 2]);
+          v[q + 3] = fmaf(xv, w.w, v[q + 3]);
         }
-      }
-    }
-  }
-  // k_warps > 1 only when rows <= row_warps: one row a warp, in acc[.][0] and sumsq[0]
-  float* red = smem + at.red;
-  if (k_part > 0) {
-    float* mine = red + ((k_part - 1) * row_warps + warp_row) * L::RED_STRIDE;
+      } else {
 #pragma unroll
-    for (int j = 0; j < ROUNDS; ++j) mine[j * 32 + lane] = acc[j][0];
-    if (lane == 0) mine[ROUNDS * 32] = sumsq[0];
+        for (int q = 0; q < Q; ++q) v[q] = fmaf(xv, row[q], v[q]);
+      }
+      v[Q] = fmaf(xv, xv, v[Q]);
+    }
+    warp_halving_sum<L::P>(v, lane);
+#pragma unroll
+    for (int j = 0; j < L::P / 32; ++j) {
+      const int q = lane * (L::P / 32) + j;
+      if (q < QP) red[(r * L::WARPS + warp) * L::RED_STRIDE + q] = v[j];
+    }
   }
   __syncthreads();
   float* part = smem + at.part;
-  if (k_part == 0) {
-    for (int kp = 1; kp < k_warps; ++kp) {  // a fixed order: deterministic
-      const float* theirs = red + ((kp - 1) * row_warps + warp_row) * L::RED_STRIDE;
+  for (int i = tid; i < rows * QP; i += PROJECT_THREADS) {
+    const int r = i / QP, q = i - r * QP;
+    const float* sums = red + r * L::WARPS * L::RED_STRIDE + q;
+    float s = sums[0];
 #pragma unroll
-      for (int j = 0; j < ROUNDS; ++j) acc[j][0] += theirs[j * 32 + lane];
-      sumsq[0] += theirs[ROUNDS * 32];
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int r = warp_row + row_warps * i;
-      if (r < rows) {
-#pragma unroll
-        for (int j = 0; j < ROUNDS; ++j)
-          if (lane + 32 * j < Q) part[r * QP + lane + 32 * j] = acc[j][i];
-        if (lane == 0) part[r * QP + Q] = sumsq[i];
-      }
-    }
+    for (int w = 1; w < L::WARPS; ++w) s += sums[w * L::RED_STRIDE];
+    part[i] = s;
   }
   cluster_arrive();  // this block's partials, to the cluster
   cluster_wait();    // every block's
@@ -1602,22 +1641,68 @@ __global__ void __launch_bounds__(PROJECT_THREADS, 1) mhc_pre_cluster(const PreP
     sh_h[i] = s;
   }
   __syncthreads();
-  cluster_arrive();  // done reading the others' partials (they wait for it before exiting)
+  if (groups > 1) {
+    // K split over `groups` clusters: each puts its sums in the scratch, and the last of
+    // them to arrive adds all of them, in k_group order (the same bits whichever is last),
+    // and finishes the tokens while the others leave. No cluster waits for another, so
+    // none needs the others resident.
+    __shared__ u32 arrived_last;  // rank 0's, read by the cluster
+    const int sums = p.cluster_rows * QP;
+    float* partials = p.partial + token_group * groups * sums;
+    if (rank == 0) {
+      for (int i = tid; i < rows * QP; i += PROJECT_THREADS) partials[k_group * sums + i] = sh_h[i];
+      __threadfence();  // the sums before the ticket
+      __syncthreads();
+      if (tid == 0) {
+        const u32 ticket = atomicAdd(p.counter + token_group, 1u);
+        arrived_last = ticket == (u32)groups - 1;
+        if (arrived_last) {
+          p.counter[token_group] = 0;  // left zeroed for the stream's next launch
+          __threadfence();             // the others' sums after their tickets
+        }
+      }
+    }
+    cluster_arrive();  // done reading the others' partials; rank 0's arrived_last, released
+    cluster_wait();
+    const bool finish = load_peer_word(&arrived_last, 0) != 0;
+    cluster_arrive_relaxed();  // done reading rank 0's arrived_last (it waits for this to exit)
+    if (!finish) {
+      cluster_wait();
+      return;
+    }
+    for (int i = tid; i < rows * QP; i += PROJECT_THREADS) {
+      float s = load_cg(partials + i);
+      for (int g = 1; g < groups; ++g) s += load_cg(partials + g * sums + i);
+      sh_h[i] = s;
+    }
+    __syncthreads();
+  } else {
+    cluster_arrive_relaxed();  // done reading the others' partials (they wait for it to exit)
+  }
   rows_rms<T, N>(p, sh_h, row0, rows);
   float* coef = smem + at.coef;
-  tile_coefficients<N>(p, sh_h, rows, coef, rank == 0 ? p.h_post + row0 * N : nullptr);
+  tile_coefficients<N>(p, sh_h, rows, coef, rank == 0 ? p.h_post + row0 * N : nullptr, sbias, 1);
   __syncthreads();
 
-  // The mix of this block's columns, x from shared memory.
-  const int units = cols / 8;
-  for (int u = tid; u < rows * units; u += PROJECT_THREADS) {
-    const int r = u / units, c = (u - r * units) * 8;
-    Raw8<T> raw[N];
+  // The mix: this block's slice of every k_group's columns, x from shared memory for its
+  // own slice and from global memory (L2, where the other clusters just read it from) for
+  // the others'.
+  for (int g = 0; g < groups; ++g) {
+    const i64 g_lo = ((i64)g * blocks + rank) * p.cluster_columns;
+    const int units = slice_columns(g_lo) / 8;
+    for (int u = tid; u < rows * units; u += PROJECT_THREADS) {
+      const int r = u / units, c = (u - r * units) * 8;
+      Raw8<T> raw[N];
+      if (g == k_group) {
 #pragma unroll
-    for (int k = 0; k < N; ++k) raw[k] = *(const Raw8<T>*)(xs + r * pitch + k * cols + c);
-    mix_unit<T, N, false>(p, row0 + r, c_lo + c, raw, coef + r * NC);
+        for (int k = 0; k < N; ++k) raw[k] = *(const Raw8<T>*)(xs + r * pitch + k * cols + c);
+      } else {
+        load_unit<T, N>(p, row0 + r, g_lo + c, raw);
+      }
+      mix_unit<T, N, false>(p, row0 + r, g_lo + c, raw, coef + r * NC);
+    }
   }
-  cluster_wait();  // no block leaves while another may still read its partials
+  cluster_wait();  // no block leaves while another may still read its shared memory
 #else
   __trap();  // launched on sm_90 and newer only (_mhc._pre_plan)
 #endif

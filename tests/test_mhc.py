@@ -225,7 +225,7 @@ def test_pre_cluster_launch(rng, n, dtype):
     for c_x, batch in CLUSTER_SHAPES:
         case = random_pre_case(rng, n, c_x, batch, dtype=dtype)
         plan = _mhc._pre_plan(0, dtype, n, c_x, batch)
-        blocks, columns = _mhc.cluster_geometry(c_x)
+        _, blocks, columns = _mhc.cluster_geometry(c_x, plan.cluster_groups)
         spec = _mhc.pre_module(dtype, n)
         kernel = _mhc._cuda.function(spec, spec.name_expressions[-1], 0)  # mhc_pre_cluster
         fits = _mhc.cluster_smem_bytes(n, batch, columns, _mhc.ITEMSIZE[dtype]) <= (
@@ -239,19 +239,50 @@ def test_pre_cluster_launch(rng, n, dtype):
             assert torch.equal(a, b)
 
 
+@GPU
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", (1, 4, 6))
+def test_pre_cluster_launch_split_over_clusters(rng, n, dtype, monkeypatch):
+    """Decode on sm_90 with K split over several clusters of one token group (forced): the
+    plan (checked chosen), every output against the oracle,
+    and a second and third call bit-identical (whichever cluster arrives last sums the
+    clusters' partials in the same order, and leaves the counters zeroed for the next)."""
+    require("cuda", "torch")
+    import torch
+
+    if _mhc._attribute(0, _mhc._COMPUTE_MAJOR) < 9:
+        pytest.skip("thread block clusters need sm_90")
+    monkeypatch.setattr(_mhc, "_MIN_CLUSTER_GROUPS", 3)
+    monkeypatch.setattr(_mhc, "_pre_plans", {})
+    split = 0
+    for c_x, batch in ((7168, 1), (1280, 1), (1000, 3), (4096, 2), (256, 4)):
+        case = random_pre_case(rng, n, c_x, batch, dtype=dtype)
+        plan = _mhc._pre_plan(0, dtype, n, c_x, batch)
+        split += plan.cluster_groups > 1
+        first, second, third = (run_pre(case, "cuda") for _ in range(3))
+        assert_pre_matches(case, first)
+        for a, b, c in zip(first, second, third, strict=True):
+            assert torch.equal(a, b) and torch.equal(a, c)
+    assert split >= 3  # (not a test of the single-cluster path)
+
+
+@pytest.mark.parametrize("groups", (1, 2, 3, 8))
 @pytest.mark.parametrize("c_x", (8, 64, 136, 1000, 1280, 4096, 7168, 8200))
-def test_cluster_geometry_covers_c_x(c_x):
-    """Up to 16 blocks of a multiple of 8 columns, every column in one block, none empty."""
-    blocks, columns = _mhc.cluster_geometry(c_x)
-    assert 1 <= blocks <= 16 and columns % 8 == 0
-    assert (blocks - 1) * columns < c_x <= blocks * columns
+def test_cluster_geometry_covers_c_x(c_x, groups):
+    """Up to ``groups`` clusters of up to 16 blocks of a multiple of 8 columns: every
+    column in one block, no cluster empty, and one group of clusters as before."""
+    used, blocks, columns = _mhc.cluster_geometry(c_x, groups)
+    assert 1 <= used <= groups and 1 <= blocks <= 16 and columns % 8 == 0
+    assert (used * blocks - blocks) * columns < c_x <= used * blocks * columns
+    if groups == 1:
+        assert (blocks - 1) * columns < c_x
 
 
 def test_cluster_smem_counts_every_section():
     """ClusterLayout (mhc.cu) for n = 4, 2 tokens, 80 columns, bf16: phi 4*80 rows of 24
     floats, partials and sums 2*25 floats each (rounded to 4), coefficients 2*20, the
-    K-split warps' 7 rows of 36 floats, then x."""
-    floats = 4 * 80 * 24 + 52 + 52 + 40 + 7 * 36
+    8 warps' sums of each token (25 floats, rounded to 28), then x."""
+    floats = 4 * 80 * 24 + 52 + 52 + 40 + 2 * 8 * 28
     assert _mhc.cluster_smem_bytes(4, 2, 80, 2) == 4 * floats + 2 * 4 * 80 * 2
 
 
@@ -687,7 +718,7 @@ def test_launch_values_pack_into_the_kernel_structs(dtype):
         for s, d in (((3, 520), dtype), ((3, 130), dtype), ((3, 4), "float32"))
     ]
     params = _mhc.pre_launch_params(gates, plan, x, phi, b, *outputs, (1, 2, 3, 4))
-    assert len(params) == 184
+    assert len(params) == 192
     fields = _mhc.PRE_PARAMS
     assert fields.read(params, "x") == x.ptr and fields.read(params, "pieces") == 4
     assert fields.read(params, "batch") == batch and fields.read(params, "c_x") == c_x

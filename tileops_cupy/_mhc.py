@@ -89,10 +89,19 @@ _SMALL_COUNTER_WORDS = _COUNTER_GROUPS + (_FAN_IN + 2) * -(-_MAX_SMALL_ROWS // _
 # _MAX_CLUSTER_ROWS tokens a cluster (the kernel takes up to 32) and _MAX_CLUSTER_SLICE
 # elements a block. H200, bf16 n4, device time against the plans before it: B1 c_x1280
 # 18.5 -> 13.2 us, B4 c_x1280 18.8 -> 13.4, B8 c_x4096 23.1 -> 20.8, B4 c_x7168 24.5 ->
-# 21.6, B32 c_x1280 (2 tokens a cluster) 24.4 -> 18.9; B1 c_x7168 21.0 -> 21.2 (one
-# cluster reads phi at ~270 GB/s); larger slices lose (B16 c_x4096, 2 tokens of 1024
-# elements a block: 24.1 -> 25.6; B64 c_x1280, 4 tokens: 22.2 -> 23.5)
+# 21.6, B32 c_x1280 (2 tokens a cluster) 24.4 -> 18.9; B1 c_x7168 21.0 -> 21.2; larger
+# slices lost (B16 c_x4096, 2 tokens of 1024 elements a block: 24.1 -> 25.6; B64 c_x1280,
+# 4 tokens: 22.2 -> 23.5). Since its projection holds every column of h a thread (mhc.cu),
+# b is read during the loads and the barrier after the partials is relaxed (2026-12-04):
+# B1 c_x1280 13.1 -> 11.9, B1 c_x4096 17.5 -> 13.5, B1 c_x7168 21.3 -> 15.2, B4 c_x7168
+# 21.4 -> 15.4, B8 c_x4096 21.0 -> 16.5, B16 c_x1280 16.7 -> 14.4.
 _MAX_CLUSTER_ROWS, _MAX_CLUSTER_SLICE = 2, 1792
+# K split over clusters (mhc.cu: cluster_groups) only where one cluster a token group does
+# not fit: each token group's clusters then meet through the scratch, which costs more than
+# the share of phi each reads saves (H200, B1 n4 bf16, device time, one cluster against
+# 2-8: c_x1280 11.8 vs 14.4-15.7 us, c_x4096 13.9 vs 15.0-20.5, c_x7168 15.2 vs 16.6-20.8),
+# while B8 c_x7168 (two tokens a cluster, three clusters each) takes 26.9 -> 21.6 us.
+_MIN_CLUSTER_GROUPS, _MAX_CLUSTER_GROUPS = 1, 8
 _MAX_CLUSTER_BLOCKS = _GEOMETRY["CLUSTER_BLOCKS"]
 
 # The sections of mHC pre backward's scratch, in their order in the one buffer (each a
@@ -334,6 +343,7 @@ class _PrePlan:
     scratch: tuple[int, int, int, int]  # words of partials, coefficients, counters, pieces
     cluster_rows: int = 0  # mhc_pre_cluster: tokens a cluster (0: another plan)
     cluster_columns: int = 0  # mhc_pre_cluster: columns of each stream a block
+    cluster_groups: int = 1  # mhc_pre_cluster: clusters splitting K for one group of tokens
     # (words, word offset of the partials, coefficients, counters and pieces) in one buffer
     scratch_layout: tuple[int, tuple[int, ...]] = field(init=False)
 
@@ -341,7 +351,7 @@ class _PrePlan:
         # mhc_pre_small's counters come first, in a section of one size for every plan: a
         # stream's workspace serves plans of any batch, and each launch zeroes only the
         # counters it used, so every other word there must be a counter too
-        if self.small:
+        if self.workspace:
             partials, coefficients, counters, _ = self.scratch
             words, (counter, partial, coef) = scratch_sections((counters, partials, coefficients))
             layout = words, (partial, coef, counter, words)
@@ -351,8 +361,9 @@ class _PrePlan:
 
     @property
     def workspace(self) -> bool:
-        """Whether the scratch is the stream's workspace (:func:`_scratch`)."""
-        return self.small
+        """Whether the scratch is the stream's workspace (:func:`_scratch`): the one-launch
+        plans with counters."""
+        return self.small or self.cluster_groups > 1
 
     @property
     def counters(self) -> tuple[int, int]:
@@ -409,24 +420,26 @@ def small_geometry(batch: int, width: int, resident_blocks: int) -> tuple[int, i
     return k_range, -(-width // k_range), groups
 
 
-def cluster_geometry(c_x: int) -> tuple[int, int]:
-    """(blocks, columns) of each mhc_pre_cluster cluster: up to _MAX_CLUSTER_BLOCKS blocks
-    of ``columns`` (a multiple of 8) columns of every stream, which cover c_x."""
-    columns = -(-c_x // (_MAX_CLUSTER_BLOCKS * 8)) * 8
-    return -(-c_x // columns), columns
+def cluster_geometry(c_x: int, groups: int = 1) -> tuple[int, int, int]:
+    """(groups, blocks, columns) of mhc_pre_cluster's clusters of one group of tokens: up to
+    ``groups`` clusters (fewer where fewer cover c_x) of up to _MAX_CLUSTER_BLOCKS blocks of
+    ``columns`` (a multiple of 8) columns of every stream, which cover c_x."""
+    columns = -(-c_x // (groups * _MAX_CLUSTER_BLOCKS * 8)) * 8
+    slices = -(-c_x // columns)
+    blocks = -(-slices // groups)
+    return -(-slices // blocks), blocks, columns
 
 
 def cluster_smem_bytes(n: int, rows: int, columns: int, itemsize: int) -> int:
     """Dynamic shared memory of an mhc_pre_cluster block (mhc.cu's ClusterLayout, whose
     sections these are; the kernel traps if it gets less)."""
     q, nc = n * n + 2 * n, n + n * n
-    red_stride = -(-q // 32) * 32 + 4
 
     def floats4(floats: int) -> int:
         return -(-floats // 4) * 4
 
-    red_rows = _PROJECT_THREADS // 32 - 1  # the K-split warps but one
-    xs = n * columns * q + 2 * floats4(rows * (q + 1)) + floats4(rows * nc) + red_rows * red_stride
+    red = rows * (_PROJECT_THREADS // 32) * floats4(q + 1)  # each warp's sums
+    xs = n * columns * q + 2 * floats4(rows * (q + 1)) + floats4(rows * nc) + red
     return 4 * xs + rows * n * columns * itemsize
 
 
@@ -467,32 +480,41 @@ def _cluster_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _Pre
     """mhc_pre_cluster's plan, or None where it does not apply: before sm_90, c_x not a
     multiple of 8, or where every cluster resident at once would take more than
     _MAX_CLUSTER_ROWS tokens or a block's slice of x more than _MAX_CLUSTER_SLICE elements
-    (or more than its shared memory). Tokens a cluster: the fewest that let every cluster be
+    (or more than its shared memory) at every split of K over up to _MAX_CLUSTER_GROUPS
+    clusters of a token group. The fewest clusters a token group that fit (from
+    _MIN_CLUSTER_GROUPS), then the fewest tokens a cluster that let every cluster be
     resident at once."""
     if _attribute(device, _COMPUTE_MAJOR) < 9 or c_x % 8 or batch == 0:
         return None
     spec = pre_module(dtype, n)
     kernel = _cuda.function(spec, spec.name_expressions[-1], device)
-    blocks, columns = cluster_geometry(c_x)
     limit = _dynamic_smem_limit(kernel, device)
-    rows = 1
-    while rows <= _MAX_CLUSTER_ROWS and rows * n * columns <= _MAX_CLUSTER_SLICE:
-        smem = cluster_smem_bytes(n, rows, columns, ITEMSIZE[dtype])
-        if smem > limit:
-            return None
-        resident = _resident_clusters(kernel, device, blocks, smem)
-        if resident == 0:
-            return None
-        if -(-batch // rows) <= resident:
-            clusters = -(-batch // rows)
-            step = _cuda.Step(
-                kernel, (clusters * blocks, 1, 1), (_PROJECT_THREADS, 1, 1), smem, cluster=blocks
-            )
-            return _PrePlan(
-                steps=(step,), n=n, c_x=c_x, k_range=0, k_splits=0, fuse=False, small=False,
-                scratch=(0, 0, 0, 0), cluster_rows=rows, cluster_columns=columns,
-            )  # fmt: skip
-        rows = max(rows + 1, -(-batch // resident))
+    for split in range(_MIN_CLUSTER_GROUPS, _MAX_CLUSTER_GROUPS + 1):
+        groups, blocks, columns = cluster_geometry(c_x, split)
+        if groups < split:
+            continue  # (the same geometry as a smaller split)
+        rows = 1
+        while rows <= _MAX_CLUSTER_ROWS and rows * n * columns <= _MAX_CLUSTER_SLICE:
+            smem = cluster_smem_bytes(n, rows, columns, ITEMSIZE[dtype])
+            resident = _resident_clusters(kernel, device, blocks, smem) if smem <= limit else 0
+            if resident < groups:
+                break
+            token_groups = -(-batch // rows)
+            if token_groups * groups <= resident:
+                if groups > 1 and token_groups > _SMALL_COUNTER_WORDS:
+                    break  # (one counter per token group, in the stream's workspace)
+                step = _cuda.Step(
+                    kernel, (token_groups * groups * blocks, 1, 1), (_PROJECT_THREADS, 1, 1),
+                    smem, cluster=blocks,
+                )  # fmt: skip
+                partials = token_groups * groups * rows * (n * n + 2 * n + 1) if groups > 1 else 0
+                return _PrePlan(
+                    steps=(step,), n=n, c_x=c_x, k_range=0, k_splits=0, fuse=False,
+                    small=False, cluster_rows=rows, cluster_columns=columns,
+                    cluster_groups=groups,
+                    scratch=(partials, 0, _SMALL_COUNTER_WORDS if groups > 1 else 0, 0),
+                )  # fmt: skip
+            rows = max(rows + 1, -(-batch // (resident // groups)))
     return None
 
 
@@ -815,7 +837,7 @@ def pre_launch_params(
         phi_dense=phi.strides == (q, 1) and phi.ptr % 16 == 0,
         alpha_pre=gates.alpha_pre, alpha_post=gates.alpha_post, alpha_res=gates.alpha_res,
         eps=gates.sinkhorn_eps, cluster_rows=plan.cluster_rows,
-        cluster_columns=plan.cluster_columns,
+        cluster_columns=plan.cluster_columns, cluster_groups=plan.cluster_groups, unused=0,
     )  # fmt: skip
 
 
