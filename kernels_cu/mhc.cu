@@ -1419,12 +1419,13 @@ __device__ __forceinline__ void cluster_wait() {
   asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
 
-// An mbarrier in shared memory that bulk copies complete: initialised for one arrival (the
-// thread that announces the bytes), made visible to the copies (the async proxy) and to the
-// block before any copy is issued.
-__device__ __forceinline__ void bulk_barrier_init(unsigned long long* barrier) {
+// `count` mbarriers in shared memory that bulk copies complete: each initialised for one
+// arrival (the thread that announces its bytes), made visible to the copies (the async
+// proxy) and to the block before any copy is issued.
+__device__ __forceinline__ void bulk_barrier_init(unsigned long long* barriers, int count) {
   if (threadIdx.x == 0) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_address(barrier)) : "memory");
+    for (int i = 0; i < count; ++i)
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_address(barriers + i)) : "memory");
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -1473,14 +1474,15 @@ __device__ __forceinline__ float load_peer(const float* local, u32 rank) {
 #endif
 
 // The block's slices of x (rows x n streams x cols) and of phi (n * cols rows of Q) into
-// shared memory, asynchronously: where x rows are 16-byte aligned and phi packed, one bulk
-// copy per (row, stream) run of x and per stream of phi, issued by the first warp and
-// counted on `barrier`; otherwise 16- and 4-byte cp.async copies (one commit group).
-// Returns whether the bulk copies were used (the caller waits on the barrier, else on the
-// commit group).
+// shared memory, asynchronously: where x rows are 16-byte aligned and phi packed, bulk
+// copies, stream by stream (phi's rows of the stream, then each token's run of it), each
+// stream's counted on its own barrier of `barriers` [N], so that the projection starts on a
+// stream while the next ones still land; otherwise 16- and 4-byte cp.async copies (one
+// commit group). Returns whether the bulk copies were used (the caller waits on the
+// barriers, else on the commit group).
 template <typename T, int N>
 __device__ __forceinline__ bool cluster_load(const PreParams& p, const ClusterLayout<N>& at, float* smem,
-                                             unsigned long long* barrier, i64 row0, int rows, i64 c_lo,
+                                             unsigned long long* barriers, i64 row0, int rows, i64 c_lo,
                                              int cols) {
   typedef typename Io<T>::elem E;
   constexpr int Q = Dims<N>::Q;
@@ -1490,16 +1492,14 @@ __device__ __forceinline__ bool cluster_load(const PreParams& p, const ClusterLa
   const int pitch = N * p.cluster_columns;
   float* phis = smem;
   if (p.vector_io && p.phi_dense) {  // c_x, c_lo and cols multiples of 8: runs of 16 bytes
-    if (tid < 32) {
+    if (tid == 0) {  // (one thread, so that the copies are issued in stream order)
       const u32 x_run = cols * (int)sizeof(E), phi_run = cols * Q * 4;
-      if (tid == 0) bulk_expect(barrier, (u32)(rows * N) * x_run + N * phi_run);
-      __syncwarp();
-      if (cols > 0) {
-        for (int k = tid; k < N; k += 32)
-          bulk_copy(phis + k * cols * Q, p.phi + (k * p.c_x + c_lo) * Q, phi_run, barrier);
-        for (int s = tid; s < rows * N; s += 32) {
-          const int r = s / N, k = s - r * N;
-          bulk_copy(xs + r * pitch + k * cols, x + r * p.x_stride + k * p.c_x, x_run, barrier);
+      for (int k = 0; k < N; ++k) {
+        bulk_expect(barriers + k, (u32)rows * x_run + phi_run);
+        if (cols > 0) {
+          bulk_copy(phis + k * cols * Q, p.phi + (k * p.c_x + c_lo) * Q, phi_run, barriers + k);
+          for (int r = 0; r < rows; ++r)
+            bulk_copy(xs + r * pitch + k * cols, x + r * p.x_stride + k * p.c_x, x_run, barriers + k);
         }
       }
     }
@@ -1565,48 +1565,54 @@ __global__ void __launch_bounds__(PROJECT_THREADS, 1) mhc_pre_cluster(const PreP
   const int cols = slice_columns(c_lo);
   const L at(p.cluster_rows, p.cluster_columns, (int)sizeof(E));
   if (at.bytes > (int)dynamic_smem_size()) __trap();  // the host sized it otherwise
-  __shared__ __align__(8) unsigned long long barrier;
-  bulk_barrier_init(&barrier);
-  const bool bulk = cluster_load<T, N>(p, at, smem, &barrier, row0, rows, c_lo, cols);
+  __shared__ __align__(8) unsigned long long barriers[N];  // one a stream (cluster_load)
+  bulk_barrier_init(barriers, N);
+  const bool bulk = cluster_load<T, N>(p, at, smem, barriers, row0, rows, c_lo, cols);
 
   // b for the coefficients, read now, while the slices load: read there, from DRAM, it cost
   // a decode step ~0.7 us
   if (tid < Q) sbias[tid] = p.bias[tid * p.bias_stride];
   const float* phis = smem;
   const E* xs = (const E*)(smem + at.xs);
-  const int pitch = N * p.cluster_columns, width = N * cols;
+  const int pitch = N * p.cluster_columns;
   float* red = smem + at.red;
-  if (bulk)
-    bulk_wait(&barrier);
-  else
+  if (!bulk) {
     cp_async_wait_all_but(0);
-  __syncthreads();
+    __syncthreads();
+  }
   // The projection: each thread takes K elements tid, tid + PROJECT_THREADS, ... of a row,
-  // with every column of h and sum(x*x) in its registers: independent FMAs, where one lane
-  // per column of h chained them (H200, B1 n4 bf16 c_x7168: 7.4 -> 2.2 us, c_x1280 1.9 ->
-  // 1.0); then the warp's sums by recursive halving (each lane ends with L::P / 32 of them),
-  // and the warps' in order (deterministic).
+  // stream by stream, each as soon as its copies have landed (H200, B1 n4 bf16 c_x7168
+  // against one wait for all: 15.1-15.8 -> 14.0-14.1 us; the same bits), with every column
+  // of h and sum(x*x) in its registers: independent FMAs, where one lane per column of h
+  // chained them (c_x7168: 7.4 -> 2.2 us, c_x1280 1.9 -> 1.0); then the warp's sums by
+  // recursive halving (each lane ends with L::P / 32 of them), and the warps' in order
+  // (deterministic).
   for (int r = 0; r < rows; ++r) {
     float v[L::P];
 #pragma unroll
     for (int q = 0; q < L::P; ++q) v[q] = 0.f;
-    for (int k = tid; k < width; k += PROJECT_THREADS) {
-      const float xv = Io<T>::to_float(xs[r * pitch + k]);
-      const float* row = phis + k * Q;
-      if constexpr (Q % 4 == 0) {  // rows of whole 16-byte words
+    for (int stream = 0; stream < N; ++stream) {
+      if (bulk && r == 0) bulk_wait(barriers + stream);
+      const int first = stream * cols;  // (k = first + c is this thread's when k % threads == tid)
+      for (int k = first + (tid - first % PROJECT_THREADS + PROJECT_THREADS) % PROJECT_THREADS;
+           k < first + cols; k += PROJECT_THREADS) {
+        const float xv = Io<T>::to_float(xs[r * pitch + k]);
+        const float* row = phis + k * Q;
+        if constexpr (Q % 4 == 0) {  // rows of whole 16-byte words
 #pragma unroll
-        for (int q = 0; q < Q; q += 4) {
-          const float4 w = *reinterpret_cast<const float4*>(row + q);
-          v[q] = fmaf(xv, w.x, v[q]);
-          v[q + 1] = fmaf(xv, w.y, v[q + 1]);
-          v[q + 2] = fmaf(xv, w.z, v[q + 2]);
-          v[q + 3] = fmaf(xv, w.w, v[q + 3]);
+          for (int q = 0; q < Q; q += 4) {
+            const float4 w = *reinterpret_cast<const float4*>(row + q);
+            v[q] = fmaf(xv, w.x, v[q]);
+            v[q + 1] = fmaf(xv, w.y, v[q + 1]);
+            v[q + 2] = fmaf(xv, w.z, v[q + 2]);
+            v[q + 3] = fmaf(xv, w.w, v[q + 3]);
+          }
+        } else {
+#pragma unroll
+          for (int q = 0; q < Q; ++q) v[q] = fmaf(xv, row[q], v[q]);
         }
-      } else {
-#pragma unroll
-        for (int q = 0; q < Q; ++q) v[q] = fmaf(xv, row[q], v[q]);
+        v[Q] = fmaf(xv, xv, v[Q]);
       }
-      v[Q] = fmaf(xv, xv, v[Q]);
     }
     warp_halving_sum<L::P>(v, lane);
 #pragma unroll

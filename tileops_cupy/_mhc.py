@@ -17,7 +17,8 @@ reductions), as the stages of one cooperative launch up to 64 tokens; post and p
 backward one each. Scratch (partial sums, per-token coefficients, Sinkhorn checkpoints) is
 one fresh buffer of the caller's allocator per call, except for the one-launch pre and pre
 backward, which keep a workspace per stream (:func:`_scratch` says why); the cluster launch
-needs none.
+needs none unless it splits K over several clusters of a token group (then the workspace
+too, for their sums and tickets).
 """
 
 from __future__ import annotations
@@ -84,17 +85,17 @@ _SMALL_ROWS, _SMALL_CHUNK, _FAN_IN = (
 # splits finished of each fan-in, the fan-in sums finished and the group's flag
 _SMALL_COUNTER_WORDS = _COUNTER_GROUPS + (_FAN_IN + 2) * -(-_MAX_SMALL_ROWS // _SMALL_ROWS)
 # mhc_pre_cluster (sm_90): one launch of clusters of _MAX_CLUSTER_BLOCKS blocks (the largest
-# cluster sm_90 allows, non-portable), every cluster resident at once. Its projection runs on
-# the CUDA cores, so it is planned where a block's slice of x is small: at most
-# _MAX_CLUSTER_ROWS tokens a cluster (the kernel takes up to 32) and _MAX_CLUSTER_SLICE
+# cluster sm_90 allows, non-portable), every cluster resident at once. It is planned where a
+# block's slice of x is small: at most _MAX_CLUSTER_ROWS tokens a cluster (the kernel takes
+# up to 32; its projection reads phi from shared memory once a token) and _MAX_CLUSTER_SLICE
 # elements a block. H200, bf16 n4, device time against the plans before it: B1 c_x1280
-# 18.5 -> 13.2 us, B4 c_x1280 18.8 -> 13.4, B8 c_x4096 23.1 -> 20.8, B4 c_x7168 24.5 ->
-# 21.6, B32 c_x1280 (2 tokens a cluster) 24.4 -> 18.9; B1 c_x7168 21.0 -> 21.2; larger
-# slices lost (B16 c_x4096, 2 tokens of 1024 elements a block: 24.1 -> 25.6; B64 c_x1280,
-# 4 tokens: 22.2 -> 23.5). Since its projection holds every column of h a thread (mhc.cu),
-# b is read during the loads and the barrier after the partials is relaxed (2026-12-04):
-# B1 c_x1280 13.1 -> 11.9, B1 c_x4096 17.5 -> 13.5, B1 c_x7168 21.3 -> 15.2, B4 c_x7168
-# 21.4 -> 15.4, B8 c_x4096 21.0 -> 16.5, B16 c_x1280 16.7 -> 14.4.
+# 18.5 -> 13.2 us, B4 c_x7168 24.5 -> 21.6 (first version); since its projection holds
+# every column of h a thread, b is read during the loads, the barrier after the partials is
+# relaxed and the projection starts on each stream as it lands (2026-12-04): B1 c_x1280
+# 11.9, B1 c_x4096 13.5, B1 c_x7168 14.0, B4 c_x7168 15.0, B8 c_x4096 17.2, B16 c_x1280
+# 14.9 us. Measured then, not yet shipped (the GPU tests have not run with it): up to 8
+# tokens a cluster and no slice limit take B16 c_x4096 24.5 -> 19.9, B16 c_x7168 32.2 ->
+# 18.8, B32 c_x1280 24.5 -> 16.8, B32 c_x4096 32.0 -> 23.6, B64 c_x1280 21.4 -> 19.9.
 _MAX_CLUSTER_ROWS, _MAX_CLUSTER_SLICE = 2, 1792
 # K split over clusters (mhc.cu: cluster_groups) only where one cluster a token group does
 # not fit: each token group's clusters then meet through the scratch, which costs more than
@@ -481,9 +482,9 @@ def _cluster_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _Pre
     multiple of 8, or where every cluster resident at once would take more than
     _MAX_CLUSTER_ROWS tokens or a block's slice of x more than _MAX_CLUSTER_SLICE elements
     (or more than its shared memory) at every split of K over up to _MAX_CLUSTER_GROUPS
-    clusters of a token group. The fewest clusters a token group that fit (from
-    _MIN_CLUSTER_GROUPS), then the fewest tokens a cluster that let every cluster be
-    resident at once."""
+    clusters of a token group. The fewest clusters a token
+    group that fit (from _MIN_CLUSTER_GROUPS), then the fewest tokens a cluster that let
+    every cluster be resident at once."""
     if _attribute(device, _COMPUTE_MAJOR) < 9 or c_x % 8 or batch == 0:
         return None
     spec = pre_module(dtype, n)
