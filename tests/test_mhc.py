@@ -244,9 +244,9 @@ def test_pre_cluster_launch(rng, n, dtype):
 @pytest.mark.parametrize("n", (1, 4, 6))
 def test_pre_cluster_launch_split_over_clusters(rng, n, dtype, monkeypatch):
     """Decode on sm_90 with K split over several clusters of one token group (forced): the
-    plan (checked chosen), every output against the oracle,
-    and a second and third call bit-identical (whichever cluster arrives last sums the
-    clusters' partials in the same order, and leaves the counters zeroed for the next)."""
+    plan (checked chosen), every output against the oracle, and a second and third call
+    bit-identical (whichever cluster arrives last sums the clusters' partials in the same
+    order, and leaves the counters zeroed for the next)."""
     require("cuda", "torch")
     import torch
 

@@ -101,7 +101,7 @@ _MAX_CLUSTER_ROWS, _MAX_CLUSTER_SLICE = 2, 1792
 # not fit: each token group's clusters then meet through the scratch, which costs more than
 # the share of phi each reads saves (H200, B1 n4 bf16, device time, one cluster against
 # 2-8: c_x1280 11.8 vs 14.4-15.7 us, c_x4096 13.9 vs 15.0-20.5, c_x7168 15.2 vs 16.6-20.8),
-# while B8 c_x7168 (two tokens a cluster, three clusters each) takes 26.9 -> 21.6 us.
+# while B8 c_x7168 (two tokens a cluster, two clusters each) takes 26.3-26.9 -> 20.7-21.9.
 _MIN_CLUSTER_GROUPS, _MAX_CLUSTER_GROUPS = 1, 8
 _MAX_CLUSTER_BLOCKS = _GEOMETRY["CLUSTER_BLOCKS"]
 
@@ -482,9 +482,9 @@ def _cluster_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _Pre
     multiple of 8, or where every cluster resident at once would take more than
     _MAX_CLUSTER_ROWS tokens or a block's slice of x more than _MAX_CLUSTER_SLICE elements
     (or more than its shared memory) at every split of K over up to _MAX_CLUSTER_GROUPS
-    clusters of a token group. The fewest clusters a token
-    group that fit (from _MIN_CLUSTER_GROUPS), then the fewest tokens a cluster that let
-    every cluster be resident at once."""
+    clusters of a token group. The fewest clusters a token group that fit (from
+    _MIN_CLUSTER_GROUPS), then the fewest tokens a cluster that let every cluster be
+    resident at once."""
     if _attribute(device, _COMPUTE_MAJOR) < 9 or c_x % 8 or batch == 0:
         return None
     spec = pre_module(dtype, n)
