@@ -278,6 +278,39 @@ def test_cluster_geometry_covers_c_x(c_x, groups):
         assert (blocks - 1) * columns < c_x
 
 
+def test_cluster_plan_takes_the_fewest_clusters_a_token_group_that_fit(monkeypatch):
+    """_cluster_plan's choices on a modelled sm_90 device (7 resident clusters of blocks
+    with more than 100 KB of shared memory, else 16): one cluster a token group wherever
+    it fits, with no scratch; K split over the fewest clusters that fit otherwise, their
+    sums and tickets in the stream's workspace (counters first, the size every workspace
+    plan gives them)."""
+    monkeypatch.setattr(_mhc, "_attribute", lambda device, attribute: 9)
+    monkeypatch.setattr(_mhc._cuda, "function", lambda spec, name, device: None)
+    monkeypatch.setattr(_mhc, "_dynamic_smem_limit", lambda kernel, device: 227 * 1024)
+    monkeypatch.setattr(
+        _mhc,
+        "_resident_clusters",
+        lambda kernel, device, blocks, smem: 7 if smem > 100 << 10 else 16,
+    )
+    whole = _mhc._cluster_plan(0, "bfloat16", 4, 1280, 1)
+    assert (whole.cluster_groups, whole.cluster_rows, whole.cluster_columns) == (1, 1, 80)
+    assert whole.steps[0].grid[0] == 16 and whole.steps[0].cluster == 16
+    assert not whole.workspace and whole.scratch_layout[0] == 0
+    # 8 tokens of c_x 7168: one cluster each does not fit (8 > 7 resident; two tokens a
+    # cluster pass the slice limit), two clusters of 224 columns a block do
+    split = _mhc._cluster_plan(0, "bfloat16", 4, 7168, 8)
+    assert (split.cluster_groups, split.cluster_rows, split.cluster_columns) == (2, 1, 224)
+    assert split.steps[0].grid[0] == 8 * 2 * 16 and split.steps[0].cluster == 16
+    assert split.workspace and split.counters == (0, _mhc._SMALL_COUNTER_WORDS)
+    words, (partial, _, counter, _) = split.scratch_layout
+    assert counter == 0 and partial >= _mhc._SMALL_COUNTER_WORDS
+    assert words >= partial + 8 * 2 * 25  # [token groups][clusters][tokens][Q+1]
+    monkeypatch.setattr(_mhc, "_MIN_CLUSTER_GROUPS", 3)
+    forced = _mhc._cluster_plan(0, "bfloat16", 4, 1280, 1)
+    assert (forced.cluster_groups, forced.cluster_columns) == (3, 32)
+    assert forced.steps[0].grid[0] == 3 * 14 and forced.steps[0].cluster == 14
+
+
 def test_cluster_smem_counts_every_section():
     """ClusterLayout (mhc.cu) for n = 4, 2 tokens, 80 columns, bf16: phi 4*80 rows of 24
     floats, partials and sums 2*25 floats each (rounded to 4), coefficients 2*20, the
