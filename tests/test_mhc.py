@@ -206,9 +206,10 @@ def test_pre_production_shapes(rng):
 
 
 # (c_x, batch) that sm_90 runs as one mhc_pre_cluster launch: 16 blocks of 80 columns;
-# 1000 = 15 blocks of 64 and one of 40; 136 = 8 blocks of 16 and one of 8; two tokens a
-# cluster where the batch outnumbers the resident clusters (7-8 on the H200)
-CLUSTER_SHAPES = ((1280, 1), (1000, 3), (136, 4), (64, 2), (256, 20))
+# 1000 = 15 blocks of 64 and one of 40; 136 = 8 blocks of 16 and one of 8; several tokens a
+# cluster where the batch outnumbers the resident clusters (7-8 on the H200): 3 at B20,
+# 2 of 256 columns at B16 c_x4096, 5-6 at B40
+CLUSTER_SHAPES = ((1280, 1), (1000, 3), (136, 4), (64, 2), (256, 20), (4096, 16), (1280, 40))
 
 
 @GPU
@@ -228,10 +229,13 @@ def test_pre_cluster_launch(rng, n, dtype):
         _, blocks, columns = _mhc.cluster_geometry(c_x, plan.cluster_groups)
         spec = _mhc.pre_module(dtype, n)
         kernel = _mhc._cuda.function(spec, spec.name_expressions[-1], 0)  # mhc_pre_cluster
-        fits = _mhc.cluster_smem_bytes(n, batch, columns, _mhc.ITEMSIZE[dtype]) <= (
-            _mhc._dynamic_smem_limit(kernel, 0)
-        )
-        if clustered and batch * n * columns <= _mhc._MAX_CLUSTER_SLICE and fits:
+        # planned for certain where _MAX_CLUSTER_ROWS tokens a cluster fit and enough such
+        # clusters are resident at once for the batch
+        most = _mhc.cluster_smem_bytes(n, _mhc._MAX_CLUSTER_ROWS, columns, _mhc.ITEMSIZE[dtype])
+        resident = 0
+        if clustered and most <= _mhc._dynamic_smem_limit(kernel, 0):
+            resident = _mhc._resident_clusters(kernel, 0, blocks, most)
+        if resident and batch <= resident * _mhc._MAX_CLUSTER_ROWS:
             assert plan.cluster_columns == columns and plan.steps[0].cluster == blocks
         first, second = run_pre(case, "cuda"), run_pre(case, "cuda")
         assert_pre_matches(case, first)
@@ -296,15 +300,18 @@ def test_cluster_plan_takes_the_fewest_clusters_a_token_group_that_fit(monkeypat
     assert (whole.cluster_groups, whole.cluster_rows, whole.cluster_columns) == (1, 1, 80)
     assert whole.steps[0].grid[0] == 16 and whole.steps[0].cluster == 16
     assert not whole.workspace and whole.scratch_layout[0] == 0
-    # 8 tokens of c_x 7168: one cluster each does not fit (8 > 7 resident; two tokens a
-    # cluster pass the slice limit), two clusters of 224 columns a block do
-    split = _mhc._cluster_plan(0, "bfloat16", 4, 7168, 8)
-    assert (split.cluster_groups, split.cluster_rows, split.cluster_columns) == (2, 1, 224)
+    # 64 tokens of c_x 4096: one cluster a token group does not fit (7 resident, so 10
+    # tokens a cluster > _MAX_CLUSTER_ROWS); two clusters of 128 columns a block, 16
+    # resident, 8 tokens each, do
+    split = _mhc._cluster_plan(0, "bfloat16", 4, 4096, 64)
+    assert (split.cluster_groups, split.cluster_rows, split.cluster_columns) == (2, 8, 128)
     assert split.steps[0].grid[0] == 8 * 2 * 16 and split.steps[0].cluster == 16
     assert split.workspace and split.counters == (0, _mhc._SMALL_COUNTER_WORDS)
     words, (partial, _, counter, _) = split.scratch_layout
     assert counter == 0 and partial >= _mhc._SMALL_COUNTER_WORDS
-    assert words >= partial + 8 * 2 * 25  # [token groups][clusters][tokens][Q+1]
+    assert words >= partial + 8 * 2 * 8 * 25  # [token groups][clusters][tokens][Q+1]
+    several = _mhc._cluster_plan(0, "bfloat16", 4, 7168, 16)  # 6 clusters of 3 tokens
+    assert (several.cluster_groups, several.cluster_rows, several.steps[0].grid[0]) == (1, 3, 96)
     monkeypatch.setattr(_mhc, "_MIN_CLUSTER_GROUPS", 3)
     forced = _mhc._cluster_plan(0, "bfloat16", 4, 1280, 1)
     assert (forced.cluster_groups, forced.cluster_columns) == (3, 32)

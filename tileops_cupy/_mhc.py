@@ -86,22 +86,25 @@ _SMALL_ROWS, _SMALL_CHUNK, _FAN_IN = (
 _SMALL_COUNTER_WORDS = _COUNTER_GROUPS + (_FAN_IN + 2) * -(-_MAX_SMALL_ROWS // _SMALL_ROWS)
 # mhc_pre_cluster (sm_90): one launch of clusters of _MAX_CLUSTER_BLOCKS blocks (the largest
 # cluster sm_90 allows, non-portable), every cluster resident at once. It is planned where a
-# block's slice of x is small: at most _MAX_CLUSTER_ROWS tokens a cluster (the kernel takes
-# up to 32; its projection reads phi from shared memory once a token) and _MAX_CLUSTER_SLICE
-# elements a block. H200, bf16 n4, device time against the plans before it: B1 c_x1280
-# 18.5 -> 13.2 us, B4 c_x7168 24.5 -> 21.6 (first version); since its projection holds
-# every column of h a thread, b is read during the loads, the barrier after the partials is
-# relaxed and the projection starts on each stream as it lands (2026-12-04): B1 c_x1280
-# 11.9, B1 c_x4096 13.5, B1 c_x7168 14.0, B4 c_x7168 15.0, B8 c_x4096 17.2, B16 c_x1280
-# 14.9 us. Measured then, not yet shipped (the GPU tests have not run with it): up to 8
-# tokens a cluster and no slice limit take B16 c_x4096 24.5 -> 19.9, B16 c_x7168 32.2 ->
-# 18.8, B32 c_x1280 24.5 -> 16.8, B32 c_x4096 32.0 -> 23.6, B64 c_x1280 21.4 -> 19.9.
-_MAX_CLUSTER_ROWS, _MAX_CLUSTER_SLICE = 2, 1792
+# cluster's tokens fit: at most _MAX_CLUSTER_ROWS tokens a cluster (the kernel takes up to
+# 32, but its projection reads phi from shared memory once a token, so more tokens a
+# cluster lose to the split plans) and their slices of x in a block's shared memory. H200,
+# bf16 n4, device time against the plans before it: B1 c_x1280 18.5 -> 13.2 us, B4 c_x7168
+# 24.5 -> 21.6 (first version); since its projection holds every column of h a thread, b is
+# read during the loads, the barrier after the partials is relaxed and the projection
+# starts on each stream as it lands (2026-12-04): B1 c_x1280 11.9, B1 c_x4096 13.5, B1
+# c_x7168 14.0, B4 c_x7168 15.0, B8 c_x4096 17.2, B16 c_x1280 14.9 us. Up to 8 tokens a
+# cluster (2 before, with at most 1792 elements a block): B8 c_x7168 20.7 (K split over
+# two clusters) -> 16.4, B16 c_x4096 24.5 -> 19.8, B16 c_x7168 32.2 -> 19.0, B32 c_x1280
+# 24.5 -> 17.5, B32 c_x4096 32.0 -> 22.6, B64 c_x1280 21.4 -> 19.8, B64 c_x4096 32.7 ->
+# 27.6 us.
+_MAX_CLUSTER_ROWS = 8
 # K split over clusters (mhc.cu: cluster_groups) only where one cluster a token group does
 # not fit: each token group's clusters then meet through the scratch, which costs more than
 # the share of phi each reads saves (H200, B1 n4 bf16, device time, one cluster against
 # 2-8: c_x1280 11.8 vs 14.4-15.7 us, c_x4096 13.9 vs 15.0-20.5, c_x7168 15.2 vs 16.6-20.8),
-# while B8 c_x7168 (two tokens a cluster, two clusters each) takes 26.3-26.9 -> 20.7-21.9.
+# while it took B8 c_x7168 26.3-26.9 -> 20.7-21.9 when at most 1792 elements of x fitted a
+# block (one cluster of two tokens a group, since: 16.4). Sizes from H200 runs.
 _MIN_CLUSTER_GROUPS, _MAX_CLUSTER_GROUPS = 1, 8
 _MAX_CLUSTER_BLOCKS = _GEOMETRY["CLUSTER_BLOCKS"]
 
@@ -480,11 +483,10 @@ def _resident_clusters(kernel: Any, device: int, blocks: int, smem: int) -> int:
 def _cluster_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan | None:
     """mhc_pre_cluster's plan, or None where it does not apply: before sm_90, c_x not a
     multiple of 8, or where every cluster resident at once would take more than
-    _MAX_CLUSTER_ROWS tokens or a block's slice of x more than _MAX_CLUSTER_SLICE elements
-    (or more than its shared memory) at every split of K over up to _MAX_CLUSTER_GROUPS
-    clusters of a token group. The fewest clusters a token group that fit (from
-    _MIN_CLUSTER_GROUPS), then the fewest tokens a cluster that let every cluster be
-    resident at once."""
+    _MAX_CLUSTER_ROWS tokens or their slices of x more than a block's shared memory at
+    every split of K over up to _MAX_CLUSTER_GROUPS clusters of a token group. The fewest
+    clusters a token group that fit (from _MIN_CLUSTER_GROUPS), then the fewest tokens a
+    cluster that let every cluster be resident at once."""
     if _attribute(device, _COMPUTE_MAJOR) < 9 or c_x % 8 or batch == 0:
         return None
     spec = pre_module(dtype, n)
@@ -495,7 +497,7 @@ def _cluster_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _Pre
         if groups < split:
             continue  # (the same geometry as a smaller split)
         rows = 1
-        while rows <= _MAX_CLUSTER_ROWS and rows * n * columns <= _MAX_CLUSTER_SLICE:
+        while rows <= _MAX_CLUSTER_ROWS:
             smem = cluster_smem_bytes(n, rows, columns, ITEMSIZE[dtype])
             resident = _resident_clusters(kernel, device, blocks, smem) if smem <= limit else 0
             if resident < groups:
