@@ -1387,19 +1387,22 @@ __device__ __forceinline__ void warp_halving_sum(float (&v)[P], int lane) {
   halve<P / 16>(v, lane & 1, 1);
 }
 
-#if __CUDA_ARCH__ >= 900
-// This thread's value of a PTX special register (sm_90: the cluster ones).
+// This thread's value of a PTX special register (the cluster ones: sm_90).
 #define SPECIAL_REGISTER(function, name)          \
   __device__ __forceinline__ u32 function() {     \
     u32 r;                                        \
     asm("mov.u32 %0, %%" name ";" : "=r"(r));     \
     return r;                                     \
   }
+SPECIAL_REGISTER(dynamic_smem_size, "dynamic_smem_size")  // bytes the launch gave the block
+#if __CUDA_ARCH__ >= 900
 SPECIAL_REGISTER(cluster_rank, "cluster_ctarank")      // this block's rank in its cluster
 SPECIAL_REGISTER(cluster_blocks, "cluster_nctarank")   // blocks in the cluster
 SPECIAL_REGISTER(cluster_index, "clusterid.x")         // the cluster's index in the grid
-SPECIAL_REGISTER(dynamic_smem_size, "dynamic_smem_size")  // bytes the launch gave the block
+#endif
 #undef SPECIAL_REGISTER
+
+#if __CUDA_ARCH__ >= 900
 
 // Every thread of every block of the cluster: arrive (this block's shared-memory writes
 // released to the cluster), then wait for all (theirs acquired). Split, so that work

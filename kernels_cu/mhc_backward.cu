@@ -722,33 +722,48 @@ __device__ __forceinline__ void sinkhorn_step_backward(float (&a)[N * N], float 
 }
 
 // Token t < batch, one thread, from the first `splits` partials of stats (k_splits, or 1
-// where they were summed into the first already).
+// where they were summed into the first already). `trace`: where its Sinkhorn matrices are
+// kept, [slot][NN] floats `trace_stride` apart (the p.sinkhorn scratch, or shared memory).
 template <typename T, int N>
-__device__ __forceinline__ void token_chain(const PreBwdParams& p, i64 t, i64 splits) {
+__device__ __forceinline__ void token_chain(const PreBwdParams& p, i64 t, i64 splits, float* trace,
+                                            i64 trace_stride) {
   typedef BwdGeo<T, N> G;
   typedef typename G::E E;
   constexpr int Q = G::Q, W = G::W, NN = G::NN, DP = G::DP, QP16 = G::QP16, CW4 = G::CW4;
   const i64 batch = p.batch;
   auto bias = [&](int q) { return p.bias[q * p.bias_stride]; };
 
-  // the k_splits partials of h, sum(x*x), dloss/dh_pre and dloss/dM, summed in a fixed order
-  float h[Q], sumsq = 0.f, up_pre[N], up_mix[NN];
+  // the k_splits partials of h, sum(x*x), dloss/dh_pre and dloss/dM ([W] floats of a split,
+  // [W][batch] a split, L2 reads: mhc_bwd_fused's blocks wrote them), summed split by split.
+  // The loads of AHEAD splits are issued before any is added: one split at a time, the chain
+  // waited an L2 round trip for each (mhc_bwd_token, bf16 n = 4, B256: 64 splits, 69 -> 63 us).
+  constexpr int AHEAD = W <= 48 ? 4 : W <= 96 ? 2 : 1;
+  float sums[W];
 #pragma unroll
-  for (int q = 0; q < Q; ++q) h[q] = 0.f;
+  for (int w = 0; w < W; ++w) sums[w] = 0.f;
+  const float* src = p.stats + t;
+  i64 s = 0;
+  for (; s + AHEAD <= splits; s += AHEAD) {
+    float v[AHEAD][W];
 #pragma unroll
-  for (int k = 0; k < N; ++k) up_pre[k] = 0.f;
+    for (int j = 0; j < AHEAD; ++j)
 #pragma unroll
-  for (int e = 0; e < NN; ++e) up_mix[e] = 0.f;
-  for (i64 s = 0; s < splits; ++s) {  // (L2 reads: mhc_bwd_fused's blocks wrote them)
-    const float* src = p.stats + s * W * batch + t;  // [W][batch]
+      for (int w = 0; w < W; ++w) v[j][w] = load_cg(src + ((s + j) * W + w) * batch);
 #pragma unroll
-    for (int q = 0; q < Q; ++q) h[q] += load_cg(src + q * batch);
-    sumsq += load_cg(src + Q * batch);
+    for (int j = 0; j < AHEAD; ++j)
 #pragma unroll
-    for (int k = 0; k < N; ++k) up_pre[k] += load_cg(src + (Q + 1 + k) * batch);
-#pragma unroll
-    for (int e = 0; e < NN; ++e) up_mix[e] += load_cg(src + (Q + 1 + N + e) * batch);
+      for (int w = 0; w < W; ++w) sums[w] += v[j][w];
   }
+  for (; s < splits; ++s)
+#pragma unroll
+    for (int w = 0; w < W; ++w) sums[w] += load_cg(src + (s * W + w) * batch);
+  float h[Q], sumsq = sums[Q], up_pre[N], up_mix[NN];
+#pragma unroll
+  for (int q = 0; q < Q; ++q) h[q] = sums[q];
+#pragma unroll
+  for (int k = 0; k < N; ++k) up_pre[k] = sums[Q + 1 + k];
+#pragma unroll
+  for (int e = 0; e < NN; ++e) up_mix[e] = sums[Q + 1 + N + e];
 
   // The row norm. sum(x*x) overflows to inf from |x| ~ 1e19 up (x finite): such a row is
   // read again and summed scaled by the power of two that brings its max |x| into [0.5, 1).
@@ -834,16 +849,15 @@ __device__ __forceinline__ void token_chain(const PreBwdParams& p, i64 t, i64 sp
   }
   const int repeat = p.repeat, seg = p.segment;
   const int checkpoints = (repeat + seg - 1) / seg;
-  // [slot][NN][batch]: the input of every seg-th step, then the inputs of one segment's other
-  // steps (seg = 1 when every step's input fits: nothing is recomputed)
-  float* trace = p.sinkhorn + t;
+  // [slot][NN]: the input of every seg-th step, then the inputs of one segment's other steps
+  // (seg = 1 when every step's input fits: nothing is recomputed)
   auto save = [&](int slot, const float (&v)[NN]) {
 #pragma unroll
-    for (int e = 0; e < NN; ++e) trace[((i64)slot * NN + e) * batch] = v[e];
+    for (int e = 0; e < NN; ++e) trace[((i64)slot * NN + e) * trace_stride] = v[e];
   };
   auto restore = [&](int slot, float (&v)[NN]) {
 #pragma unroll
-    for (int e = 0; e < NN; ++e) v[e] = trace[((i64)slot * NN + e) * batch];
+    for (int e = 0; e < NN; ++e) v[e] = trace[((i64)slot * NN + e) * trace_stride];
   };
   for (int it = 0, phase = 0, slot = 0; it < repeat; ++it) {  // (no division a step)
     if (phase == 0) save(slot++, m);
@@ -924,10 +938,20 @@ __device__ __forceinline__ void token_chain(const PreBwdParams& p, i64 t, i64 sp
   per_token[(Q + 2) * batch] = grad_alpha_res;
 }
 
+// The Sinkhorn trace in shared memory ([slot][NN][BWD_TOKEN_THREADS]) where the launch gives
+// the block room for it (the plan does wherever that keeps every block resident at once),
+// else in the p.sinkhorn scratch ([slot][NN][batch]): the backward steps read each matrix
+// back in turn, and from L2 each read is a round trip the chain waits for.
 template <typename T, int N>
 __global__ void __launch_bounds__(BWD_TOKEN_THREADS) mhc_bwd_token(const PreBwdParams p) {
   const i64 t = (i64)blockIdx.x * BWD_TOKEN_THREADS + threadIdx.x;
-  if (t < p.batch) token_chain<T, N>(p, t, p.k_splits);
+  if (t >= p.batch) return;
+  if (dynamic_smem_size() > 0) {
+    float* kept = (float*)dynamic_smem_bytes() + threadIdx.x;
+    token_chain<T, N>(p, t, p.k_splits, kept, BWD_TOKEN_THREADS);
+  } else {
+    token_chain<T, N>(p, t, p.k_splits, p.sinkhorn + t, p.batch);
+  }
 }
 
 // ------------------------------------------------------------------ second pass
@@ -1323,7 +1347,9 @@ __device__ __noinline__ void fused_pieces(const PreBwdParams& p, i64 block) { pi
 template <typename T, int N>
 __device__ __noinline__ void fused_stats(const PreBwdParams& p, i64 block) { stats_block<T, N>(p, block); }
 template <typename T, int N>
-__device__ __noinline__ void fused_token(const PreBwdParams& p, i64 t) { token_chain<T, N>(p, t, 1); }
+__device__ __noinline__ void fused_token(const PreBwdParams& p, i64 t) {
+  token_chain<T, N>(p, t, 1, p.sinkhorn + t, p.batch);
+}
 template <typename T, int N>
 __device__ __noinline__ void fused_grad(const PreBwdParams& p, i64 block) { grad_block<T, N>(p, block); }
 
@@ -1434,6 +1460,9 @@ __device__ __forceinline__ void store8_or_some(typename Io<T>::elem* p, bool vec
 // every 8 columns one 16-byte access (c_x a multiple of 8, rows 16-byte aligned); a kernel
 // of its own, as the element-wise fallback's registers cost the 16-byte path occupancy (H200,
 // bf16 n=4: B4096 c_x4096 83.9% -> 87.5% of the copy ceiling, B16384 c_x7168 101.6 -> 104.6%).
+#ifndef BWD_POST_UNROLL
+#define BWD_POST_UNROLL 1
+#endif
 template <typename T, int N, bool VECTOR>
 __global__ void __launch_bounds__(BWD_POST_THREADS) mhc_post_bwd(const PostBwdParams p) {
   typedef typename Io<T>::elem E;
@@ -1450,6 +1479,7 @@ __global__ void __launch_bounds__(BWD_POST_THREADS) mhc_post_bwd(const PostBwdPa
     float gate[N], dot[N];
 #pragma unroll
     for (int i = 0; i < N; ++i) gate[i] = gates[i * p.h_stride_col], dot[i] = 0.f;
+#pragma unroll BWD_POST_UNROLL
     for (i64 u = tid; u < p.units; u += BWD_POST_THREADS) {
       const i64 c0 = u * 8;
       const int count = p.c_x - c0 < 8 ? (int)(p.c_x - c0) : 8;
