@@ -6,8 +6,9 @@
 // store8, load_raw8) and tensor-core pieces (build_piece_slot, mma_x_phi) as they are. The geometry defines (BWD_*) follow mhc.cu in the module
 // text, so they never touch the forward's names.
 //
-// Pre backward, five kernels per call (one module per x dtype and n), or for small batches
-// the five as the stages of one cooperative kernel (mhc_bwd_fused, at the end):
+// Pre backward, five kernels per call (six where the first pass has many splits: one module
+// per x dtype and n), or for small batches the five as the stages of one cooperative kernel
+// (mhc_bwd_fused, at the end):
 //   mhc_bwd_pieces  phi as bf16 B fragments of h = x @ phi, one column block per block.
 //   mhc_bwd_stats   the first pass over x, grad_x_res (gxr) and grad_x_layer (gxl), a tile of
 //                   128 tokens by a range of columns c of every stream: h on the tensor cores
@@ -17,6 +18,8 @@
 //                   FMA, into per-split partial sums. Where its stages take a row in runs
 //                   shorter than a 128-byte line (bf16 n = 4: 32 bytes), they ask L2 for the
 //                   whole line (cp_async16_fill_line).
+//   mhc_bwd_splits  (many splits only) the partials summed into the first split's, one thread
+//                   per (row of stats, token).
 //   mhc_bwd_token   one thread per token: the partials summed in a fixed order, the gates and
 //                   the Sinkhorn steps recomputed (each step's input kept in a scratch, or, when
 //                   repeat*n*n is large, every ~sqrt(repeat)-th and one segment's at a time),
@@ -146,10 +149,11 @@ struct PreBwdParams {
   i64 batch, c_x, c_range, k_splits;
   i64 grad_items, grad_blocks, slot_cap;
   int vector_io, repeat, segment, stages;
+  int token_splits, unused;  // partials mhc_bwd_token sums: k_splits, or 1 (mhc_bwd_splits)
   float alpha_pre, alpha_post, alpha_res, eps;
 };
 
-static_assert(sizeof(PreBwdParams) == 296, "PreBwdParams changed size: update this number");
+static_assert(sizeof(PreBwdParams) == 304, "PreBwdParams changed size: update this number");
 
 constexpr int BWD_BLOCK = BWD_THREADS;  // threads of mhc_bwd_pieces, _stats and _grad
 
@@ -948,10 +952,30 @@ __global__ void __launch_bounds__(BWD_TOKEN_THREADS) mhc_bwd_token(const PreBwdP
   if (t >= p.batch) return;
   if (dynamic_smem_size() > 0) {
     float* kept = (float*)dynamic_smem_bytes() + threadIdx.x;
-    token_chain<T, N>(p, t, p.k_splits, kept, BWD_TOKEN_THREADS);
+    token_chain<T, N>(p, t, p.token_splits, kept, BWD_TOKEN_THREADS);
   } else {
-    token_chain<T, N>(p, t, p.k_splits, p.sinkhorn + t, p.batch);
+    token_chain<T, N>(p, t, p.token_splits, p.sinkhorn + t, p.batch);
   }
+}
+
+// Element i of a split's [W][batch] partials, the k splits' summed into the first split's in
+// split order (mhc_bwd_token's: the same bits). Where a batch has many splits, one thread
+// per (row of stats, token) over many blocks, instead of one thread per token summing its
+// own: mhc_bwd_token, bf16 n = 4, alone: B128 c_x7168 (112 splits) 82.7 us, B256 c_x4096 (64)
+// 59.6 us.
+template <typename T, int N>
+__device__ __forceinline__ void sum_splits(const PreBwdParams& p, i64 i) {
+  const i64 sums = (i64)BwdGeo<T, N>::W * p.batch;
+  float total = 0.f;
+#pragma unroll 16
+  for (i64 split = 0; split < p.k_splits; ++split) total += load_cg(p.stats + split * sums + i);
+  p.stats[i] = total;
+}
+
+template <typename T, int N>
+__global__ void __launch_bounds__(BWD_REDUCE_THREADS) mhc_bwd_splits(const PreBwdParams p) {
+  const i64 i = (i64)blockIdx.x * BWD_REDUCE_THREADS + threadIdx.x;
+  if (i < (i64)BwdGeo<T, N>::W * p.batch) sum_splits<T, N>(p, i);
 }
 
 // ------------------------------------------------------------------ second pass
@@ -1365,17 +1389,11 @@ __global__ void __launch_bounds__(BWD_BLOCK, 1) mhc_bwd_fused(const PreBwdParams
     __syncthreads();  // the next block's stages overwrite this one's epilogue buffers
   }
   grid_barrier(p.counter, 2 * blocks);
-  // The k splits' partials summed into the first split's, one thread per (row of stats,
-  // token) over the whole grid, in the order mhc_bwd_token sums them (the same bits): a
-  // small batch has many splits, and one thread summing a token's alone waits out one
-  // round trip per split (80 at c_x 1280).
+  // the k splits' partials summed into the first split's over the whole grid (a small batch
+  // has many splits: 80 at c_x 1280)
   const i64 sums = (i64)G::W * p.batch;
-  for (i64 i = blockIdx.x * BWD_BLOCK + threadIdx.x; i < sums; i += grid * BWD_BLOCK) {
-    float total = 0.f;
-#pragma unroll 16
-    for (i64 split = 0; split < p.k_splits; ++split) total += load_cg(p.stats + split * sums + i);
-    p.stats[i] = total;
-  }
+  for (i64 i = blockIdx.x * BWD_BLOCK + threadIdx.x; i < sums; i += grid * BWD_BLOCK)
+    sum_splits<T, N>(p, i);
   grid_barrier(p.counter, 3 * blocks);
   for (i64 t = blockIdx.x * BWD_BLOCK + threadIdx.x; t < p.batch; t += grid * BWD_BLOCK)
     fused_token<T, N>(p, t);

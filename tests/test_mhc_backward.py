@@ -317,6 +317,70 @@ def test_pre_backward_one_launch_is_the_five_kernels(rng, monkeypatch, n, c_x, b
         assert_pre_backward_matches(case, upstream, fused)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, c_x, batch", ((4, 136, 200), (8, 72, 100), (2, 1000, 70)))
+def test_pre_backward_token_trace_in_scratch_or_shared_memory(rng, monkeypatch, n, c_x, batch):
+    """mhc_bwd_token keeps the Sinkhorn trace in shared memory where its blocks all fit at
+    once, else in the scratch (forced here), and with many first-pass splits runs after
+    mhc_bwd_splits: the same bits each way, within the contract."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    case = random_pre_case(rng, n, c_x, batch, dtype="bfloat16", repeat=20)
+    upstream = upstream_grads(rng, case)
+    monkeypatch.setattr(_mhc, "_pre_backward_plans", {})
+    plan = _mhc._pre_backward_plan(0, "bfloat16", n, c_x, batch, 20)
+    token = plan.steps[-3]
+    assert not plan.fused and token.shared_mem > 0 and plan.scratch[-1] == 0
+    assert (plan.token_splits == 1) == (len(plan.steps) == 6) == (plan.k_splits > 4)
+    in_shared = pre_backward("cuda", case, upstream)
+    with monkeypatch.context() as scratch:
+        scratch.setattr(_mhc, "_pre_backward_plans", {})
+        scratch.setattr(_mhc, "_token_trace_smem", lambda *args: 0)
+        scratch.setattr(_mhc, "_TOKEN_SPLITS", 1 << 30)  # every split summed by the token
+        in_scratch = pre_backward("cuda", case, upstream)
+        plan = _mhc._pre_backward_plan(0, "bfloat16", n, c_x, batch, 20)
+        assert plan.steps[-3].shared_mem == 0 and len(plan.steps) == 5
+    names = ("grad_phi", "grad_x", "grad_b", "grad_alpha")
+    for name, a, b in zip(names, in_shared, in_scratch, strict=True):
+        assert torch.equal(a, b), f"{name}: the token stage's two layouts differ"
+    assert_pre_backward_matches(case, upstream, in_shared)
+
+
+def test_pre_backward_plan_token_stage(monkeypatch):
+    """_pre_backward_plan on a modelled device (132 multiprocessors, 227 KB of shared memory
+    a block, two token blocks of the n = 4 trace each): mhc_bwd_splits before mhc_bwd_token
+    past _TOKEN_SPLITS first-pass splits, the trace in shared memory while every token block
+    is resident at once (no scratch section for it), else in the scratch."""
+    limits = {_mhc._MAX_SMEM_OPTIN: 227 << 10, _mhc._MULTIPROCESSORS: 132}
+    monkeypatch.setattr(_mhc, "_attribute", lambda device, attribute: limits.get(attribute, 9))
+    monkeypatch.setattr(_mhc._cuda, "function", lambda spec, name, device: name.split("<")[0])
+    monkeypatch.setattr(_mhc, "_resident_blocks", lambda kernel, device, threads, smem: 132)
+    monkeypatch.setattr(_mhc, "_dynamic_smem_limit", lambda kernel, device: 227 << 10)
+    monkeypatch.setattr(
+        _mhc, "_per_multiprocessor", lambda kernel, device, threads, smem: (227 << 10) // smem
+    )
+    monkeypatch.setattr(_mhc, "_pre_backward_plans", {})
+    trace = 20 * 16 * _mhc._TOKEN_THREADS * 4  # bytes: 20 steps of a 4x4 matrix a token
+    for batch, c_x, splits, apart, shared in (
+        (256, 4096, 64, True, trace),  # 2 tiles of 128 tokens: many splits
+        (4096, 4096, 4, False, trace),  # 32 tiles: 4 splits, summed by each token's thread
+        (65536, 1024, 1, False, 0),  # 1024 token blocks: more than resident at once
+    ):
+        plan = _mhc._pre_backward_plan(0, "bfloat16", 4, c_x, batch, 20)
+        kernels = [step.kernel for step in plan.steps]
+        assert kernels[:2] == ["mhc_bwd_pieces", "mhc_bwd_stats"]
+        assert kernels[-3:] == ["mhc_bwd_token", "mhc_bwd_grad", "mhc_bwd_reduce"]
+        assert ("mhc_bwd_splits" in kernels) == apart and plan.k_splits == splits
+        assert plan.token_splits == (1 if apart else splits)
+        token = plan.steps[-3]
+        assert token.shared_mem == shared and token.grid[0] == batch // _mhc._TOKEN_THREADS
+        assert plan.scratch[-1] == (0 if shared else 20 * 16 * batch)
+        if apart:
+            assert plan.steps[2].grid[0] == -(-45 * batch // _mhc._REDUCE_THREADS)
+    fused = _mhc._pre_backward_plan(0, "bfloat16", 4, 4096, 64, 20)
+    assert fused.fused and fused.token_splits == 1 and len(fused.steps) == 1
+
+
 # --------------------------------------------------------------------------- post
 
 

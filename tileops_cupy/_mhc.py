@@ -123,6 +123,9 @@ _THREADS = 256  # mhc_bwd_pieces, mhc_bwd_stats, mhc_bwd_grad
 _STATS_TILE = 128  # tokens per mhc_bwd_stats block: two threads per token
 _GRAD_TILE = 32  # tokens per mhc_bwd_grad item: two 16-token m-tiles
 _TOKEN_THREADS = 64  # mhc_bwd_token: one thread per token, small blocks spread over the SMs
+# mhc_bwd_token sums up to this many first-pass splits itself; mhc_bwd_splits sums more
+# first, over many more threads (each token's thread waits one L2 round trip a few splits)
+_TOKEN_SPLITS = 4
 _REDUCE_THREADS = 256
 _POST_BWD_THREADS = 256  # mhc_post_bwd: one block per token row
 _MAX_STAGES = 3  # cp.async pipeline depth where shared memory allows (at least 2)
@@ -249,6 +252,7 @@ def mhc_pre_backward(
         grad_blocks=plan.grad_blocks, slot_cap=plan.slot_cap,
         vector_io=c_x % (16 // size) == 0 and alignment % 16 == 0,
         repeat=gates.sinkhorn_repeat, segment=plan.segment, stages=plan.stages,
+        token_splits=plan.token_splits, unused=0,
         alpha_pre=gates.alpha_pre, alpha_post=gates.alpha_post, alpha_res=gates.alpha_res,
         eps=gates.sinkhorn_eps,
     )  # fmt: skip
@@ -987,8 +991,8 @@ def _geometry(dtype: str, n: int) -> _Geometry:
 
 
 _PRE_BACKWARD_KERNELS = (
-    "mhc_bwd_pieces", "mhc_bwd_stats", "mhc_bwd_token", "mhc_bwd_grad", "mhc_bwd_reduce",
-    "mhc_bwd_fused",
+    "mhc_bwd_pieces", "mhc_bwd_stats", "mhc_bwd_splits", "mhc_bwd_token", "mhc_bwd_grad",
+    "mhc_bwd_reduce", "mhc_bwd_fused",
 )  # fmt: skip
 
 
@@ -1049,6 +1053,7 @@ class _PreBackwardPlan:
     stages: int
     c_range: int  # first pass: columns per K split (a multiple of c_stage)
     k_splits: int
+    token_splits: int  # partials mhc_bwd_token sums (1 where mhc_bwd_splits or fused did)
     grad_items: int  # second pass: (column chunk, token tile) items ...
     grad_blocks: int  # ... shared evenly by this many blocks
     slot_cap: int  # most blocks sharing one chunk (grad_phi partials per chunk)
@@ -1091,10 +1096,18 @@ def _resident_blocks(kernel: Any, device: int, threads: int, smem: int) -> int:
         driver.funcSetAttribute(
             kernel.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem
         )
-        per_multiprocessor = driver.occupancyMaxActiveBlocksPerMultiprocessor(
+    return max(1, _per_multiprocessor(kernel, device, threads, smem)) * _attribute(
+        device, _MULTIPROCESSORS
+    )
+
+
+def _per_multiprocessor(kernel: Any, device: int, threads: int, smem: int) -> int:
+    """Blocks of ``kernel`` one multiprocessor holds at once with ``smem`` bytes of dynamic
+    shared memory each (0: none fits)."""
+    with cupy().cuda.Device(device):
+        return cupy().cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
             kernel.ptr, threads, smem
         )
-    return max(1, per_multiprocessor) * _attribute(device, _MULTIPROCESSORS)
 
 
 def _token_trace_smem(kernel: Any, device: int, kept: int, blocks: int) -> int:
@@ -1107,12 +1120,8 @@ def _token_trace_smem(kernel: Any, device: int, kept: int, blocks: int) -> int:
     smem = kept * _TOKEN_THREADS * 4
     if smem > _dynamic_smem_limit(kernel, device):
         return 0
-    with cupy().cuda.Device(device):
-        per_multiprocessor = cupy().cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
-            kernel.ptr, _TOKEN_THREADS, smem
-        )
-    resident = per_multiprocessor * _attribute(device, _MULTIPROCESSORS)
-    return smem if blocks <= resident else 0
+    per_multiprocessor = _per_multiprocessor(kernel, device, _TOKEN_THREADS, smem)
+    return smem if blocks <= per_multiprocessor * _attribute(device, _MULTIPROCESSORS) else 0
 
 
 def _grad_owner(item: int, items: int, blocks: int) -> int:
@@ -1130,7 +1139,7 @@ def _pre_backward_plan(
         return plan
     geometry = _geometry(dtype, n)
     spec = pre_backward_module(dtype, n)
-    pieces, stats, token, grad, reduce, fused_kernel = (
+    pieces, stats, splits, token, grad, reduce, fused_kernel = (
         _cuda.function(spec, name, device) for name in spec.name_expressions
     )
     fused = batch <= _MAX_FUSED_BWD_ROWS
@@ -1179,6 +1188,8 @@ def _pre_backward_plan(
     segment, slots = sinkhorn_checkpoints(repeat, n)
     token_blocks = -(-batch // _TOKEN_THREADS)
     token_smem = 0 if fused else _token_trace_smem(token, device, slots * n * n, token_blocks)
+    summed_apart = not fused and k_splits > _TOKEN_SPLITS
+    split_blocks = -(-(geometry.stats_row * batch) // _REDUCE_THREADS)
     if fused:  # as many blocks as the largest stage has, all resident
         stages_blocks = (column_blocks, tiles * k_splits, -(-batch // _THREADS), blocks)
         grid = min(stats_resident, max(*stages_blocks, reduce_blocks))
@@ -1187,6 +1198,11 @@ def _pre_backward_plan(
         steps = (
             _cuda.Step(pieces, (column_blocks, 1, 1), threads),
             _cuda.Step(stats, (tiles * k_splits, 1, 1), threads, stats_smem),
+            *(
+                (_cuda.Step(splits, (split_blocks, 1, 1), (_REDUCE_THREADS, 1, 1)),)
+                if summed_apart
+                else ()
+            ),
             _cuda.Step(token, (token_blocks, 1, 1), (_TOKEN_THREADS, 1, 1), token_smem),
             _cuda.Step(grad, (blocks, 1, 1), threads, grad_smem),
             _cuda.Step(reduce, (reduce_blocks, 1, 1), (_REDUCE_THREADS, 1, 1)),
@@ -1197,6 +1213,7 @@ def _pre_backward_plan(
         stages=stages,
         c_range=per_split * geometry.c_stage,
         k_splits=k_splits,
+        token_splits=1 if fused or summed_apart else k_splits,
         grad_items=items,
         grad_blocks=blocks,
         slot_cap=slot_cap,
