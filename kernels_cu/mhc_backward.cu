@@ -1478,9 +1478,6 @@ __device__ __forceinline__ void store8_or_some(typename Io<T>::elem* p, bool vec
 // every 8 columns one 16-byte access (c_x a multiple of 8, rows 16-byte aligned); a kernel
 // of its own, as the element-wise fallback's registers cost the 16-byte path occupancy (H200,
 // bf16 n=4: B4096 c_x4096 83.9% -> 87.5% of the copy ceiling, B16384 c_x7168 101.6 -> 104.6%).
-#ifndef BWD_POST_UNROLL
-#define BWD_POST_UNROLL 1
-#endif
 template <typename T, int N, bool VECTOR>
 __global__ void __launch_bounds__(BWD_POST_THREADS) mhc_post_bwd(const PostBwdParams p) {
   typedef typename Io<T>::elem E;
@@ -1497,7 +1494,6 @@ __global__ void __launch_bounds__(BWD_POST_THREADS) mhc_post_bwd(const PostBwdPa
     float gate[N], dot[N];
 #pragma unroll
     for (int i = 0; i < N; ++i) gate[i] = gates[i * p.h_stride_col], dot[i] = 0.f;
-#pragma unroll BWD_POST_UNROLL
     for (i64 u = tid; u < p.units; u += BWD_POST_THREADS) {
       const i64 c0 = u * 8;
       const int count = p.c_x - c0 < 8 ? (int)(p.c_x - c0) : 8;

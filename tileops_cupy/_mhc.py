@@ -124,7 +124,9 @@ _STATS_TILE = 128  # tokens per mhc_bwd_stats block: two threads per token
 _GRAD_TILE = 32  # tokens per mhc_bwd_grad item: two 16-token m-tiles
 _TOKEN_THREADS = 64  # mhc_bwd_token: one thread per token, small blocks spread over the SMs
 # mhc_bwd_token sums up to this many first-pass splits itself; mhc_bwd_splits sums more
-# first, over many more threads (each token's thread waits one L2 round trip a few splits)
+# first, over many more threads (each token's thread waits one L2 round trip a few splits).
+# H200, bf16 n4, whole call: B1024 c_x4096 (16 splits) 136.9 -> 134.4 us, B256 c_x4096 (64)
+# 96.5 -> 80.0, B128 c_x7168 (112) 112.8 -> 83.0, B100 c_x1280 76.2 -> 55.2.
 _TOKEN_SPLITS = 4
 _REDUCE_THREADS = 256
 _POST_BWD_THREADS = 256  # mhc_post_bwd: one block per token row
