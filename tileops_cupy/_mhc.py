@@ -135,7 +135,9 @@ _MAX_STAGES = 3  # cp.async pipeline depth where shared memory allows (at least 
 # stream's workspace: host time of a call (H200, B4 n4 c_x256) 50 -> 31 µs, 5.7x -> 3.6x a
 # torch launch, for the same device time up to 32 tokens (bf16 n4, c_x 1280-7168: within
 # -13%..+2% of the five launches); at 128 tokens it is 6% slower at c_x 1280 and 7168 (8%
-# faster at 4096), at 256 up to 40%: its stages then have fewer blocks than the kernels
+# faster at 4096), at 256 up to 40%: its stages then have fewer blocks than the kernels.
+# (Measured before mhc_bwd_splits shortened the separate launches of many-split batches:
+# B100 c_x1280 76.2 -> 55.2 us; the bound has not been measured again since.)
 _MAX_FUSED_BWD_ROWS = 64
 _SCRATCH_ALIGN_WORDS = 64  # 256-byte sections: the scratch rows are read by 16-byte cp.async
 _SINKHORN_KEPT_FLOATS = 1024  # per token: every Sinkhorn step's input kept up to this
