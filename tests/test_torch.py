@@ -465,6 +465,48 @@ def test_outputs_from_a_shape_template_are_fresh_and_contiguous(shape, dtype):
         assert first.data_ptr() != second.data_ptr()
 
 
+def test_layout_keys_stand_contiguity_for_strides():
+    """A relaunch is keyed on the layout of its arguments: contiguous tensors of one shape,
+    dtype and alignment share a key whatever the strides of their size-1 dimensions (which
+    address no element but the first); any other layout keys on its strides."""
+    from tileops_cupy import _torch_ops
+
+    base = torch.zeros(4, 6, 8)
+    one_row, one_row_strided = base[:1], base[1:4:2][:1]
+    assert one_row.stride() != one_row_strided.stride()
+    assert one_row.is_contiguous() and one_row_strided.is_contiguous()
+    fresh = torch.zeros(1, 6, 8)
+    keys = _torch_ops.layouts(one_row, one_row_strided, fresh)[0]
+    assert keys[0] == keys[1] == keys[2]
+    transposed = torch.zeros(4, 8, 6).transpose(1, 2)
+    same_strides = torch.zeros(5, 8, 6).transpose(1, 2)[:4]
+    (key_t, key_s), pointers = _torch_ops.layouts(transposed, same_strides)
+    assert key_t[1] == transposed.stride() and key_t == key_s
+    assert _torch_ops.layouts(base)[0] != keys[:1], "a shape change must change the key"
+    shifted = base.flatten()[1:49].view(6, 8)  # 4 bytes past a 16-byte boundary
+    assert _torch_ops.layouts(shifted)[0] != _torch_ops.layouts(base[0])[0]
+    assert pointers == [transposed.data_ptr(), same_strides.data_ptr()]
+
+
+@pytest.mark.gpu
+def test_gpu_relaunch_serves_contiguous_rows_of_any_size_one_stride(rng):
+    """A call on one contiguous row whose (size-1) batch dimension has another stride than
+    the first call's takes the first call's launch (one layout key for both) and gives what
+    a first call on its data gives."""
+    op = MHCPreFwdOp(1.0, 1.0, 1.0, 20)
+    phi = torch.tensor(rng.standard_normal((4 * 64, 24)) / 16, dtype=torch.float32, device="cuda")
+    b = torch.tensor(rng.standard_normal(24), dtype=torch.float32, device="cuda")
+    rows = torch.tensor(rng.standard_normal((2, 4 * 64)), device="cuda").bfloat16()
+    op(phi, rows[:1], b)  # plans the launch: batch stride 256
+    strided = torch.empty_strided((1, 256), (999, 1), dtype=torch.bfloat16, device="cuda")
+    strided.copy_(rows[1:])
+    relaunched = op(phi, strided, b)
+    assert len(op._relaunches) == 1, "both rows must share one layout key"
+    planned = MHCPreFwdOp(1.0, 1.0, 1.0, 20)(phi, strided.contiguous(), b)
+    for got, expected in zip(relaunched, planned, strict=True):
+        _assert_same(got, expected)
+
+
 # --------------------------------------------------------------------------- CUDA graphs
 
 # Each capture runs in its own process: a failed capture poisons the CUDA context.

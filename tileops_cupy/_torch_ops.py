@@ -115,32 +115,11 @@ def classify(*args: Any) -> Any:
     Dynamo, export, a dispatch mode or a tensor subclass watches it); otherwise
     :func:`layouts` of the arguments, for the direct path. One pass: this runs every call."""
     if not _torch_bound():
-        return (None,) * len(args), (0,) * len(args)
-    tensor = _Tensor
-    if (_is_compiling() or _dispatch_depth()) and any(isinstance(arg, tensor) for arg in args):
+        return (None,) * len(args), [0] * len(args)
+    if (_is_compiling() or _dispatch_depth()) and any(isinstance(arg, _Tensor) for arg in args):
         ensure_registered()
         return DISPATCH
-    grad = _grad_enabled()
-    keys, pointers = [], []
-    for arg in args:
-        kind = type(arg)
-        if kind is tensor or kind is _Parameter:
-            if grad and arg.requires_grad:
-                ensure_registered()
-                return DISPATCH
-            pointer = arg.data_ptr()
-            keys.append((arg.shape, arg.stride(), arg.dtype, arg.device, pointer & 15))
-            pointers.append(pointer)
-        elif arg is None or kind is int:  # (isinstance on torch.Tensor is slow for these)
-            keys.append(None)
-            pointers.append(0)
-        elif isinstance(arg, tensor):  # a subclass: FakeTensor, functional...
-            ensure_registered()
-            return DISPATCH
-        else:
-            keys.append(None)
-            pointers.append(0)
-    return tuple(keys), pointers
+    return _layouts(args, _grad_enabled())
 
 
 def is_compiling() -> bool:
@@ -150,19 +129,42 @@ def is_compiling() -> bool:
 
 def layouts(*args: Any) -> tuple[tuple, list[int]]:
     """``(keys, addresses)``: per argument, the layout key of a plain torch tensor (shape,
-    strides, dtype, device, address mod 16; None for anything else) and its address (0).
+    True if contiguous else its strides, dtype, device, address mod 16; None for anything
+    else) and its address (0). Contiguity stands for the strides because it costs a third of
+    reading them on every call; two contiguous tensors of one shape differ at most in the
+    strides of dimensions of size 1 (or of an empty tensor), which address no element but
+    the first, so a launch planned for one serves the other.
 
     An op remembers, per keys of its arguments, the launch its first call made; a later
     call with equal keys was validated and planned by that call and only patches the
     addresses into the launch (:meth:`_cuda.Launch.relaunch`)."""
     if not _torch_bound():
         return (None,) * len(args), [0] * len(args)
+    return _layouts(args, None)
+
+
+def _layouts(args: tuple, grad: bool | None) -> Any:
+    """:func:`layouts` of ``args``; with ``grad`` not None (grad mode on or off), instead
+    :data:`DISPATCH` at the first argument that autograd would record or that is a tensor
+    subclass (:func:`classify`)."""
+    tensor = _Tensor
     keys, pointers = [], []
     for arg in args:
-        if type(arg) is _Tensor or type(arg) is _Parameter:
+        kind = type(arg)
+        if kind is tensor or kind is _Parameter:
+            if grad and arg.requires_grad:
+                ensure_registered()
+                return DISPATCH
             pointer = arg.data_ptr()
-            keys.append((arg.shape, arg.stride(), arg.dtype, arg.device, pointer & 15))
+            strides = arg.is_contiguous() or arg.stride()
+            keys.append((arg.shape, strides, arg.dtype, arg.device, pointer & 15))
             pointers.append(pointer)
+        elif arg is None or kind is int:  # (isinstance on torch.Tensor is slow for these)
+            keys.append(None)
+            pointers.append(0)
+        elif grad is not None and isinstance(arg, tensor):  # a subclass: FakeTensor, ...
+            ensure_registered()
+            return DISPATCH
         else:
             keys.append(None)
             pointers.append(0)
