@@ -693,35 +693,56 @@ __device__ __forceinline__ void sinkhorn_step(float (&m)[N * N], float eps) {
   for (int e = 0; e < N * N; ++e) m[e] *= r[e % N];
 }
 
-// The gradient through one Sinkhorn step, in log form: `a` holds the step's input
-// (overwritten), `u` = grad (.) matrix elementwise, for the step's output on entry and for its
-// input on return. A step out = m / d, d = sum(m) + eps along the axis, has
+// Back through one Sinkhorn step, in log form, from the output of its row step (`rows`) and
+// step_out(e), its output: `u` = grad (.) matrix elementwise, for the step's output on entry
+// and for its input on return. A step out = m / d, d = sum(m) + eps along the axis, has
 // grad_m = (grad_out - sum(grad_out * out)) / d; times m that is u_m = u_out - out * sum(u_out):
 // no division, so a near-empty row or column that the forward lifted (tiny entries over eps,
 // step after step) never makes the gradient overflow float32 (as the host path). Where d was
 // replaced by 1, m and out are all zero and the formula still holds.
-template <int N>
-__device__ __forceinline__ void sinkhorn_step_backward(float (&a)[N * N], float (&u)[N * N], float eps) {
-  float row_inv[N], col_inv[N];
-  sinkhorn_divisors<N, true>(a, eps, row_inv);  // the row step again: a becomes its output
-#pragma unroll
-  for (int e = 0; e < N * N; ++e) a[e] *= row_inv[e / N];
-  sinkhorn_divisors<N, false>(a, eps, col_inv);  // the column step's: its output is a * col_inv
+template <int N, typename StepOut>
+__device__ __forceinline__ void back_through_step(const float (&rows)[N * N], StepOut step_out,
+                                                  float (&u)[N * N]) {
 #pragma unroll
   for (int k = 0; k < N; ++k) {  // back through the column step
     float s = 0.f;
 #pragma unroll
     for (int i = 0; i < N; ++i) s += u[i * N + k];
 #pragma unroll
-    for (int i = 0; i < N; ++i) u[i * N + k] = fmaf(-(a[i * N + k] * col_inv[k]), s, u[i * N + k]);
+    for (int i = 0; i < N; ++i) u[i * N + k] = fmaf(-step_out(i * N + k), s, u[i * N + k]);
   }
 #pragma unroll
-  for (int i = 0; i < N; ++i) {  // back through the row step (its output is a)
+  for (int i = 0; i < N; ++i) {  // back through the row step
     float s = 0.f;
 #pragma unroll
     for (int k = 0; k < N; ++k) s += u[i * N + k];
 #pragma unroll
-    for (int k = 0; k < N; ++k) u[i * N + k] = fmaf(-a[i * N + k], s, u[i * N + k]);
+    for (int k = 0; k < N; ++k) u[i * N + k] = fmaf(-rows[i * N + k], s, u[i * N + k]);
+  }
+}
+
+// The gradient through one Sinkhorn step whose input is `a` (back_through_step). OUT_KEPT:
+// `out` holds the step's output (the next step's input as the forward computed it: the same
+// bits), so only the row step is computed again, off the chain through u, and `a` is kept;
+// else the column step is computed again too, and `a` becomes the row step's output (in
+// place: a copy spills at n = 8).
+template <int N, bool OUT_KEPT>
+__device__ __forceinline__ void sinkhorn_step_backward(float (&a)[N * N], float (&u)[N * N],
+                                                       float eps,
+                                                       const float (&out)[OUT_KEPT ? N * N : 1]) {
+  float row_inv[N];
+  sinkhorn_divisors<N, true>(a, eps, row_inv);
+  if constexpr (OUT_KEPT) {
+    float rows[N * N];
+#pragma unroll
+    for (int e = 0; e < N * N; ++e) rows[e] = a[e] * row_inv[e / N];
+    back_through_step<N>(rows, [&](int e) { return out[e]; }, u);
+  } else {
+#pragma unroll
+    for (int e = 0; e < N * N; ++e) a[e] *= row_inv[e / N];
+    float col_inv[N];
+    sinkhorn_divisors<N, false>(a, eps, col_inv);
+    back_through_step<N>(a, [&](int e) { return a[e] * col_inv[e % N]; }, u);
   }
 }
 
@@ -735,7 +756,22 @@ __device__ __forceinline__ void token_chain(const PreBwdParams& p, i64 t, i64 sp
   typedef typename G::E E;
   constexpr int Q = G::Q, W = G::W, NN = G::NN, DP = G::DP, QP16 = G::QP16, CW4 = G::CW4;
   const i64 batch = p.batch;
-  auto bias = [&](int q) { return p.bias[q * p.bias_stride]; };
+  // Up to n = 4 the chain has registers to spare and keeps more in them (SMALL_N; beyond, the
+  // same spilled the n = 6..8 kernels). Here: b and grad_h_post, loaded first beside the
+  // partials. Read where they are used, each load comes after the emits' stores (which might
+  // alias it for all the compiler knows) and waits out its own round trip.
+  constexpr bool SMALL_N = N <= 4;
+  float early_bias[SMALL_N ? Q : 1], early_post[SMALL_N ? N : 1];
+  if constexpr (SMALL_N) {
+#pragma unroll
+    for (int q = 0; q < Q; ++q) early_bias[q] = p.bias[q * p.bias_stride];
+#pragma unroll
+    for (int i = 0; i < N; ++i) early_post[i] = p.grad_h_post[t * p.ghp_stride_row + i * p.ghp_stride_col];
+  }
+  auto bias = [&](int q) { return SMALL_N ? early_bias[q] : p.bias[q * p.bias_stride]; };
+  auto up_post = [&](int i) {
+    return SMALL_N ? early_post[i] : p.grad_h_post[t * p.ghp_stride_row + i * p.ghp_stride_col];
+  };
 
   // the k_splits partials of h, sum(x*x), dloss/dh_pre and dloss/dM ([W] floats of a split,
   // [W][batch] a split, L2 reads: mhc_bwd_fused's blocks wrote them), summed split by split.
@@ -800,6 +836,36 @@ __device__ __forceinline__ void token_chain(const PreBwdParams& p, i64 t, i64 sp
   float* coef = p.coef + t * CW4;
   u16* dh_out = p.dh_pieces + t * (DP * QP16);
   float* per_token = p.per_token + t;  // [Q + 3][batch]
+  // The token's dh pieces and coefficient row: with SMALL_N gathered in registers and written
+  // in 16-byte stores, the row once the forward's steps are done (but c_r, at the end), the
+  // pieces at the end. Written where each is made, every 2-byte piece and float was a store
+  // of its own, a row's length from the next lane's (clock64, bf16 n4: the emits and those
+  // stores took 9.8K of the chain's 37K cycles; 4.6K with them gathered).
+  constexpr int DH_WORDS = DP * QP16 / 2;
+  static_assert(DH_WORDS % 4 == 0 && CW4 % 4 == 0, "whole 16-byte stores");
+  u32 dh_words[SMALL_N ? DH_WORDS : 1] = {};
+  float coef_row[SMALL_N ? CW4 : 1] = {};
+  auto put_dh = [&](int j, int q, u32 bits) {
+    if constexpr (SMALL_N) {
+      dh_words[(j * QP16 + q) / 2] |= bits << (16 * (q & 1));
+    } else {
+      dh_out[j * QP16 + q] = (u16)bits;
+    }
+  };
+  auto put_coef = [&](int e, float v) {
+    if constexpr (SMALL_N) {
+      coef_row[e] = v;
+    } else {
+      coef[e] = v;
+    }
+  };
+  auto write_coef_row = [&]() {  // (SMALL_N: once its entries but c_r are made)
+#pragma unroll
+    for (int e = 0; e < CW4; e += 4) {
+      *reinterpret_cast<float4*>(coef + e) =
+          make_float4(coef_row[e], coef_row[e + 1], coef_row[e + 2], coef_row[e + 3]);
+    }
+  };
   float grad_alpha_pre = 0.f, grad_alpha_post = 0.f, grad_alpha_res = 0.f;
   float rms_sum = 0.f;  // sum over logits of dloss/dlogit * alpha*h/rms
   // `grad` = dloss/dlogit, final
@@ -811,7 +877,7 @@ __device__ __forceinline__ void token_chain(const PreBwdParams& p, i64 t, i64 sp
     u32 pieces[3];
     split_bf16<3>(grad * alpha * inv_rms, pieces);  // dloss/dh[q]
 #pragma unroll
-    for (int j = 0; j < DP; ++j) dh_out[j * QP16 + q] = (u16)pieces[j];
+    for (int j = 0; j < DP; ++j) put_dh(j, q, pieces[j]);
   };
 
   // gates: h_pre = sigmoid(z), h_post = 2*sigmoid(z); sigmoid' = sigmoid(z)*sigmoid(-z), where
@@ -828,17 +894,17 @@ __device__ __forceinline__ void token_chain(const PreBwdParams& p, i64 t, i64 sp
   };
 #pragma unroll
   for (int k = 0; k < N; ++k) {
-    coef[k] = gate[k];
+    put_coef(k, gate[k]);
     emit(k, up_pre[k] * gate_slope(k), p.alpha_pre, grad_alpha_pre);
   }
 #pragma unroll
   for (int i = 0; i < N; ++i) {
-    const float up = p.grad_h_post[t * p.ghp_stride_row + i * p.ghp_stride_col];
-    emit(N + i, 2.f * up * gate_slope(N + i), p.alpha_post, grad_alpha_post);
+    emit(N + i, 2.f * up_post(i) * gate_slope(N + i), p.alpha_post, grad_alpha_post);
   }
 
   // M = exp(L - rowmax(L)), then the Sinkhorn steps, input of every seg-th step kept
   float m[NN], row_max[N];
+  u32 ties_at_max = 0;  // (SMALL_N) bit i*N+k: L[i,k] is its row's maximum
 #pragma unroll
   for (int i = 0; i < N; ++i) {
     float peak = __uint_as_float(0xff800000u);  // -inf
@@ -848,6 +914,10 @@ __device__ __forceinline__ void token_chain(const PreBwdParams& p, i64 t, i64 sp
       peak = fmaxf(peak, m[i * N + k]);
     }
     row_max[i] = peak;
+    if constexpr (SMALL_N) {
+#pragma unroll
+      for (int k = 0; k < N; ++k) ties_at_max |= (u32)(m[i * N + k] == peak) << (i * N + k);
+    }
 #pragma unroll
     for (int k = 0; k < N; ++k) m[i * N + k] = expf(m[i * N + k] - peak);
   }
@@ -869,7 +939,11 @@ __device__ __forceinline__ void token_chain(const PreBwdParams& p, i64 t, i64 sp
     sinkhorn_step<N>(m, p.eps);
   }
 #pragma unroll
-  for (int e = 0; e < NN; ++e) coef[N + e] = m[e];  // the final matrix, for grad_x
+  for (int e = 0; e < NN; ++e) put_coef(N + e, m[e]);  // the final matrix, for grad_x
+  put_coef(N + NN + 1, scale);
+#pragma unroll
+  for (int e = N + NN + 2; e < CW4; ++e) put_coef(e, 0.f);
+  if constexpr (SMALL_N) write_coef_row();  // (c_r, at N + NN, is written last)
 
   // back through the Sinkhorn steps (log form: u = dloss/dM (.) M), one segment at a time
   // from its checkpoint. `a` holds the input of the step whose gradient is taken; the input
@@ -877,9 +951,14 @@ __device__ __forceinline__ void token_chain(const PreBwdParams& p, i64 t, i64 sp
   // and from one segment to the next when they are one step long), so that the chain does
   // not wait a round trip for it. (Up to n = 6: three n*n matrices in registers spill beyond.)
   constexpr bool LOAD_AHEAD = N <= 6;
-  float u[NN], a[NN];
+  // (SMALL_N) the output of the step whose gradient is taken: the final matrix, then each
+  // step's input once its own gradient is taken (the step before's output)
+  float u[NN], a[NN], out[SMALL_N ? NN : 1];
 #pragma unroll
-  for (int e = 0; e < NN; ++e) u[e] = up_mix[e] * m[e];  // dloss/dM[i,k] * M[i,k]
+  for (int e = 0; e < NN; ++e) {
+    u[e] = up_mix[e] * m[e];  // dloss/dM[i,k] * M[i,k]
+    if constexpr (SMALL_N) out[e] = m[e];
+  }
   for (int c = checkpoints - 1; c >= 0; --c) {
     const int first = c * seg, last = first + seg < repeat ? first + seg : repeat;
     auto slot_of = [&](int it) { return it == first ? c : checkpoints + it - first - 1; };
@@ -895,13 +974,15 @@ __device__ __forceinline__ void token_chain(const PreBwdParams& p, i64 t, i64 sp
         float before[NN];
         const bool ahead = it > first || (seg == 1 && c > 0);
         if (ahead) restore(it > first ? slot_of(it - 1) : c - 1, before);
-        sinkhorn_step_backward<N>(a, u, p.eps);
-        if (ahead)
+        sinkhorn_step_backward<N, SMALL_N>(a, u, p.eps, out);
 #pragma unroll
-          for (int e = 0; e < NN; ++e) a[e] = before[e];
+        for (int e = 0; e < NN; ++e) {
+          if constexpr (SMALL_N) out[e] = a[e];
+          if (ahead) a[e] = before[e];
+        }
       } else {
         if (it < last - 1) restore(slot_of(it), a);
-        sinkhorn_step_backward<N>(a, u, p.eps);
+        sinkhorn_step_backward<N, SMALL_N>(a, u, p.eps, out);
       }
     }
   }
@@ -915,7 +996,8 @@ __device__ __forceinline__ void token_chain(const PreBwdParams& p, i64 t, i64 sp
     int ties = 0;
 #pragma unroll
     for (int k = 0; k < N; ++k) {
-      top[k] = logit(2 * N + i * N + k) == row_max[i];  // the same expression as above: the same bits
+      // (the same expression as above, or its result kept: the same bits)
+      top[k] = SMALL_N ? (ties_at_max >> (i * N + k)) & 1u : logit(2 * N + i * N + k) == row_max[i];
       total += u[i * N + k];
       ties += top[k];
     }
@@ -927,16 +1009,20 @@ __device__ __forceinline__ void token_chain(const PreBwdParams& p, i64 t, i64 sp
 #pragma unroll
   for (int q = Q; q < QP16; ++q)
 #pragma unroll
-    for (int j = 0; j < DP; ++j) dh_out[j * QP16 + q] = 0;
+    for (int j = 0; j < DP; ++j) put_dh(j, q, 0u);
 
   // rms = sqrt(sum(x*x))/sqrt(width) + 1e-4: drms/dx_j = x_j*scale / (sqrt(width)*sqrt(sumsq))
   // (sumsq scaled by scale^2); x = 0 everywhere gives 0 (the subgradient)
   const float grad_rms = -rms_sum / rms;
   const float denominator = root_width * sqrtf(sumsq);
-  coef[N + NN] = denominator > 0.f ? grad_rms / denominator : 0.f;
-  coef[N + NN + 1] = scale;
+  coef[N + NN] = denominator > 0.f ? grad_rms / denominator : 0.f;  // c_r
+  if constexpr (SMALL_N) {  // (scratch rows: 16-byte aligned, DH_WORDS a multiple of 4)
 #pragma unroll
-  for (int e = N + NN + 2; e < CW4; ++e) coef[e] = 0.f;
+    for (int w = 0; w < DH_WORDS; w += 4) {
+      *reinterpret_cast<uint4*>(dh_out + 2 * w) =
+          make_uint4(dh_words[w], dh_words[w + 1], dh_words[w + 2], dh_words[w + 3]);
+    }
+  }
   per_token[Q * batch] = grad_alpha_pre;
   per_token[(Q + 1) * batch] = grad_alpha_post;
   per_token[(Q + 2) * batch] = grad_alpha_res;

@@ -151,6 +151,21 @@ def test_pre_backward_tensor_core_products(rng, place, batch, n, dtype):
     assert_pre_backward_matches(case, upstream, grads)
 
 
+# Past _SINKHORN_KEPT_FLOATS a token (repeat * n * n), the CUDA token stage keeps only every
+# segment-th Sinkhorn input and recomputes one segment at a time; up to n = 4 it takes each
+# step's output from the step after's input, across segments too. One launch (5 tokens) and
+# the separate kernels (130).
+@pytest.mark.parametrize("place", PLACES)
+@pytest.mark.parametrize("n, repeat", ((4, 70), (2, 300), (6, 40)))
+@pytest.mark.parametrize("batch", (5, 130))
+def test_pre_backward_checkpointed_sinkhorn(rng, place, n, repeat, batch):
+    assert repeat * n * n > _mhc._SINKHORN_KEPT_FLOATS
+    assert _mhc.sinkhorn_checkpoints(repeat, n)[0] > 1
+    case = random_pre_case(rng, n, 64, batch=batch, dtype="bfloat16", repeat=repeat)
+    upstream = upstream_grads(rng, case)
+    assert_pre_backward_matches(case, upstream, pre_backward(place, case, upstream))
+
+
 # Saturated logits at widths where float32 and float64 agree on which Sinkhorn entries
 # underflow: at n*c_x ~ 800 and beyond, exp(L - max) underflows float32 entries (~1e-50) that
 # float64 keeps and 40 eps-divisions lift back to O(1), so the float32 forward (and with it
