@@ -311,13 +311,13 @@ def test_pre_backward_is_deterministic(rng, place, batch):
 @pytest.mark.parametrize("dtype", PRE_DTYPES)
 @pytest.mark.parametrize("n, c_x, batch", ((1, 1000, 1), (4, 130, 4), (8, 72, 37), (4, 136, 64)))
 def test_pre_backward_one_launch_is_the_five_kernels(rng, monkeypatch, n, c_x, batch, dtype):
-    """Batches up to _MAX_FUSED_BWD_ROWS run the five kernels as stages of one cooperative
+    """Small calls (_MAX_FUSED_BWD_*) run the five kernels as stages of one cooperative
     launch (mhc_bwd_fused) on the stream's workspace: the same bits as the five launches,
     both within the contract, and the workspace's counters left zeroed for the next call
     (a second call on new data)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    assert batch <= _mhc._MAX_FUSED_BWD_ROWS
+    assert _mhc._pre_backward_plan(0, "bfloat16", n, c_x, batch, 20).fused
     for _ in range(2):
         case = random_pre_case(rng, n, c_x, batch, dtype=dtype, repeat=20)
         upstream = upstream_grads(rng, case)
@@ -393,8 +393,11 @@ def test_pre_backward_plan_token_stage(monkeypatch):
         assert plan.scratch[-1] == (0 if shared else 20 * 16 * batch)
         if apart:
             assert plan.steps[2].grid[0] == -(-45 * batch // _mhc._REDUCE_THREADS)
-    fused = _mhc._pre_backward_plan(0, "bfloat16", 4, 4096, 64, 20)
+    fused = _mhc._pre_backward_plan(0, "bfloat16", 4, 256, 64, 20)
     assert fused.fused and fused.token_splits == 1 and len(fused.steps) == 1
+    # one launch only where the rows and all of x are small (_MAX_FUSED_BWD_*)
+    for c_x, batch in ((4096, 1), (1280, 16), (256, 65)):
+        assert not _mhc._pre_backward_plan(0, "bfloat16", 4, c_x, batch, 20).fused
 
 
 # --------------------------------------------------------------------------- post

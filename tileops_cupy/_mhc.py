@@ -131,14 +131,17 @@ _TOKEN_SPLITS = 4
 _REDUCE_THREADS = 256
 _POST_BWD_THREADS = 256  # mhc_post_bwd: one block per token row
 _MAX_STAGES = 3  # cp.async pipeline depth where shared memory allows (at least 2)
-# Pre backward batches this small run as one cooperative launch (mhc_bwd_fused) on the
-# stream's workspace: host time of a call (H200, B4 n4 c_x256) 50 -> 31 µs, 5.7x -> 3.6x a
-# torch launch, for the same device time up to 32 tokens (bf16 n4, c_x 1280-7168: within
-# -13%..+2% of the five launches); at 128 tokens it is 6% slower at c_x 1280 and 7168 (8%
-# faster at 4096), at 256 up to 40%: its stages then have fewer blocks than the kernels.
-# (Measured before mhc_bwd_splits shortened the separate launches of many-split batches:
-# B100 c_x1280 76.2 -> 55.2 us; the bound has not been measured again since.)
+# Pre backward calls this small run as one cooperative launch (mhc_bwd_fused) on the
+# stream's workspace: up to _MAX_FUSED_BWD_ROWS tokens, rows (n*c_x) up to
+# _MAX_FUSED_BWD_WIDTH and _MAX_FUSED_BWD_ELEMENTS elements of x in all. Its stages have fewer
+# blocks than the separate kernels, so it saves host time (H200, B4 n4 c_x256: 50 -> 31 µs a
+# call when it came) and costs device time, which wins past a few thousand elements. H200,
+# bf16 n4, µs a call in a tight loop, one launch / the kernels: c_x256 B1-B64 38.6-42.3 /
+# 43.4-46.3; c_x512 B16 40.5 / 47.8, B64 44.6 / 41.6; c_x1280 B4 42.8 / 44.6, B16 43.6 /
+# 40.8, B64 48.1 / 41.4; c_x4096 B1 52.1 / 42.4, B64 60.4 / 47.3.
 _MAX_FUSED_BWD_ROWS = 64
+_MAX_FUSED_BWD_WIDTH = 8192
+_MAX_FUSED_BWD_ELEMENTS = 1 << 16
 _SCRATCH_ALIGN_WORDS = 64  # 256-byte sections: the scratch rows are read by 16-byte cp.async
 _SINKHORN_KEPT_FLOATS = 1024  # per token: every Sinkhorn step's input kept up to this
 _MAX_SMEM_OPTIN, _MULTIPROCESSORS, _COMPUTE_MAJOR = 97, 16, 75  # cudaDeviceAttr values
@@ -1146,7 +1149,11 @@ def _pre_backward_plan(
     pieces, stats, splits, token, grad, reduce, fused_kernel = (
         _cuda.function(spec, name, device) for name in spec.name_expressions
     )
-    fused = batch <= _MAX_FUSED_BWD_ROWS
+    fused = (
+        batch <= _MAX_FUSED_BWD_ROWS
+        and n * c_x <= _MAX_FUSED_BWD_WIDTH
+        and batch * n * c_x <= _MAX_FUSED_BWD_ELEMENTS
+    )
     smem_cap = _attribute(device, _MAX_SMEM_OPTIN)
     stages = min(
         _MAX_STAGES,
