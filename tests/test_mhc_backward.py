@@ -317,7 +317,7 @@ def test_pre_backward_one_launch_is_the_five_kernels(rng, monkeypatch, n, c_x, b
     (a second call on new data)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    assert _mhc._pre_backward_plan(0, "bfloat16", n, c_x, batch, 20).fused
+    assert _mhc._pre_backward_plan(0, dtype, n, c_x, batch, 20).fused
     for _ in range(2):
         case = random_pre_case(rng, n, c_x, batch, dtype=dtype, repeat=20)
         upstream = upstream_grads(rng, case)
