@@ -193,15 +193,16 @@ def test_every_launch_picks_a_shipped_kernel(dtype, neox, norm):
                 source = _rows(dtype, shape, (3 * 4 * head_dim, 4 * head_dim, head_dim, 1), offset)
                 output = _rows(dtype, shape, (3 * 4 * head_dim, 4 * head_dim, head_dim, 1))
                 copy_tail = rotary_dim < head_dim
-                vec = _rotate._vector_width(
+                aligned = _rotate._vector_width(
                     dtype, neox, rotary_dim, head_dim, copy_tail, [source, output]
                 )
-                widths_seen.add(vec)
                 for tokens, mode, in_place in itertools.product(
                     (1, 1 << 20),
                     _rotate.NORM_TABLE_MODES if norm else _rotate.TABLE_MODES,
                     (False, True),
                 ):  # (a decode step's layout and a large launch's)
+                    vec = _rotate.access_width(dtype, neox, mode, norm, 4 * tokens, aligned)
+                    widths_seen.add(vec)
                     geometry = _rotate._geometry(
                         dtype, neox, vec, rotary_dim, head_dim, copy_tail, 4, tokens, norm,
                         in_place,
@@ -213,7 +214,8 @@ def test_every_launch_picks_a_shipped_kernel(dtype, neox, norm):
                     assert spec in CATALOGUE, (dtype, neox, rotary_dim, vec, mode, norm)
                     assert name in spec.name_expressions, (name, spec.name_expressions)
     wide = 16 // ITEMSIZE[dtype]
-    assert widths_seen == {wide, 1}, widths_seen
+    narrow = {wide // 2} if neox and ITEMSIZE[dtype] == 2 and not norm else set()
+    assert widths_seen == {wide, 1} | narrow, widths_seen
     layouts = {_rotate.NO_NORM} if not norm else {_rotate.NORM_CHUNKS}
     if norm and ITEMSIZE[dtype] == 2:
         layouts.add(_rotate.NORM_ROWS)

@@ -62,7 +62,7 @@ from _oracle import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tileops_cupy import rope
+from tileops_cupy import _rotate, rope
 from tileops_cupy.rope import (
     BUILTIN,
     LongRoPEFwdOp,
@@ -180,6 +180,36 @@ def test_host_and_cuda_paths_agree(rng, dtype, case):
     b = assert_matches_oracle(y_cpu, x64, positions, freqs, dtype, neox=neox, what="host")
     y64 = rope_reference(x64, positions, freqs, neox=neox)
     assert_within(a, b, 2 * contract_tolerance(y64, x64, dtype), "CUDA vs host")
+
+
+@GPU
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("dtype", ("bfloat16", "float16"))
+def test_large_neox_launches_move_8_bytes_an_access(rng, monkeypatch, dtype, direction):
+    """16-bit neox rotations of large two-level launches take 8-byte accesses (4 pairs a
+    chunk: 16 x-lanes a D128 row instead of 8; ``_rotate._NARROW_NEOX_ROWS``, lowered here
+    to this call's 6180 head rows): every element against the oracle, and the same bits as
+    16-byte accesses."""
+    require("cuda", "torch")
+    shape = SEQUENCE_SHAPES["2d"]
+    host = random_data(rng, shape, dtype)
+    x = to_place(host, "cuda")
+    op_class = RoPEFwdOp if direction == "Fwd" else RoPEBwdOp
+    outputs, lanes = {}, {}
+    for narrow_from in (1 << 30, math.prod(shape[:3])):
+        monkeypatch.setattr(_rotate, "_NARROW_NEOX_ROWS", narrow_from)
+        _rotate._plans.clear()
+        outputs[narrow_from] = op_class("neox", "2d")(x)
+        torch.cuda.synchronize()
+        (plan,) = _rotate._plans.values()
+        lanes[narrow_from] = plan.steps[0].block[0]
+    wide, narrow = outputs
+    assert (lanes[wide], lanes[narrow]) == (8, 16), lanes
+    assert_matches_oracle(
+        outputs[narrow], host.astype(np.float64), sequence_positions(shape, "2d"),
+        standard_frequencies(shape[-1]), dtype, neox=True, inverse=direction == "Bwd",
+    )  # fmt: skip
+    assert torch.equal(outputs[narrow], outputs[wide])
 
 
 def test_forward_and_call_agree_and_bwd_is_not_fwd(rng):

@@ -104,7 +104,7 @@ def _name_expressions() -> list[str]:
     ]
     names = []
     for dtype, neox, rotary_dim, mode, norm in launches:
-        for vec, layout, heads in _rotate.instantiations(dtype, neox, rotary_dim, norm):
+        for vec, layout, heads in _rotate.instantiations(dtype, neox, rotary_dim, norm, mode):
             name = _rotate._kernel(dtype, neox, vec, rotary_dim, mode, layout, heads)[1]
             if name not in names:
                 names.append(name)
@@ -210,7 +210,10 @@ def _run_case(
             norm_weights[heads] = values.astype(numpy_dtype(weight_dtype))
             weight_is_float32[heads] = weight_dtype != dtype
     copy_tail = (rotary_dim < head_dim and not in_place) or norm
-    vec = _rotate._vector_width(dtype, neox, rotary_dim, head_dim, copy_tail, rows)
+    vec = _rotate.access_width(
+        dtype, neox, _rotate.TWO_LEVEL, norm, BATCH * SEQ * sum(rotated_heads),
+        _rotate._vector_width(dtype, neox, rotary_dim, head_dim, copy_tail, rows),
+    )  # fmt: skip
     geometry = _rotate._geometry(
         dtype, neox, vec, rotary_dim, head_dim, copy_tail, sum(rotated_heads), BATCH * SEQ, norm,
         in_place,
@@ -322,6 +325,24 @@ def test_large_launch_layout_on_host_threads(kernels, rng, monkeypatch, dtype, n
     }, seen
 
 
+@pytest.mark.parametrize("large", (False, True), ids=("small", "large"))
+@pytest.mark.parametrize("dtype", ("bfloat16", "float16"))
+def test_narrow_neox_accesses_on_host_threads(kernels, rng, monkeypatch, dtype, large):
+    """16-bit neox rotations of large two-level launches move 8 bytes an access
+    (_rotate._NARROW_NEOX_ROWS, forced at host sizes; in a one-round and the large layout):
+    every shape, alignment and output direction against the oracle; the fused norm keeps
+    16-byte accesses."""
+    monkeypatch.setattr(_rotate, "_NARROW_NEOX_ROWS", 0)
+    if large:
+        monkeypatch.setattr(_rotate, "_LARGE_LAUNCH_THREADS", 0)
+    widths = {}
+    for case in _cases():
+        if case[:2] == (dtype, True):
+            vec, _ = _run_case(kernels, rng, *case)
+            widths.setdefault(case[5] is not None, set()).add(vec)
+    assert widths == {False: {4, 1}, True: {8, 1}}, widths
+
+
 @pytest.mark.parametrize("neox", (True, False), ids=("neox", "interleaved"))
 def test_blocks_of_partial_warps_on_host_threads(kernels, rng, neox):
     """12 rows a token (3 head lanes): blocks that are not whole warps, where the norm's
@@ -369,7 +390,10 @@ def test_table_modes_on_host_threads_match_oracle(
         ids = rng.integers(0, CACHE_ROWS, tokens)
         limit = CACHE_ROWS
     ids = np.ascontiguousarray(ids, dtype=np.int64)
-    vec = _rotate._vector_width(dtype, neox, rotary_dim, head_dim, norm, rows)
+    vec = _rotate.access_width(
+        dtype, neox, mode, norm, tokens * (HEADS + KV_HEADS),
+        _rotate._vector_width(dtype, neox, rotary_dim, head_dim, norm, rows),
+    )  # fmt: skip
     grid, block, tail_chunks, heads, layout = _rotate._geometry(
         dtype, neox, vec, rotary_dim, head_dim, norm, HEADS + KV_HEADS, tokens, norm, True
     )

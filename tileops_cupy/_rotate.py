@@ -50,6 +50,17 @@ _THREADS_PER_BLOCK = 160
 #   float32 neox chunk's 4 pairs of cos/sin are cheap to form for four heads. B8 S4096 H32
 #   95.1 -> 98.0%, B1 S8192 88.3 -> 89.5%, per-token positions N32768 (32q/8kv) 96.2 -> 97.7%.
 _LARGE_LAUNCH_THREADS = 1 << 18
+# 16-bit neox rotations of two-level launches with at least _NARROW_NEOX_ROWS head rows
+# (tokens x heads) move 8 bytes an access (4 pairs a chunk, rope.cu's VEC 4) rather than 16:
+# a thread then holds its 4 heads' chunks in 70 registers, where 16-byte chunks need 95, so
+# 7 blocks of 128 threads share a multiprocessor instead of 4 of 160. Measured on an H200
+# (D128, % of the copy ceiling, 16-byte -> 8-byte accesses, two runs): bf16 B8 S4096 H32
+# 95.4-95.9 -> 96.6-97.2, fp16 95.3 -> 96.8; per-token positions 32q/8kv N32768 95.9-96.2
+# -> 95.8-96.1. Below it they gain nothing: bf16 B1 S8192 83.2 / 82.6 -> 82.9 / 83.2, B2
+# S2048 70.6 / 68.8 -> 70.0 / 68.1, positions N8192 85.3 / 85.5 -> 86.0 / 85.0. MRoPE keeps
+# 16 bytes (it chooses a position row per pair, twice as often per byte at 8: N8192 80.5 ->
+# 70.8), as do the cos_sin_cache calls and the fused norm.
+_NARROW_NEOX_ROWS = 1 << 20
 _SMALL_LAUNCH_LAYOUT = (4, 1)  # (HEADS, rounds)
 _LARGE_LAUNCH_LAYOUT = {("float32", True, False): (1, 4)}  # (dtype, neox, norm): (HEADS, rounds)
 _DEFAULT_LARGE_LAUNCH_LAYOUT = (4, 2)
@@ -373,25 +384,50 @@ def module_spec(
     names = tuple(
         _name(dtype, neox, vec, rotary_dim, mode, layout, heads)
         for neox in (True, False)
-        for vec, layout, heads in instantiations(dtype, neox, rotary_dim, norm)
+        for vec, layout, heads in instantiations(dtype, neox, rotary_dim, norm, mode)
     )
     return _cuda.ModuleSpec("rope", names, _DEFINES)
 
 
 def instantiations(
-    dtype: str, neox: bool, rotary_dim: int, norm: bool
+    dtype: str, neox: bool, rotary_dim: int, norm: bool, mode: int = TWO_LEVEL
 ) -> tuple[tuple[int, int, int], ...]:
     """(vector width, NORM, HEADS) of every kernel compiled for one dtype, rotation layout,
-    rotary_dim and norm flag (a rotary_dim outside the shipped set has the run-time
-    rotary_dim kernels: no NORM_ROWS)."""
+    rotary_dim, norm flag and table mode (a rotary_dim outside the shipped set has the
+    run-time rotary_dim kernels: no NORM_ROWS)."""
     wide = 16 // ITEMSIZE[dtype]
     layout = NORM_CHUNKS if norm else NO_NORM
+    widths = (wide, 1)
+    if _narrows(dtype, neox, mode, norm):
+        widths = (wide, wide // 2, 1)
     kernels = tuple(
-        (vec, layout, heads) for vec in (wide, 1) for heads in _heads_choices(dtype, neox, norm)
+        (vec, layout, heads) for vec in widths for heads in _heads_choices(dtype, neox, norm)
     )
     if norm and _rows_layout_compiled(dtype, rotary_dim):
         kernels += ((wide, NORM_ROWS, _ROWS_HEADS),)
     return kernels
+
+
+def _narrows(dtype: str, neox: bool, mode: int, norm: bool) -> bool:
+    """Whether large launches of this kind take half-width accesses (_NARROW_NEOX_ROWS)."""
+    return neox and ITEMSIZE[dtype] == 2 and mode == TWO_LEVEL and not norm
+
+
+def access_width(
+    dtype: str, neox: bool, mode: int, norm: bool, head_rows: int, aligned_width: int
+) -> int:
+    """The vector width (rope.cu's VEC) of a launch of ``head_rows`` rows (tokens x heads)
+    whose rows allow ``aligned_width`` (:func:`_vector_width`): half of it where a 16-byte
+    access holds a 16-bit neox chunk that large launches hold better as two
+    (_NARROW_NEOX_ROWS)."""
+    wide = 16 // ITEMSIZE[dtype]
+    if (
+        aligned_width == wide
+        and head_rows >= _NARROW_NEOX_ROWS
+        and _narrows(dtype, neox, mode, norm)
+    ):
+        return wide // 2
+    return aligned_width
 
 
 @cache
@@ -554,8 +590,11 @@ def _plan(
         return plan
     batch, seq, q_heads, head_dim = q_in.shape
     copy_tail = copy_tail or norm is not None  # a normed tail is always written
-    vec = _vector_width(dtype, neox, rotary_dim, head_dim, copy_tail, rows)
     total_heads = q_heads + (rows[2].shape[2] if len(rows) > 2 else 0)
+    vec = access_width(
+        dtype, neox, mode, norm is not None, batch * seq * total_heads,
+        _vector_width(dtype, neox, rotary_dim, head_dim, copy_tail, rows),
+    )  # fmt: skip
     geometry = _geometry(
         dtype, neox, vec, rotary_dim, head_dim, copy_tail, total_heads, batch * seq,
         norm is not None, rows_in_place,
