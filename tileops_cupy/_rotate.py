@@ -53,7 +53,7 @@ _LARGE_LAUNCH_THREADS = 1 << 18
 # 16-bit neox rotations of two-level launches with at least _NARROW_NEOX_ROWS head rows
 # (tokens x heads) move 8 bytes an access (4 pairs a chunk, rope.cu's VEC 4) rather than 16:
 # a thread then holds its 4 heads' chunks in 70 registers, where 16-byte chunks need 95, so
-# 7 blocks of 128 threads share a multiprocessor instead of 4 of 160. Measured on an H200
+# more warps share a multiprocessor (H32 D128: 7 blocks of 128 threads, not 4 of 160). H200
 # (D128, % of the copy ceiling, 16-byte -> 8-byte accesses, two runs): bf16 B8 S4096 H32
 # 95.4-95.9 -> 96.6-97.2, fp16 95.3 -> 96.8; per-token positions 32q/8kv N32768 95.9-96.2
 # -> 95.8-96.1. Below it they gain nothing: bf16 B1 S8192 83.2 / 82.6 -> 82.9 / 83.2, B2
