@@ -859,10 +859,12 @@ __device__ __forceinline__ void token_chain(const PreBwdParams& p, i64 t, i64 sp
       coef[e] = v;
     }
   };
-  auto write_coef_row = [&]() {  // (SMALL_N: once its entries but c_r are made)
+  auto write_coef_row = [&]() {  // once its entries but c_r are made
+    if constexpr (SMALL_N) {  // (beyond, coef_row is one float and each entry is stored as made)
 #pragma unroll
-    for (int e = 0; e < CW4; e += 4) {
-      *(F4*)(coef + e) = F4{coef_row[e], coef_row[e + 1], coef_row[e + 2], coef_row[e + 3]};
+      for (int e = 0; e < CW4; e += 4) {
+        *(F4*)(coef + e) = F4{coef_row[e], coef_row[e + 1], coef_row[e + 2], coef_row[e + 3]};
+      }
     }
   };
   float grad_alpha_pre = 0.f, grad_alpha_post = 0.f, grad_alpha_res = 0.f;
@@ -942,7 +944,7 @@ __device__ __forceinline__ void token_chain(const PreBwdParams& p, i64 t, i64 sp
   put_coef(N + NN + 1, scale);
 #pragma unroll
   for (int e = N + NN + 2; e < CW4; ++e) put_coef(e, 0.f);
-  if constexpr (SMALL_N) write_coef_row();  // (c_r, at N + NN, is written last)
+  write_coef_row();  // (c_r, at N + NN, is written last)
 
   // back through the Sinkhorn steps (log form: u = dloss/dM (.) M), one segment at a time
   // from its checkpoint. `a` holds the input of the step whose gradient is taken; the input
