@@ -264,10 +264,9 @@ struct Dims {
 // Launch geometry: defines from tileops_cupy._mhc (_GEOMETRY), which sizes the launches by
 // the same numbers.
 //   TILE_ROWS        tokens per mhc_project block: 4 warp rows of 32 tokens
-//   BLOCK_K          K elements per pipeline stage (4 mma k-steps)
-//   STAGE_PITCH      elements per smem row: BLOCK_K plus 16 (or 32) bytes of padding, which
-//                    puts the 8 rows of a fragment load in distinct banks
-//   STAGES           cp.async pipeline depth of mhc_project
+//   BLOCK_K          K elements of one block of phi fragments (mhc_phi_pieces' blocks; 4 mma
+//                    k-steps). mhc_project's pipeline stages are 1 or 2 of them wide and 2 or
+//                    3 deep (its STAGE_K and STAGES template arguments, which the plan picks)
 //   PROJECT_THREADS, APPLY_THREADS, POST_THREADS  threads per block of each kernel
 //                    (mhc_coefficients: PROJECT_THREADS)
 //   COEF_ROWS        tokens per mhc_coefficients block
@@ -276,8 +275,9 @@ struct Dims {
 //   CLUSTER_BLOCKS   the most blocks an mhc_pre_cluster cluster has (16: sm_90's largest,
 //                    non-portable)
 static_assert(TILE_ROWS == 128 && PROJECT_THREADS == 256, "mhc_project's warp layout");
-static_assert(STAGE_PITCH == BLOCK_K + 8 && BLOCK_K % 16 == 0, "fragment loads");
-static_assert(COUNTER_GROUPS >= 2 && STAGES >= 2, "counters and pipeline");
+static_assert(BLOCK_K == 64, "4 k-steps a fragment block");
+constexpr int K_STEPS = BLOCK_K / 16;  // mma k-steps of one K block
+static_assert(COUNTER_GROUPS >= 2, "counters");
 static_assert(CLUSTER_BLOCKS >= 1 && CLUSTER_BLOCKS <= 16, "sm_90 clusters");
 
 
@@ -671,17 +671,19 @@ __device__ __forceinline__ void build_piece_slot(u32* pieces, int slot, PhiAt ph
     pieces[(((ks * NT + nt) * 3 + piece) * 32 + lane) * 2 + half] = lo[piece] | (hi[piece] << 16);
 }
 
-// The B fragments of one K block (4 k-steps): NT slots per thread.
+// The B fragments of one K block (K_STEPS k-steps of NT slot pairs of 32 lanes).
 template <int N, typename PhiAt>
 __device__ __forceinline__ void build_pieces(u32* pieces, PhiAt phi_at) {
-  constexpr int NT = Dims<N>::NT;
+  constexpr int SLOTS = K_STEPS * Dims<N>::NT * 64;
+  static_assert(SLOTS % PROJECT_THREADS == 0, "whole slots a thread");
 #pragma unroll
-  for (int i = 0; i < NT; ++i) build_piece_slot<NT>(pieces, i * PROJECT_THREADS + threadIdx.x, phi_at);
+  for (int i = 0; i < SLOTS / PROJECT_THREADS; ++i)
+    build_piece_slot<Dims<N>::NT>(pieces, i * PROJECT_THREADS + threadIdx.x, phi_at);
 }
 
 template <int N>
 __host__ __device__ constexpr int piece_words() {
-  return 4 * Dims<N>::NT * 3 * 32 * 2;  // u32 words of one K block's B fragments
+  return K_STEPS * Dims<N>::NT * 3 * 32 * 2;  // u32 words of one K block's B fragments
 }
 
 // phi as B fragments, once per call, one K block per block: every mhc_project block then
@@ -705,23 +707,25 @@ __global__ void __launch_bounds__(PROJECT_THREADS) mhc_phi_pieces(const PreParam
   });
 }
 
-// One K block of B fragments into a shared-memory stage.
-template <int N>
+// The B fragments of STAGE_K columns of K from k0 (consecutive K blocks: one run, laid out
+// k-step after k-step as one block of STAGE_K / 16 k-steps) into a shared-memory stage.
+template <int N, int STAGE_K>
 __device__ __forceinline__ void load_pieces_stage(const PreParams& p, u32* dst, i64 k0) {
+  constexpr int WORDS = STAGE_K / BLOCK_K * piece_words<N>();
   const u32* src = p.pieces + (k0 / BLOCK_K) * piece_words<N>();
-  for (int c = threadIdx.x; c < piece_words<N>() / 4; c += PROJECT_THREADS)
-    cp_async16(dst + 4 * c, src + 4 * c);
+  for (int c = threadIdx.x; c < WORDS / 4; c += PROJECT_THREADS) cp_async16(dst + 4 * c, src + 4 * c);
 }
 
-// One thread's share of every x stage of a tile: the same 16-byte segment column of SLOTS
-// rows r, r + ROW_STEP, ... in each K block, so a stage only adds its K offset (the address
-// arithmetic, not the copies, was most of the K loop's instructions). A segment past the
-// batch or the K range is zero-filled by the copy itself. Rows of x that are not 16-byte
-// vectors (vector_io 0) go element by element.
-template <typename T>
+// One thread's share of every x stage of a tile (STAGE_K columns of TILE_ROWS rows, rows
+// PITCH elements apart): the same 16-byte segment column of SLOTS rows r, r + ROW_STEP, ...
+// in each stage, so a stage only adds its K offset (the address arithmetic, not the copies,
+// was most of the K loop's instructions). A segment past the batch or the K range is
+// zero-filled by the copy itself. Rows of x that are not 16-byte vectors (vector_io 0) go
+// element by element.
+template <typename T, int STAGE_K, int PITCH>
 struct XStageLoader {
   typedef typename Io<T>::elem E;
-  static constexpr int PER_SEG = 16 / sizeof(E), SEGS = BLOCK_K / PER_SEG;
+  static constexpr int PER_SEG = 16 / sizeof(E), SEGS = STAGE_K / PER_SEG;
   static constexpr int ROW_STEP = PROJECT_THREADS / SEGS, SLOTS = TILE_ROWS / ROW_STEP;
   static_assert(PROJECT_THREADS % SEGS == 0 && TILE_ROWS % ROW_STEP == 0, "whole slots");
   const E* x;      // x itself: the valid address a zero-filling copy names
@@ -736,7 +740,7 @@ struct XStageLoader {
     x = (const E*)p.x;
     first = x + (row0 + r) * p.x_stride + seg_k;
     row_step = ROW_STEP * p.x_stride;
-    dst = r * STAGE_PITCH + seg_k;
+    dst = r * PITCH + seg_k;
     live = 0u;
 #pragma unroll
     for (int i = 0; i < SLOTS; ++i) live |= (row0 + r + i * ROW_STEP < p.batch ? 1u : 0u) << i;
@@ -748,17 +752,17 @@ struct XStageLoader {
 #pragma unroll
       for (int i = 0; i < SLOTS; ++i) {
         const bool copy = in_range && (live >> i & 1u);
-        cp_async16_fill(stage + dst + i * ROW_STEP * STAGE_PITCH, copy ? first + i * row_step + k0 : x,
+        cp_async16_fill(stage + dst + i * ROW_STEP * PITCH, copy ? first + i * row_step + k0 : x,
                         copy ? 16 : 0);
       }
       return;
     }
-    for (int s = threadIdx.x; s < TILE_ROWS * BLOCK_K; s += PROJECT_THREADS) {
-      const int r = s / BLOCK_K, c = s % BLOCK_K;
+    for (int s = threadIdx.x; s < TILE_ROWS * STAGE_K; s += PROJECT_THREADS) {
+      const int r = s / STAGE_K, c = s % STAGE_K;
       const i64 row = row0 + r;
       if (row >= p.batch) continue;  // stays zero from the kernel's start
       const i64 k = k0 + c;
-      stage[r * STAGE_PITCH + c] = k < k_end ? x[row * p.x_stride + k] : E{};
+      stage[r * PITCH + c] = k < k_end ? x[row * p.x_stride + k] : E{};
     }
   }
 };
@@ -785,20 +789,26 @@ __device__ __forceinline__ void grid_barrier(unsigned int* count, unsigned int a
 }
 
 // Grid: (batch tiles of 128 tokens) x k_splits blocks; block b takes tile b / k_splits and
-// K range [split * k_range, (split+1) * k_range), a multiple of BLOCK_K. Warp w: tokens
-// 32*(w%4) .. +32 (two mma m-tiles) and k-steps 2*(w/4), +1 of every 64-wide K block.
-// Shared memory (size as in _mhc._pre_plan): STAGES x stages, then STAGES
-// B-fragment stages.
-template <typename T, int N>
-// Two blocks per multiprocessor where the registers allow (bf16 x, n <= 4): twice the
-// warps to hide the pipeline's latencies.
+// K range [split * k_range, (split+1) * k_range), a multiple of STAGE_K. Warp w: tokens
+// 32*(w%4) .. +32 (two mma m-tiles) and the k-steps of half w/4 of every stage.
+// The pipeline: STAGES stages of STAGE_K columns (BLOCK_K or 2*BLOCK_K: a row's run of x a
+// stage, 128 or 256 bytes for 16-bit x; DRAM serves longer runs faster). Shared memory (size
+// as in _mhc._project_smem): STAGES x stages, then STAGES B-fragment stages.
+template <typename T, int N, int STAGE_K, int STAGES>
+// Two blocks per multiprocessor where the registers allow (bf16 x, n <= 4) and shared memory
+// does (two stages of 128 columns): twice the warps to hide the pipeline's latencies.
 __global__ void __launch_bounds__(PROJECT_THREADS, N <= 4 && Io<T>::x_pieces == 1 ? 2 : 1)
     mhc_project(const PreParams p) {
+  static_assert(STAGE_K % BLOCK_K == 0 && STAGES >= 2, "whole fragment blocks, a pipeline");
   typedef typename Io<T>::elem E;
   constexpr int Q = Dims<N>::Q, QP = Dims<N>::QP, NT = Dims<N>::NT, NC = Dims<N>::NC;
-  constexpr int X_STAGE = TILE_ROWS * STAGE_PITCH;  // elements
+  // 8 elements (16 or 32 bytes) of padding a row put the 8 rows of a fragment load in
+  // distinct banks
+  constexpr int PITCH = STAGE_K + 8;
+  constexpr int STEPS = STAGE_K / 16;               // mma k-steps a stage
+  constexpr int X_STAGE = TILE_ROWS * PITCH;        // elements
   constexpr int X_BYTES = STAGES * X_STAGE * (int)sizeof(E);
-  constexpr int PIECES = piece_words<N>();          // u32 words
+  constexpr int PIECES = STAGE_K / BLOCK_K * piece_words<N>();  // u32 words a stage
   extern __shared__ U4 dynamic_smem[];
   __shared__ float sh_scratch[PROJECT_THREADS];
 
@@ -814,19 +824,19 @@ __global__ void __launch_bounds__(PROJECT_THREADS, N <= 4 && Io<T>::x_pieces == 
   const i64 K = N * p.c_x;
   const i64 k_begin = split * p.k_range;
   const i64 k_end = k_begin + p.k_range < K ? k_begin + p.k_range : K;
-  const int blocks = (int)((k_end - k_begin + BLOCK_K - 1) / BLOCK_K);
+  const int blocks = (int)((k_end - k_begin + STAGE_K - 1) / STAGE_K);  // stages to stream
 
   if (!p.vector_io) {  // element rows past the batch are never loaded: they must read as zeros
     for (int i = tid; i < X_BYTES / 16; i += PROJECT_THREADS) dynamic_smem[i] = U4{0u, 0u, 0u, 0u};
     __syncthreads();  // the zeros land before the first stage's stores into the same rows
   }
 
-  const XStageLoader<T> x_loader(p, row0);
+  const XStageLoader<T, STAGE_K, PITCH> x_loader(p, row0);
   auto load_x = [&](int blk) {
-    x_loader.load(p, x_stages + blk % STAGES * X_STAGE, row0, k_begin + (i64)blk * BLOCK_K, k_end);
+    x_loader.load(p, x_stages + blk % STAGES * X_STAGE, row0, k_begin + (i64)blk * STAGE_K, k_end);
   };
   auto load_pieces = [&](int blk) {
-    load_pieces_stage<N>(p, piece_stages + blk % STAGES * PIECES, k_begin + (i64)blk * BLOCK_K);
+    load_pieces_stage<N, STAGE_K>(p, piece_stages + blk % STAGES * PIECES, k_begin + (i64)blk * STAGE_K);
   };
   // The first stages' x, then mhc_phi_pieces' fragments (and counters) once it is done (the
   // first commit group so holds every first stage's x: a stage is still whole when waited).
@@ -858,9 +868,9 @@ __global__ void __launch_bounds__(PROJECT_THREADS, N <= 4 && Io<T>::x_pieces == 
     const U2* frag = (const U2*)(piece_stages + (b % STAGES) * PIECES);
     const E* stage = x_stages + (b % STAGES) * X_STAGE;
 #pragma unroll
-    for (int kq = 0; kq < 2; ++kq) {
-      const int ks = k_half * 2 + kq;
-      mma_x_phi<T, NT, STAGE_PITCH, true>(stage, frag, row_group * 32 + g, ks, tg, lane, acc, sumsq);
+    for (int kq = 0; kq < STEPS / 2; ++kq) {
+      const int ks = k_half * (STEPS / 2) + kq;
+      mma_x_phi<T, NT, PITCH, true>(stage, frag, row_group * 32 + g, ks, tg, lane, acc, sumsq);
     }
   }
 

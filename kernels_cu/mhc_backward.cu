@@ -148,8 +148,9 @@ struct PreBwdParams {
   i64 phi_stride_k, phi_stride_q, bias_stride;
   i64 batch, c_x, c_range, k_splits;
   i64 grad_items, grad_blocks, slot_cap;
-  int vector_io, repeat, segment, stages;
-  int token_splits, unused;  // partials mhc_bwd_token sums: k_splits, or 1 (mhc_bwd_splits)
+  int vector_io, repeat, segment;
+  int stats_stages, grad_stages;  // cp.async pipeline depths of the two passes
+  int token_splits;  // partials mhc_bwd_token sums: k_splits, or 1 (mhc_bwd_splits)
   float alpha_pre, alpha_post, alpha_res, eps;
 };
 
@@ -500,7 +501,7 @@ __device__ __forceinline__ void stats_block(const PreBwdParams& p, i64 block) {
   const i64 c_begin = split * p.c_range;
   const i64 c_end = c_begin + p.c_range < p.c_x ? c_begin + p.c_range : p.c_x;
   const int blocks = (int)((c_end - c_begin + CS - 1) / CS);
-  const int stages = p.stages;
+  const int stages = p.stats_stages;
 
   // rows past the batch and the padding positions are never loaded: they must read as zeros
   for (int i = tid; i < stages * (G::STATS_STAGE / 16); i += BWD_BLOCK) ((U4*)smem)[i] = U4{0u, 0u, 0u, 0u};
@@ -1094,7 +1095,7 @@ __device__ __forceinline__ void grad_block(const PreBwdParams& p, i64 block) {
   unsigned char* smem = dynamic_smem_bytes();
   const int tid = block_thread(), lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, tg = lane & 3;
-  const int stages = p.stages;
+  const int stages = p.grad_stages;
   const i64 batch = p.batch, c_x = p.c_x;
   const i64 tiles = (batch + TILE - 1) / TILE;
   const i64 items = p.grad_items, blocks = p.grad_blocks;

@@ -356,6 +356,32 @@ def test_pre_launched_early_gives_the_same_bits(rng):
 
 
 @GPU
+@pytest.mark.parametrize("two_stage_run", (0, 1 << 30), ids=("two-stages", "three-stages"))
+@pytest.mark.parametrize("c_x, batch", ((200, 300), (1000, 129), (72, 5000), (4096, 700)))
+def test_pre_projection_pipelines(rng, monkeypatch, c_x, batch, two_stage_run):
+    """bf16 n4 projects 128 columns a stage, three stages deep or two (forced here for every
+    batch): tiles ending in a partial one, K ranges ending in a partial stage (c_x 200 and
+    1000: 800 and 4000 columns), the cooperative plan (129 tokens) and K unsplit, each
+    against the oracle and a second call bit-identical."""
+    require("cuda", "torch")
+    import torch
+
+    monkeypatch.setattr(_mhc, "_MIN_TWO_STAGE_RUN", two_stage_run)
+    monkeypatch.setattr(_mhc, "_pre_plans", {})
+    case = random_pre_case(rng, 4, c_x, batch)
+    plan = _mhc._pre_plan(0, "bfloat16", 4, c_x, batch)
+    stages = 2 if two_stage_run == 0 else 3
+    expected = _mhc._cuda.function(
+        _mhc.pre_module("bfloat16", 4), f"mhc_project<bfloat16_t, 4, 128, {stages}>", 0
+    )
+    assert plan.steps[1].kernel is expected
+    first, second = run_pre(case, "cuda"), run_pre(case, "cuda")
+    assert_pre_matches(case, first)
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+
+
+@GPU
 def test_pre_large_batch_without_k_split(rng):
     """Enough tiles that every block takes all of K (k_splits = 1), last tile partial."""
     case = random_pre_case(rng, 4, 64, 132 * 128 + 77)
@@ -616,12 +642,13 @@ def test_streams_of():
         assert streams_of(n * n + 2 * n) == n
 
 
+@pytest.mark.parametrize("stage_k", (64, 128))
 @pytest.mark.parametrize("resident", (132, 264))
 @pytest.mark.parametrize("batch", (1, 4, 5, 128, 129, 256, 257, 4096, 16384, 40000))
 @pytest.mark.parametrize("width", (4 * 1280, 4 * 4096, 4 * 7168, 8 * 130, 64))
-def test_plan_geometry_covers_k(batch, width, resident):
-    k_range, k_splits, fuse = plan_geometry(batch, width, resident)
-    assert k_range % 64 == 0 and k_range >= 64
+def test_plan_geometry_covers_k(batch, width, resident, stage_k):
+    k_range, k_splits, fuse = plan_geometry(batch, width, resident, stage_k)
+    assert k_range % stage_k == 0 and k_range >= stage_k
     assert (k_splits - 1) * k_range < width <= k_splits * k_range  # every split has work
     assert fuse == (batch <= 256)
     tiles = -(-batch // 128)
@@ -629,6 +656,67 @@ def test_plan_geometry_covers_k(batch, width, resident):
         assert k_splits == 1
     else:  # one wave: a cooperative launch needs every block resident
         assert tiles * k_splits <= resident
+
+
+def _modelled_sm90(monkeypatch) -> None:
+    """An H200-like device for the planners: 132 multiprocessors of sm_90 with 227 KB of
+    shared memory each (up to two blocks of 256 threads fit, by shared memory alone), no
+    kernels, and
+    no cluster plan (test_cluster_plan_takes_the_fewest_clusters_a_token_group_that_fit)."""
+    monkeypatch.setattr(_mhc, "_cluster_plan", lambda *args: None)
+    monkeypatch.setattr(
+        _mhc,
+        "_attribute",
+        lambda device, attribute: 132 if attribute == _mhc._MULTIPROCESSORS else 9,
+    )
+    monkeypatch.setattr(_mhc._cuda, "function", lambda spec, name, device: name)
+    monkeypatch.setattr(
+        _mhc, "_raise_smem_limit", lambda kernel, device, nbytes: min(2, (227 << 10) // nbytes)
+    )
+    monkeypatch.setattr(_mhc, "_pre_plans", {})
+
+
+@pytest.mark.parametrize(
+    "dtype, n, batch, c_x, project, k_range",
+    (
+        ("bfloat16", 4, 128, 4096, "mhc_project<bfloat16_t, 4, 128, 3>", 128),
+        ("bfloat16", 4, 512, 7168, "mhc_project<bfloat16_t, 4, 128, 3>", 896),
+        ("bfloat16", 4, 2048, 4096, "mhc_project<bfloat16_t, 4, 128, 3>", 2048),
+        ("bfloat16", 4, 4096, 4096, "mhc_project<bfloat16_t, 4, 128, 2>", 2048),
+        ("bfloat16", 4, 16384, 7168, "mhc_project<bfloat16_t, 4, 128, 2>", 2 * 7168),
+        ("bfloat16", 2, 16384, 7168, "mhc_project<bfloat16_t, 2, 128, 2>", 7168),
+        ("bfloat16", 6, 4096, 4096, "mhc_project<bfloat16_t, 6, 64, 3>", 6 * 4096 // 8),
+        ("float32", 4, 4096, 4096, "mhc_project<float, 4, 64, 3>", 4 * 4096 // 4),
+        ("float16", 4, 16384, 7168, "mhc_project<half_t, 4, 64, 3>", 2 * 7168),
+    ),
+)
+def test_pre_plan_picks_the_projection_pipeline(
+    monkeypatch, dtype, n, batch, c_x, project, k_range
+):
+    """bf16 x with n <= 4 projects 128 columns a stage (256-byte runs of each row), three
+    stages deep, or two deep with two blocks a multiprocessor where a block streams at least
+    16 stages; other x dtypes and n keep 64 columns, three deep. The pieces kernel covers
+    every stage's fragments whole."""
+    _modelled_sm90(monkeypatch)
+    plan = _mhc._pre_plan(0, dtype, n, c_x, batch)
+    pieces, projection = plan.steps[:2]
+    assert projection.kernel == project and plan.k_range == k_range
+    stage_k, stages = (int(v) for v in project.rstrip(">").split(", ")[2:])
+    assert projection.shared_mem == _mhc._project_smem(dtype, n, (stage_k, stages))
+    assert pieces.grid[0] * 64 == -(-n * c_x // stage_k) * stage_k
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", _mhc.CUDA_STREAMS)
+def test_projection_pipelines_fit_shared_memory(dtype, n):
+    """Every shipped mhc_project pipeline fits sm_90's 227 KB a block, and the bf16 n <= 4
+    ones fit as the plan wants them: three stages once, two stages twice a multiprocessor
+    (228 KB, 1 KB of it the driver's a block, and the kernel's 1 KB of static scratch)."""
+    for pipeline in _mhc.project_pipelines(dtype, n):
+        smem = _mhc._project_smem(dtype, n, pipeline) + 1024
+        assert smem <= 227 << 10, (pipeline, smem)
+        if pipeline == (128, 2):
+            assert 2 * (smem + 1024) <= 228 << 10, smem
 
 
 @pytest.mark.parametrize("resident", (66, 132, 264, 400))
@@ -718,8 +806,8 @@ def test_fused_backward_scratch_is_its_own_workspace(monkeypatch):
         sizes = (_mhc._PRE_BWD_COUNTER_WORDS, 99, 30 * batch, 8 * batch, 9 * batch, 27 * batch,
                  5000, 320 * batch)  # fmt: skip
         return _mhc._PreBackwardPlan(
-            steps=(), fused=fused, stages=3, c_range=16, k_splits=16, token_splits=1,
-            grad_items=4, grad_blocks=4, slot_cap=1, segment=1, scratch=sizes,
+            steps=(), fused=fused, stats_stages=3, grad_stages=3, c_range=16, k_splits=16,
+            token_splits=1, grad_items=4, grad_blocks=4, slot_cap=1, segment=1, scratch=sizes,
         )  # fmt: skip
 
     for batch in (1, 37, 256):

@@ -116,9 +116,10 @@ KNOWN_SPILLS = {
     ("sm_90", "mhc_bwd_grad<float, 7>"): 8,
     ("sm_90", "mhc_bwd_grad<float, 8>"): 68,
     ("sm_90", "mhc_bwd_grad<half_t, 8>"): 24,
+    ("sm_90", "mhc_project<bfloat16_t, 4, 128, 2>"): 12,
     # 8 or 80 by the process's earlier NVRTC compiles (80 alone) since its first x stages
     # load before the phi fragments (programmatic dependent launch, 2026-12-03)
-    ("sm_90", "mhc_project<float, 8>"): 80,
+    ("sm_90", "mhc_project<float, 8, 64, 3>"): 80,
     ("sm_90", "rope_rotate<bfloat16_t, true, 8, 0, 0, 0, 4>"): 8,
     ("sm_90", "rope_rotate<bfloat16_t, true, 8, 0, 0, 1, 4>"): 12,
     ("sm_90", "rope_rotate<bfloat16_t, true, 8, 0, 1, 0, 4>"): 32,

@@ -56,16 +56,14 @@ PRE_PARAMS = _cuda.ParamStruct.declared("mhc", "PreParams")
 POST_PARAMS = _cuda.ParamStruct.declared("mhc", "PostParams")
 PRE_BWD_PARAMS = _cuda.ParamStruct.declared("mhc_backward", "PreBwdParams")
 POST_BWD_PARAMS = _cuda.ParamStruct.declared("mhc_backward", "PostBwdParams")
-# Launch geometry fixed by the kernels (TILE_ROWS, BLOCK_K, STAGE_PITCH, thread counts).
+# Launch geometry fixed by the kernels (TILE_ROWS, BLOCK_K, thread counts).
 _GEOMETRY = {
-    "TILE_ROWS": 128, "BLOCK_K": 64, "STAGE_PITCH": 72, "STAGES": 3, "PROJECT_THREADS": 256,
+    "TILE_ROWS": 128, "BLOCK_K": 64, "PROJECT_THREADS": 256,
     "APPLY_THREADS": 256, "POST_THREADS": 256, "COEF_ROWS": 16, "COUNTER_GROUPS": 4,
     "SMALL_ROWS": 32, "SMALL_CHUNK": 32, "SMALL_FAN_IN": 16, "CLUSTER_BLOCKS": 16,
 }  # fmt: skip
 _FORWARD_DEFINES = tuple(f"{name}={value}" for name, value in _GEOMETRY.items())
-_TILE_ROWS, _BLOCK_K, _STAGE_PITCH, _STAGES = (
-    _GEOMETRY[name] for name in ("TILE_ROWS", "BLOCK_K", "STAGE_PITCH", "STAGES")
-)
+_TILE_ROWS, _BLOCK_K = _GEOMETRY["TILE_ROWS"], _GEOMETRY["BLOCK_K"]
 _PROJECT_THREADS, _APPLY_THREADS, _POST_THREADS = (
     _GEOMETRY[name] for name in ("PROJECT_THREADS", "APPLY_THREADS", "POST_THREADS")
 )
@@ -73,6 +71,20 @@ _COEF_ROWS = _GEOMETRY["COEF_ROWS"]  # tokens per mhc_coefficients block
 _COUNTER_GROUPS = _GEOMETRY["COUNTER_GROUPS"]  # counter words before mhc_pre_small's groups
 _MAX_FUSED_ROWS = 256  # batches this small: cooperative mhc_project, no mhc_apply launch
 _MIN_EARLY_ROWS = 512  # from here on sm_90 mhc_project and mhc_apply start early (_pre_plan)
+# mhc_project's pipelines, (STAGE_K, STAGES): stages of one or two 64-wide fragment blocks,
+# so 128- or 256-byte runs of each 16-bit row of x (DRAM serves the longer runs faster), 3
+# or 2 deep. Where two blocks fit a multiprocessor (bf16 x, n <= 4: 128 registers) the runs
+# are 256 bytes: three stages (one block a multiprocessor, by shared memory) where a block
+# streams few stages, two stages (two blocks) where it streams at least _MIN_TWO_STAGE_RUN.
+# Elsewhere the stages are 64 wide and 3 deep (a 128-wide float32 or n = 8 stage does not fit
+# twice). H200, bf16 n4, device time, us, (64, 3) -> (128, 3) / (128, 2), stages a block
+# streams under (128, 2): B128 c_x4096 36.5 -> 30.2 / 30.9 (1), B256 c_x7168 51.6 -> 53.7 /
+# 53.7 (1), B512 c_x7168 58.8 -> 52.6 / 58.8 (4), B2048 c_x4096 87.7 -> 85.0 / 89.0 (8),
+# B4096 c_x4096 148.3 -> 146.0 / 145.7 (16), B16384 c_x1280 193.9 -> 191.6 / 191.4 (20),
+# B4096 c_x7168 239.7 -> 238.3 / 231.6 (28), B8192 c_x4096 275.4 -> 272.9 / 265.5 (32),
+# B16384 c_x7168 876.5 -> 874.9 / 835.0 (112).
+_NARROW_PIPELINE, _WIDE_PIPELINES = (64, 3), ((128, 3), (128, 2))
+_MIN_TWO_STAGE_RUN = 16
 # mhc_pre_small, one ordinary launch, for batches of at most _MAX_SMALL_ROWS tokens and
 # _SMALL_WORK elements of x: its projection runs on the CUDA cores, which beyond that lose to
 # the tensor-core path (H200, n = 4, device time: B32 c_x1280 27.7 us vs 30.3 fused, B4
@@ -258,8 +270,8 @@ def mhc_pre_backward(
         c_range=plan.c_range, k_splits=plan.k_splits, grad_items=plan.grad_items,
         grad_blocks=plan.grad_blocks, slot_cap=plan.slot_cap,
         vector_io=c_x % (16 // size) == 0 and alignment % 16 == 0,
-        repeat=gates.sinkhorn_repeat, segment=plan.segment, stages=plan.stages,
-        token_splits=plan.token_splits, unused=0,
+        repeat=gates.sinkhorn_repeat, segment=plan.segment, stats_stages=plan.stats_stages,
+        grad_stages=plan.grad_stages, token_splits=plan.token_splits,
         alpha_pre=gates.alpha_pre, alpha_post=gates.alpha_post, alpha_res=gates.alpha_res,
         eps=gates.sinkhorn_eps,
     )  # fmt: skip
@@ -303,13 +315,35 @@ def zero_fill(output: Operand) -> None:
 # --------------------------------------------------------------------------- CUDA body
 
 
+def project_pipelines(dtype: str, n: int) -> tuple[tuple[int, int], ...]:
+    """The (STAGE_K, STAGES) pipelines mhc_project is compiled with for x's dtype and n."""
+    return _WIDE_PIPELINES if dtype == "bfloat16" and n <= 4 else (_NARROW_PIPELINE,)
+
+
+def _project_name(dtype: str, n: int, pipeline: tuple[int, int]) -> str:
+    return f"mhc_project<{CUDA_TYPES[dtype]}, {n}, {pipeline[0]}, {pipeline[1]}>"
+
+
+def _fragment_bytes(n: int, columns: int) -> int:
+    """Bytes of phi's bf16 B fragments for ``columns`` rows of phi (mhc.cu build_pieces:
+    three pieces of each of the n-tiles' 8-byte slots, 32 lanes a k-step of 16)."""
+    return columns // 16 * ((n * n + 2 * n + 7) // 8) * 3 * 32 * 8
+
+
+def _project_smem(dtype: str, n: int, pipeline: tuple[int, int]) -> int:
+    """Dynamic shared memory of mhc_project: STAGES stages of x (TILE_ROWS rows of STAGE_K
+    elements, 8 elements of padding each) and of phi's B fragments."""
+    stage_k, stages = pipeline
+    return stages * (_TILE_ROWS * (stage_k + 8) * ITEMSIZE[dtype] + _fragment_bytes(n, stage_k))
+
+
 def pre_module(dtype: str, n: int) -> _cuda.ModuleSpec:
-    """The phi-fragment, projection, coefficient and apply kernels of one x dtype and n,
-    and the one-launch kernel of small batches."""
+    """The phi-fragment, projection (one per pipeline), coefficient and apply kernels of one
+    x dtype and n, and the one-launch kernels of small batches (mhc_pre_cluster last)."""
     cuda_type = CUDA_TYPES[dtype]
     names = (
         f"mhc_phi_pieces<{n}>",
-        f"mhc_project<{cuda_type}, {n}>",
+        *(_project_name(dtype, n, pipeline) for pipeline in project_pipelines(dtype, n)),
         f"mhc_coefficients<{cuda_type}, {n}>",
         f"mhc_apply<{cuda_type}, {n}>",
         f"mhc_pre_small<{cuda_type}, {n}>",
@@ -408,18 +442,20 @@ def _raise_smem_limit(kernel: Any, device: int, nbytes: int) -> int:
         )
 
 
-def plan_geometry(batch: int, width: int, resident_blocks: int) -> tuple[int, int, bool]:
+def plan_geometry(
+    batch: int, width: int, resident_blocks: int, stage_k: int = _BLOCK_K
+) -> tuple[int, int, bool]:
     """(k_range, k_splits, fuse): how mhc_project splits K over its blocks.
 
     At most ``resident_blocks`` (tile, K range) blocks, as many as fit at once: a large
     batch has about one tile per block and splits K little; a small batch splits K over
-    every block, since reading phi is then much of the work. K ranges are whole 64-wide K
-    blocks. Small batches (``fuse``) run as one cooperative launch, which needs every block
-    resident at once.
+    every block, since reading phi is then much of the work. K ranges are whole stages
+    (``stage_k`` wide). Small batches (``fuse``) run as one cooperative launch, which needs
+    every block resident at once.
     """
     tiles = -(-batch // _TILE_ROWS)
     wanted = max(1, resident_blocks // tiles)
-    k_range = max(_BLOCK_K, -(-width // (wanted * _BLOCK_K)) * _BLOCK_K)
+    k_range = max(stage_k, -(-width // (wanted * stage_k)) * stage_k)
     return k_range, -(-width // k_range), batch <= _MAX_FUSED_ROWS
 
 
@@ -549,7 +585,7 @@ def _pre_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan
     if plan is not None:
         return _remember(key, plan)
     spec = pre_module(dtype, n)
-    pieces_name, project_name, coefficients_name, apply_name, small_name, _ = spec.name_expressions
+    pieces_name, *_, coefficients_name, apply_name, small_name, _ = spec.name_expressions
     width, q = n * c_x, n * n + 2 * n
     threads = (_PROJECT_THREADS, 1, 1)
     if batch <= _MAX_SMALL_ROWS and batch * width <= _SMALL_WORK:
@@ -568,15 +604,9 @@ def _pre_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan
             ),
         )  # fmt: skip
         return _remember(key, plan)
-    project = _cuda.function(spec, project_name, device)
-    piece_bytes = 4 * ((q + 7) // 8) * 3 * 32 * 8  # bf16 B fragments of one K block
-    smem = _STAGES * (_TILE_ROWS * _STAGE_PITCH * ITEMSIZE[dtype] + piece_bytes)
-    with _lock:
-        per_multiprocessor = _raise_smem_limit(project, device, smem)
-    resident = per_multiprocessor * _attribute(device, _MULTIPROCESSORS)
-    k_range, k_splits, fuse = plan_geometry(batch, width, resident)
+    project, smem, (k_range, k_splits, fuse), stage_k = _project_plan(device, dtype, n, batch, c_x)
     tiles = -(-batch // _TILE_ROWS)
-    k_blocks = -(-width // _BLOCK_K)
+    k_blocks = -(-width // stage_k) * (stage_k // _BLOCK_K)  # (a last stage's are whole)
     # the projection and the mix start, and load x, while the kernel before them runs
     # (mhc.cu: programmatic dependent launch). H200, bf16 n4, median us, plain -> early:
     # B512 c_x4096 48.9 -> 45.8-46.4, B2000 c_x1280 46.0-46.8 -> 42.0-42.3, B4096 c_x4096
@@ -606,10 +636,30 @@ def _pre_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan
             k_splits * batch * (q + 1),
             batch * (n + n * n),
             _COUNTER_GROUPS,
-            k_blocks * piece_bytes // 4,
+            k_blocks * _fragment_bytes(n, _BLOCK_K) // 4,
         ),
     )  # fmt: skip
     return _remember(key, plan)
+
+
+def _project_plan(
+    device: int, dtype: str, n: int, batch: int, c_x: int
+) -> tuple[Any, int, tuple[int, int, bool], int]:
+    """(kernel, shared memory, plan_geometry, STAGE_K) of mhc_project for this batch: the
+    first of project_pipelines, or the second (two stages, two blocks a multiprocessor)
+    where its blocks stream at least _MIN_TWO_STAGE_RUN stages each."""
+    spec = pre_module(dtype, n)
+    chosen = None
+    for index, pipeline in enumerate(project_pipelines(dtype, n)):
+        kernel = _cuda.function(spec, _project_name(dtype, n, pipeline), device)
+        smem = _project_smem(dtype, n, pipeline)
+        with _lock:
+            per_multiprocessor = _raise_smem_limit(kernel, device, smem)
+        resident = per_multiprocessor * _attribute(device, _MULTIPROCESSORS)
+        geometry = plan_geometry(batch, n * c_x, resident, pipeline[0])
+        if index == 0 or geometry[0] // pipeline[0] >= _MIN_TWO_STAGE_RUN:
+            chosen = kernel, smem, geometry, pipeline[0]
+    return chosen
 
 
 def _remember(key: tuple, plan: _PrePlan) -> _PrePlan:
@@ -968,9 +1018,16 @@ def _geometry(dtype: str, n: int) -> _Geometry:
     vec = 16 // size  # elements per 16-byte copy
     q = n * n + 2 * n
     n_tiles, q16 = -(-q // 8), -(-q // 16) * 16
-    # first pass: about 64 (16-bit x) or 32 (float32) K positions per stage, in whole
-    # 16-byte copies of each stream, padded to whole 16-deep k-steps
-    c_stage = max(vec, (64 if size == 2 else 32) // n // vec * vec)
+    # first pass: about 128 (16-bit x, n <= 4), 64 (16-bit x) or 32 (float32) K positions
+    # per stage, in whole 16-byte copies of each stream (whole 16-column steps where the token
+    # products run on the tensor cores), padded to whole 16-deep k-steps.
+    # Longer runs of each row a stage are read faster: bf16 n4 takes 32 columns (64-byte
+    # runs; 16 before), H200, whole call, us: B4096 c_x4096 326.7 -> 310.8, B16384 c_x7168
+    # 1924.9 -> 1817.0, B1024 c_x4096 128.1 -> 128.4. Wider n keeps 64 positions: two stages
+    # of n = 8 would not fit at 128.
+    products = size == 2 and n <= 4  # (mhc_backward.cu's MMA_PRODUCTS: whole 16-column steps)
+    positions_wanted, step = (128, 16) if products else (64 if size == 2 else 32, vec)
+    c_stage = max(step, positions_wanted // n // step * step)
     positions = -(-n * c_stage // 16) * 16
     piece_words = positions // 16 * n_tiles * 3 * 32 * 2
     stats_stage = (2 * (positions + 8) + c_stage + vec) * _STATS_TILE * size + 4 * piece_words
@@ -1057,7 +1114,8 @@ class _PreBackwardPlan:
 
     steps: tuple[_cuda.Step, ...]
     fused: bool
-    stages: int
+    stats_stages: int  # cp.async pipeline depths of the first and second pass
+    grad_stages: int
     c_range: int  # first pass: columns per K split (a multiple of c_stage)
     k_splits: int
     token_splits: int  # partials mhc_bwd_token sums (1 where mhc_bwd_splits or fused did)
@@ -1155,19 +1213,16 @@ def _pre_backward_plan(
         and batch * n * c_x <= _MAX_FUSED_BWD_ELEMENTS
     )
     smem_cap = _attribute(device, _MAX_SMEM_OPTIN)
-    stages = min(
-        _MAX_STAGES,
-        smem_cap // geometry.stats_stage_bytes,
-        (smem_cap - geometry.grad_d_bytes) // geometry.grad_stage_bytes,
-    )
-    if stages < 2:
+    stats_stages = min(_MAX_STAGES, smem_cap // geometry.stats_stage_bytes)
+    grad_stages = min(_MAX_STAGES, (smem_cap - geometry.grad_d_bytes) // geometry.grad_stage_bytes)
+    if min(stats_stages, grad_stages) < 2:
         raise ValueError(
             f"the mHC backward kernels need {2 * geometry.stats_stage_bytes} and "
             f"{2 * geometry.grad_stage_bytes + geometry.grad_d_bytes} bytes of shared memory "
             f"per block; this device allows {smem_cap}"
         )
-    stats_smem = stages * geometry.stats_stage_bytes
-    grad_smem = stages * geometry.grad_stage_bytes + geometry.grad_d_bytes
+    stats_smem = stats_stages * geometry.stats_stage_bytes
+    grad_smem = grad_stages * geometry.grad_stage_bytes + geometry.grad_d_bytes
     fused_smem = max(stats_smem, grad_smem)
     threads = (_THREADS, 1, 1)
     q = n * n + 2 * n
@@ -1221,7 +1276,8 @@ def _pre_backward_plan(
     plan = _PreBackwardPlan(
         steps=steps,
         fused=fused,
-        stages=stages,
+        stats_stages=stats_stages,
+        grad_stages=grad_stages,
         c_range=per_split * geometry.c_stage,
         k_splits=k_splits,
         token_splits=1 if fused or summed_apart else k_splits,
