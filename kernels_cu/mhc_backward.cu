@@ -16,7 +16,7 @@
 //                   dh_pre[k] = sum_c gxl[c]*x_k[c] and dM[i,k] = sum_c gxr_i[c]*x_k[c] on the
 //                   tensor cores too for 16-bit x and n <= 4 (TokenProducts), else in float32
 //                   FMA, into per-split partial sums. Where its stages take a row in runs
-//                   shorter than a 128-byte line (bf16 n = 4: 32 bytes), they ask L2 for the
+//                   shorter than a 128-byte line (bf16 n = 4: 64 bytes), they ask L2 for the
 //                   whole line (cp_async16_fill_line).
 //   mhc_bwd_splits  (many splits only) the partials summed into the first split's, one thread
 //                   per (row of stats, token).
@@ -284,11 +284,11 @@ __device__ __forceinline__ void for_each_share(Body&& body) {
 }
 
 // cp_async16_fill that has L2 fetch the whole 128-byte line around the copy, for a pass whose
-// stages take a row 32 bytes at a time: the next stages then find their bytes in L2, where
-// DRAM served the same line's sectors a stage apart at about two thirds the speed (a 3-stage
+// stages take a row in shorter runs: the next stages then find their bytes in L2, where DRAM
+// served the same line's sectors a stage apart at about two thirds the speed (a 3-stage
 // pipeline of 32-byte runs of 1152 rows a block, 302 MB, H200: 148 -> 116 µs; 128-byte runs
-// without the hint 95-101 µs). Pre backward, bf16 n = 4, same process: B4096 c_x4096 362 ->
-// 347 µs, B16384 c_x7168 2069 -> 2002 µs, the same bits.
+// without the hint 95-101 µs). Pre backward, bf16 n = 4 (32-byte runs then), same process:
+// B4096 c_x4096 362 -> 347 µs, B16384 c_x7168 2069 -> 2002 µs, the same bits.
 __device__ __forceinline__ void cp_async16_fill_line(void* smem, const void* gmem, int src_bytes) {
   asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;" ::"r"(smem_address(smem)),
                "l"(gmem), "r"(src_bytes)
