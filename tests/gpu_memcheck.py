@@ -18,6 +18,7 @@ from tileops_cupy.rope import (
     apply_rope_with_cos_sin_cache,
     apply_rope_with_cos_sin_cache_inplace,
 )
+from tileops_cupy import _mhc
 from tileops_cupy.sequence_modeling import MHCPostBwdOp, MHCPostFwdOp, MHCPreBwdOp, MHCPreFwdOp
 
 torch.manual_seed(0)
@@ -99,6 +100,10 @@ for dtype in (torch.bfloat16, torch.float32):
             x_res, x_layer, h_post = pre(phi, xm, b)
             post(x_layer, h_post, x_res)
             post_backward(x_layer, h_post, x_res, torch.randn_like(x_res))
+        # the projection's other pipeline (bf16, n <= 4: two stages, forced)
+        shipped, _mhc._MIN_TWO_STAGE_RUN, _mhc._pre_plans = _mhc._MIN_TWO_STAGE_RUN, 0, {}
+        MHCPreFwdOp(1.0, 0.9, 1.1, 20)(phi, xm, b)
+        _mhc._MIN_TWO_STAGE_RUN, _mhc._pre_plans = shipped, {}
         upstream = (torch.randn_like(x_res), torch.randn_like(x_layer), torch.randn_like(h_post))
         pre_backward = MHCPreBwdOp(1.0, 0.9, 1.1, 20)
         for _ in range(2):
