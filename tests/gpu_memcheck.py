@@ -8,6 +8,7 @@ import contextlib
 
 import torch
 
+from tileops_cupy import _mhc
 from tileops_cupy.rope import (
     RoPE,
     RoPEBwdOp,
@@ -18,7 +19,6 @@ from tileops_cupy.rope import (
     apply_rope_with_cos_sin_cache,
     apply_rope_with_cos_sin_cache_inplace,
 )
-from tileops_cupy import _mhc
 from tileops_cupy.sequence_modeling import MHCPostBwdOp, MHCPostFwdOp, MHCPreBwdOp, MHCPreFwdOp
 
 torch.manual_seed(0)
