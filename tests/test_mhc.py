@@ -658,17 +658,14 @@ def test_plan_geometry_covers_k(batch, width, resident, stage_k):
         assert tiles * k_splits <= resident
 
 
-def _modelled_sm90(monkeypatch) -> None:
+def _modelled_sm90(monkeypatch, optin: int = 227 << 10) -> None:
     """An H200-like device for the planners: 132 multiprocessors of sm_90 with 227 KB of
-    shared memory each (up to two blocks of 256 threads fit, by shared memory alone), no
-    kernels, and
-    no cluster plan (test_cluster_plan_takes_the_fewest_clusters_a_token_group_that_fit)."""
+    shared memory each (``optin`` a block; up to two blocks of 256 threads fit, by shared
+    memory alone), no kernels, and no cluster plan
+    (test_cluster_plan_takes_the_fewest_clusters_a_token_group_that_fit)."""
+    attributes = {_mhc._MULTIPROCESSORS: 132, _mhc._MAX_SMEM_OPTIN: optin}
     monkeypatch.setattr(_mhc, "_cluster_plan", lambda *args: None)
-    monkeypatch.setattr(
-        _mhc,
-        "_attribute",
-        lambda device, attribute: 132 if attribute == _mhc._MULTIPROCESSORS else 9,
-    )
+    monkeypatch.setattr(_mhc, "_attribute", lambda device, attribute: attributes.get(attribute, 9))
     monkeypatch.setattr(_mhc._cuda, "function", lambda spec, name, device: name)
     monkeypatch.setattr(
         _mhc, "_raise_smem_limit", lambda kernel, device, nbytes: min(2, (227 << 10) // nbytes)
@@ -704,6 +701,23 @@ def test_pre_plan_picks_the_projection_pipeline(
     stage_k, stages = (int(v) for v in project.rstrip(">").split(", ")[2:])
     assert projection.shared_mem == _mhc._project_smem(dtype, n, (stage_k, stages))
     assert pieces.grid[0] * 64 == -(-n * c_x // stage_k) * stage_k
+
+
+@pytest.mark.parametrize("n", _mhc.CUDA_STREAMS)
+def test_pre_projection_that_does_not_fit_is_refused(monkeypatch, n):
+    """On a device of sm_80's 163 KB a block (166912 bytes), float32 x projects up to n = 6;
+    n = 7 and 8 (three stages of 64 columns: 185 and 203 KB) are refused before any launch,
+    naming what they need, and 16-bit x plans for every n."""
+    _modelled_sm90(monkeypatch, optin=166912)
+    for dtype in ("bfloat16", "float16"):
+        assert _mhc._pre_plan(0, dtype, n, 4096, 4096).steps
+    if n <= 6:
+        assert _mhc._pre_plan(0, "float32", n, 4096, 4096).steps
+    else:
+        with pytest.raises(
+            ValueError, match=r"float32 x and n = \d needs \d+ bytes.*allows 166912"
+        ):
+            _mhc._pre_plan(0, "float32", n, 4096, 4096)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

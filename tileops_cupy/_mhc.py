@@ -649,10 +649,20 @@ def _project_plan(
     first of project_pipelines, or the second (two stages, two blocks a multiprocessor)
     where its blocks stream at least _MIN_TWO_STAGE_RUN stages each."""
     spec = pre_module(dtype, n)
+    optin = _attribute(device, _MAX_SMEM_OPTIN)
     chosen = None
     for index, pipeline in enumerate(project_pipelines(dtype, n)):
-        kernel = _cuda.function(spec, _project_name(dtype, n, pipeline), device)
         smem = _project_smem(dtype, n, pipeline)
+        needed = smem + 4 * _PROJECT_THREADS  # (and the kernel's static float per thread)
+        if needed > optin:  # (sm_80 allows 163 KB a block: float32 x with n >= 7 needs more)
+            if index == 0:
+                raise ValueError(
+                    f"mHC pre's projection with {dtype} x and n = {n} needs {needed} bytes "
+                    f"of shared memory per block; this device allows {optin}: use 16-bit x, "
+                    "or run on the host (target='cpu' with host arrays)"
+                )
+            continue
+        kernel = _cuda.function(spec, _project_name(dtype, n, pipeline), device)
         with _lock:
             per_multiprocessor = _raise_smem_limit(kernel, device, smem)
         resident = per_multiprocessor * _attribute(device, _MULTIPROCESSORS)

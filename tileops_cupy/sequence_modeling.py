@@ -138,13 +138,15 @@ class MHCPreFwdOp(_PreSettings):
     Arithmetic is float32 throughout (``x @ phi`` included: on CUDA the tensor cores see
     phi as three exact bf16 pieces, never TF32). A Sinkhorn row or column whose entries all
     underflowed to 0 (possible only with ``sinkhorn_eps=0``) stays 0 rather than NaN. The
-    CUDA kernels take n <= 8.
+    CUDA kernels take n <= 8 (float32 x on an sm_80 device, whose blocks get 163 KB of
+    shared memory: n <= 6).
 
     Raises:
         ValueError: a non-2-D ``phi``/``x`` or non-1-D ``b``; a dtype other than the above;
             a phi width that is not ``n*n + 2n``; phi rows != x width; a width not divisible
             by n (or zero); ``len(b)`` != phi width; inputs on different devices; a
-            ``target`` other than where the data lives; n > 8 on CUDA.
+            ``target`` other than where the data lives; n > 8 on CUDA (float32 x on a
+            device with too little shared memory a block for n: n > 6 on sm_80).
         TypeError: an argument that is not an array.
 
     Example (CUDA, torch)::
