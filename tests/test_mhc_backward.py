@@ -312,9 +312,10 @@ def test_pre_backward_is_deterministic(rng, place, batch):
 @pytest.mark.parametrize("n, c_x, batch", ((1, 1000, 1), (4, 130, 4), (8, 72, 37), (4, 136, 64)))
 def test_pre_backward_one_launch_is_the_five_kernels(rng, monkeypatch, n, c_x, batch, dtype):
     """Small calls (_MAX_FUSED_BWD_*) run the five kernels as stages of one cooperative
-    launch (mhc_bwd_fused) on the stream's workspace: the same bits as the five launches,
-    both within the contract, and the workspace's counters left zeroed for the next call
-    (a second call on new data)."""
+    launch (mhc_bwd_fused) on the stream's workspace: the same bits as the five launches of
+    the same first-pass stages (the narrow ones, which one launch takes), both within the
+    contract, and the workspace's counters left zeroed for the next call (a second call on
+    new data)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     assert _mhc._pre_backward_plan(0, dtype, n, c_x, batch, 20).fused
@@ -324,6 +325,7 @@ def test_pre_backward_one_launch_is_the_five_kernels(rng, monkeypatch, n, c_x, b
         fused = pre_backward("cuda", case, upstream)
         with monkeypatch.context() as five:
             five.setattr(_mhc, "_MAX_FUSED_BWD_ROWS", 0)
+            five.setattr(_mhc, "_wide_stats", lambda dtype, n: False)
             five.setattr(_mhc, "_pre_backward_plans", {})
             separate = pre_backward("cuda", case, upstream)
         names = ("grad_phi", "grad_x", "grad_b", "grad_alpha")
@@ -398,6 +400,36 @@ def test_pre_backward_plan_token_stage(monkeypatch):
     # one launch only where the rows and all of x are small (_MAX_FUSED_BWD_*)
     for c_x, batch in ((4096, 1), (1280, 16), (256, 65)):
         assert not _mhc._pre_backward_plan(0, "bfloat16", 4, c_x, batch, 20).fused
+
+
+@pytest.mark.parametrize(
+    "dtype, n, c_x, batch, optin, c_stage",
+    (
+        ("bfloat16", 4, 4096, 4096, 227 << 10, 32),  # wide: 128 positions a stage
+        ("float16", 2, 4096, 4096, 227 << 10, 64),
+        ("bfloat16", 4, 256, 64, 227 << 10, 16),  # one launch: narrow
+        ("bfloat16", 4, 4096, 4096, 166912, 16),  # sm_80: two wide stages do not fit
+        ("bfloat16", 6, 4096, 4096, 227 << 10, 8),  # FMA products: 64 positions
+        ("float32", 4, 4096, 4096, 227 << 10, 8),  # 32 positions
+    ),
+)
+def test_pre_backward_first_pass_stage_width(monkeypatch, dtype, n, c_x, batch, optin, c_stage):
+    """The first pass takes about 128 K positions a stage (64-byte runs of each bf16 row at
+    n = 4) where the token products run on the tensor cores, two such stages fit a block
+    and the call is more than one launch; else 64 (16-bit x) or 32 (float32). The module's
+    BWD_C_STAGE and the plan's column ranges agree."""
+    limits = {_mhc._MAX_SMEM_OPTIN: optin, _mhc._MULTIPROCESSORS: 132}
+    monkeypatch.setattr(_mhc, "_attribute", lambda device, attribute: limits.get(attribute, 9))
+    monkeypatch.setattr(_mhc._cuda, "function", lambda spec, name, device: spec.defines)
+    monkeypatch.setattr(_mhc, "_resident_blocks", lambda kernel, device, threads, smem: 132)
+    monkeypatch.setattr(_mhc, "_per_multiprocessor", lambda kernel, device, threads, smem: 1)
+    monkeypatch.setattr(_mhc, "_token_trace_smem", lambda *args: 0)
+    monkeypatch.setattr(_mhc, "_pre_backward_plans", {})
+    plan = _mhc._pre_backward_plan(0, dtype, n, c_x, batch, 20)
+    assert f"BWD_C_STAGE={c_stage}" in plan.steps[0].kernel
+    assert plan.c_range % c_stage == 0
+    stage_bytes = _mhc._geometry(dtype, n, c_stage == 128 // n).stats_stage_bytes
+    assert plan.stats_stages == min(3, optin // stage_bytes) >= 2
 
 
 # --------------------------------------------------------------------------- post

@@ -1022,21 +1022,31 @@ class _Geometry:
         )  # fmt: skip
 
 
+def _wide_stats(dtype: str, n: int) -> bool:
+    """Whether pre backward's first pass may take its wide stages for x's dtype and n: where
+    the token products run on the tensor cores (16-bit x, n <= 4; mhc_backward.cu's
+    MMA_PRODUCTS), whose whole 16-column steps the stage widths keep."""
+    return ITEMSIZE[dtype] == 2 and n <= 4
+
+
 @functools.cache
-def _geometry(dtype: str, n: int) -> _Geometry:
+def _geometry(dtype: str, n: int, wide_stats: bool = False) -> _Geometry:
     size = ITEMSIZE[dtype]
     vec = 16 // size  # elements per 16-byte copy
     q = n * n + 2 * n
     n_tiles, q16 = -(-q // 8), -(-q // 16) * 16
-    # first pass: about 128 (16-bit x, n <= 4), 64 (16-bit x) or 32 (float32) K positions
-    # per stage, in whole 16-byte copies of each stream (whole 16-column steps where the token
-    # products run on the tensor cores), padded to whole 16-deep k-steps.
-    # Longer runs of each row a stage are read faster: bf16 n4 takes 32 columns (64-byte
-    # runs; 16 before), H200, whole call, us: B4096 c_x4096 326.7 -> 310.8, B16384 c_x7168
-    # 1924.9 -> 1817.0, B1024 c_x4096 128.1 -> 128.4. Wider n keeps 64 positions: two stages
-    # of n = 8 would not fit at 128.
+    # first pass: about 64 (16-bit x) or 32 (float32) K positions per stage, 128 where wide
+    # (_wide_stats), in whole 16-byte copies of each stream (whole 16-column steps where the
+    # token products run on the tensor cores), padded to whole 16-deep k-steps. Longer runs of
+    # each row are read faster, and the plan takes the wide stages where two fit a block and
+    # the call is not one launch: bf16 n4 then takes 32 columns a stream (64-byte runs; 16
+    # narrow). H200, whole call, us, narrow -> wide: B4096 c_x4096 326.1 -> 312.9, B16384
+    # c_x7168 1947.9 -> 1844.3, B1024 c_x4096 129.0 -> 129.4, B512 c_x7168 121.8 -> 123.3;
+    # the one launch of <= 64 tokens loses with them (B64 c_x1280 48.9 -> 52.8, B8 c_x4096
+    # 51.2 -> 54.0: half the column blocks to spread over the device).
     products = size == 2 and n <= 4  # (mhc_backward.cu's MMA_PRODUCTS: whole 16-column steps)
-    positions_wanted, step = (128, 16) if products else (64 if size == 2 else 32, vec)
+    step = 16 if products else vec
+    positions_wanted = 128 if wide_stats else 64 if size == 2 else 32
     c_stage = max(step, positions_wanted // n // step * step)
     positions = -(-n * c_stage // 16) * 16
     piece_words = positions // 16 * n_tiles * 3 * 32 * 2
@@ -1070,13 +1080,13 @@ _PRE_BACKWARD_KERNELS = (
 )  # fmt: skip
 
 
-def pre_backward_module(dtype: str, n: int) -> _cuda.ModuleSpec:
+def pre_backward_module(dtype: str, n: int, wide_stats: bool = False) -> _cuda.ModuleSpec:
     """The five pre-backward kernels of one x dtype and n, in launch order, then the five
-    as one (mhc_bwd_fused)."""
+    as one (mhc_bwd_fused); the first pass's stages wide or not (_geometry)."""
     cuda_type = CUDA_TYPES[dtype]
     names = tuple(f"{kernel}<{cuda_type}, {n}>" for kernel in _PRE_BACKWARD_KERNELS)
     # compiled after mhc.cu's text: the forward's PTX wrappers and 8-element helpers as they are
-    defines = (*_FORWARD_DEFINES, *_geometry(dtype, n).defines)
+    defines = (*_FORWARD_DEFINES, *_geometry(dtype, n, wide_stats).defines)
     return _cuda.ModuleSpec("mhc_backward", names, defines, prelude=("mhc",))
 
 
@@ -1099,7 +1109,12 @@ def post_backward_module(dtype: str) -> _cuda.ModuleSpec:
 def module_specs() -> list[_cuda.ModuleSpec]:
     """Every module this primitive may launch: the forward's, then pre backward for each x
     dtype and n and post backward for each dtype."""
-    backward = [pre_backward_module(dtype, n) for dtype in CUDA_TYPES for n in CUDA_STREAMS]
+    backward = [
+        pre_backward_module(dtype, n, wide)
+        for dtype in CUDA_TYPES
+        for n in CUDA_STREAMS
+        for wide in ((False, True) if _wide_stats(dtype, n) else (False,))
+    ]
     return forward_module_specs() + backward + [post_backward_module(d) for d in CUDA_TYPES]
 
 
@@ -1212,17 +1227,24 @@ def _pre_backward_plan(
     plan = _pre_backward_plans.get(key)
     if plan is not None:
         return plan
-    geometry = _geometry(dtype, n)
-    spec = pre_backward_module(dtype, n)
-    pieces, stats, splits, token, grad, reduce, fused_kernel = (
-        _cuda.function(spec, name, device) for name in spec.name_expressions
-    )
     fused = (
         batch <= _MAX_FUSED_BWD_ROWS
         and n * c_x <= _MAX_FUSED_BWD_WIDTH
         and batch * n * c_x <= _MAX_FUSED_BWD_ELEMENTS
     )
     smem_cap = _attribute(device, _MAX_SMEM_OPTIN)
+    # the first pass's wide stages where two of them fit a block (not on sm_80's 163 KB)
+    # and the call is not one launch (_geometry says why)
+    wide_stats = (
+        _wide_stats(dtype, n)
+        and not fused
+        and 2 * _geometry(dtype, n, True).stats_stage_bytes <= smem_cap
+    )
+    geometry = _geometry(dtype, n, wide_stats)
+    spec = pre_backward_module(dtype, n, wide_stats)
+    pieces, stats, splits, token, grad, reduce, fused_kernel = (
+        _cuda.function(spec, name, device) for name in spec.name_expressions
+    )
     stats_stages = min(_MAX_STAGES, smem_cap // geometry.stats_stage_bytes)
     grad_stages = min(_MAX_STAGES, (smem_cap - geometry.grad_d_bytes) // geometry.grad_stage_bytes)
     if min(stats_stages, grad_stages) < 2:
