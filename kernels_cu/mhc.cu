@@ -275,8 +275,7 @@ struct Dims {
 //   CLUSTER_BLOCKS   the most blocks an mhc_pre_cluster cluster has (16: sm_90's largest,
 //                    non-portable)
 static_assert(TILE_ROWS == 128 && PROJECT_THREADS == 256, "mhc_project's warp layout");
-static_assert(BLOCK_K == 64, "4 k-steps a fragment block");
-constexpr int K_STEPS = BLOCK_K / 16;  // mma k-steps of one K block
+static_assert(BLOCK_K == 64, "4 k-steps a fragment block (build_pieces, piece_words)");
 static_assert(COUNTER_GROUPS >= 2, "counters");
 static_assert(CLUSTER_BLOCKS >= 1 && CLUSTER_BLOCKS <= 16, "sm_90 clusters");
 
@@ -671,19 +670,17 @@ __device__ __forceinline__ void build_piece_slot(u32* pieces, int slot, PhiAt ph
     pieces[(((ks * NT + nt) * 3 + piece) * 32 + lane) * 2 + half] = lo[piece] | (hi[piece] << 16);
 }
 
-// The B fragments of one K block (K_STEPS k-steps of NT slot pairs of 32 lanes).
+// The B fragments of one K block (4 k-steps): NT slots per thread.
 template <int N, typename PhiAt>
 __device__ __forceinline__ void build_pieces(u32* pieces, PhiAt phi_at) {
-  constexpr int SLOTS = K_STEPS * Dims<N>::NT * 64;
-  static_assert(SLOTS % PROJECT_THREADS == 0, "whole slots a thread");
+  constexpr int NT = Dims<N>::NT;
 #pragma unroll
-  for (int i = 0; i < SLOTS / PROJECT_THREADS; ++i)
-    build_piece_slot<Dims<N>::NT>(pieces, i * PROJECT_THREADS + threadIdx.x, phi_at);
+  for (int i = 0; i < NT; ++i) build_piece_slot<NT>(pieces, i * PROJECT_THREADS + threadIdx.x, phi_at);
 }
 
 template <int N>
 __host__ __device__ constexpr int piece_words() {
-  return K_STEPS * Dims<N>::NT * 3 * 32 * 2;  // u32 words of one K block's B fragments
+  return 4 * Dims<N>::NT * 3 * 32 * 2;  // u32 words of one K block's B fragments
 }
 
 // phi as B fragments, once per call, one K block per block: every mhc_project block then
