@@ -325,7 +325,7 @@ def test_pre_backward_one_launch_is_the_five_kernels(rng, monkeypatch, n, c_x, b
         fused = pre_backward("cuda", case, upstream)
         with monkeypatch.context() as five:
             five.setattr(_mhc, "_MAX_FUSED_BWD_ROWS", 0)
-            five.setattr(_mhc, "_wide_stats", lambda dtype, n: False)
+            five.setattr(_mhc, "_wide_first_pass", lambda *args: False)
             five.setattr(_mhc, "_pre_backward_plans", {})
             separate = pre_backward("cuda", case, upstream)
         names = ("grad_phi", "grad_x", "grad_b", "grad_alpha")

@@ -1022,10 +1022,10 @@ class _Geometry:
         )  # fmt: skip
 
 
-def _wide_stats(dtype: str, n: int) -> bool:
-    """Whether pre backward's first pass may take its wide stages for x's dtype and n: where
-    the token products run on the tensor cores (16-bit x, n <= 4; mhc_backward.cu's
-    MMA_PRODUCTS), whose whole 16-column steps the stage widths keep."""
+def _tensor_core_products(dtype: str, n: int) -> bool:
+    """Whether pre backward's per-token products run on the tensor cores (mhc_backward.cu's
+    MMA_PRODUCTS: 16-bit x, n <= 4). Its first pass's stages are then whole 16-column steps,
+    and only there may they be wide (_geometry)."""
     return ITEMSIZE[dtype] == 2 and n <= 4
 
 
@@ -1036,16 +1036,15 @@ def _geometry(dtype: str, n: int, wide_stats: bool = False) -> _Geometry:
     q = n * n + 2 * n
     n_tiles, q16 = -(-q // 8), -(-q // 16) * 16
     # first pass: about 64 (16-bit x) or 32 (float32) K positions per stage, 128 where wide
-    # (_wide_stats), in whole 16-byte copies of each stream (whole 16-column steps where the
-    # token products run on the tensor cores), padded to whole 16-deep k-steps. Longer runs of
-    # each row are read faster, and the plan takes the wide stages where two fit a block and
-    # the call is not one launch: bf16 n4 then takes 32 columns a stream (64-byte runs; 16
-    # narrow). H200, whole call, us, narrow -> wide: B4096 c_x4096 326.1 -> 312.9, B16384
-    # c_x7168 1947.9 -> 1844.3, B1024 c_x4096 129.0 -> 129.4, B512 c_x7168 121.8 -> 123.3;
-    # the one launch of <= 64 tokens loses with them (B64 c_x1280 48.9 -> 52.8, B8 c_x4096
-    # 51.2 -> 54.0: half the column blocks to spread over the device).
-    products = size == 2 and n <= 4  # (mhc_backward.cu's MMA_PRODUCTS: whole 16-column steps)
-    step = 16 if products else vec
+    # (_wide_first_pass), in whole 16-byte copies of each stream (whole 16-column steps where
+    # the token products run on the tensor cores), padded to whole 16-deep k-steps. Longer
+    # runs of each row are read faster, and the plan takes the wide stages where two fit a
+    # block and the call is not one launch: bf16 n4 then takes 32 columns a stream (64-byte
+    # runs; 16 narrow). H200, whole call, us, narrow -> wide: B4096 c_x4096 326.1 -> 312.9,
+    # B16384 c_x7168 1947.9 -> 1844.3, B1024 c_x4096 129.0 -> 129.4, B512 c_x7168 121.8 ->
+    # 123.3; the one launch of <= 64 tokens loses with them (B64 c_x1280 48.9 -> 52.8, B8
+    # c_x4096 51.2 -> 54.0: half the column blocks to spread over the device).
+    step = 16 if _tensor_core_products(dtype, n) else vec
     positions_wanted = 128 if wide_stats else 64 if size == 2 else 32
     c_stage = max(step, positions_wanted // n // step * step)
     positions = -(-n * c_stage // 16) * 16
@@ -1113,7 +1112,7 @@ def module_specs() -> list[_cuda.ModuleSpec]:
         pre_backward_module(dtype, n, wide)
         for dtype in CUDA_TYPES
         for n in CUDA_STREAMS
-        for wide in ((False, True) if _wide_stats(dtype, n) else (False,))
+        for wide in ((False, True) if _tensor_core_products(dtype, n) else (False,))
     ]
     return forward_module_specs() + backward + [post_backward_module(d) for d in CUDA_TYPES]
 
@@ -1220,6 +1219,17 @@ def _grad_owner(item: int, items: int, blocks: int) -> int:
     return ((item + 1) * blocks - 1) // items
 
 
+def _wide_first_pass(dtype: str, n: int, fused: bool, smem_cap: int) -> bool:
+    """Whether a plan takes the first pass's wide stages (_geometry says why): where the
+    token products run on the tensor cores, two wide stages fit a block (not in sm_80's 163
+    KB) and the call is not one launch."""
+    return (
+        _tensor_core_products(dtype, n)
+        and not fused
+        and 2 * _geometry(dtype, n, True).stats_stage_bytes <= smem_cap
+    )
+
+
 def _pre_backward_plan(
     device: int, dtype: str, n: int, c_x: int, batch: int, repeat: int
 ) -> _PreBackwardPlan:
@@ -1233,13 +1243,7 @@ def _pre_backward_plan(
         and batch * n * c_x <= _MAX_FUSED_BWD_ELEMENTS
     )
     smem_cap = _attribute(device, _MAX_SMEM_OPTIN)
-    # the first pass's wide stages where two of them fit a block (not on sm_80's 163 KB)
-    # and the call is not one launch (_geometry says why)
-    wide_stats = (
-        _wide_stats(dtype, n)
-        and not fused
-        and 2 * _geometry(dtype, n, True).stats_stage_bytes <= smem_cap
-    )
+    wide_stats = _wide_first_pass(dtype, n, fused, smem_cap)
     geometry = _geometry(dtype, n, wide_stats)
     spec = pre_backward_module(dtype, n, wide_stats)
     pieces, stats, splits, token, grad, reduce, fused_kernel = (
