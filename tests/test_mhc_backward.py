@@ -364,20 +364,27 @@ def test_pre_backward_token_trace_in_scratch_or_shared_memory(rng, monkeypatch, 
     assert_pre_backward_matches(case, upstream, in_shared)
 
 
+def _modelled_device(monkeypatch, optin: int, function) -> None:
+    """A device for _pre_backward_plan: 132 multiprocessors, ``optin`` bytes of shared memory
+    a block, 132 resident blocks of any kernel, kernels as ``function`` makes them, and no
+    plan remembered."""
+    limits = {_mhc._MAX_SMEM_OPTIN: optin, _mhc._MULTIPROCESSORS: 132}
+    monkeypatch.setattr(_mhc, "_attribute", lambda device, attribute: limits.get(attribute, 9))
+    monkeypatch.setattr(_mhc._cuda, "function", function)
+    monkeypatch.setattr(_mhc, "_resident_blocks", lambda kernel, device, threads, smem: 132)
+    monkeypatch.setattr(_mhc, "_pre_backward_plans", {})
+
+
 def test_pre_backward_plan_token_stage(monkeypatch):
     """_pre_backward_plan on a modelled device (132 multiprocessors, 227 KB of shared memory
     a block, two token blocks of the n = 4 trace each): mhc_bwd_splits before mhc_bwd_token
     past _TOKEN_SPLITS first-pass splits, the trace in shared memory while every token block
     is resident at once (no scratch section for it), else in the scratch."""
-    limits = {_mhc._MAX_SMEM_OPTIN: 227 << 10, _mhc._MULTIPROCESSORS: 132}
-    monkeypatch.setattr(_mhc, "_attribute", lambda device, attribute: limits.get(attribute, 9))
-    monkeypatch.setattr(_mhc._cuda, "function", lambda spec, name, device: name.split("<")[0])
-    monkeypatch.setattr(_mhc, "_resident_blocks", lambda kernel, device, threads, smem: 132)
+    _modelled_device(monkeypatch, 227 << 10, lambda spec, name, device: name.split("<")[0])
     monkeypatch.setattr(_mhc, "_dynamic_smem_limit", lambda kernel, device: 227 << 10)
     monkeypatch.setattr(
         _mhc, "_per_multiprocessor", lambda kernel, device, threads, smem: (227 << 10) // smem
     )
-    monkeypatch.setattr(_mhc, "_pre_backward_plans", {})
     trace = 20 * 16 * _mhc._TOKEN_THREADS * 4  # bytes: 20 steps of a 4x4 matrix a token
     for batch, c_x, splits, apart, shared in (
         (256, 4096, 64, True, trace),  # 2 tiles of 128 tokens: many splits
@@ -418,13 +425,9 @@ def test_pre_backward_first_pass_stage_width(monkeypatch, dtype, n, c_x, batch, 
     n = 4) where the token products run on the tensor cores, two such stages fit a block
     and the call is more than one launch; else 64 (16-bit x) or 32 (float32). The module's
     BWD_C_STAGE and the plan's column ranges agree."""
-    limits = {_mhc._MAX_SMEM_OPTIN: optin, _mhc._MULTIPROCESSORS: 132}
-    monkeypatch.setattr(_mhc, "_attribute", lambda device, attribute: limits.get(attribute, 9))
-    monkeypatch.setattr(_mhc._cuda, "function", lambda spec, name, device: spec.defines)
-    monkeypatch.setattr(_mhc, "_resident_blocks", lambda kernel, device, threads, smem: 132)
+    _modelled_device(monkeypatch, optin, lambda spec, name, device: spec.defines)
     monkeypatch.setattr(_mhc, "_per_multiprocessor", lambda kernel, device, threads, smem: 1)
     monkeypatch.setattr(_mhc, "_token_trace_smem", lambda *args: 0)
-    monkeypatch.setattr(_mhc, "_pre_backward_plans", {})
     plan = _mhc._pre_backward_plan(0, dtype, n, c_x, batch, 20)
     assert f"BWD_C_STAGE={c_stage}" in plan.steps[0].kernel
     assert plan.c_range % c_stage == 0
