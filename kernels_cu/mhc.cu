@@ -793,8 +793,12 @@ __device__ __forceinline__ void grid_barrier(unsigned int* count, unsigned int a
 // as in _mhc._project_smem): STAGES x stages, then STAGES B-fragment stages.
 template <typename T, int N, int STAGE_K, int STAGES>
 // Two blocks per multiprocessor where the registers allow (bf16 x, n <= 4) and shared memory
-// does (two stages of 128 columns): twice the warps to hide the pipeline's latencies.
-__global__ void __launch_bounds__(PROJECT_THREADS, N <= 4 && Io<T>::x_pieces == 1 ? 2 : 1)
+// does (stages of at most 256 columns in all): twice the warps to hide the pipeline's
+// latencies. One block elsewhere, with the registers of one: (128, 3), which shared memory
+// holds once a multiprocessor, spilled 8 bytes at the two-block bound and ran slower (H200,
+// bf16 n4, us: B4096 c_x4096 145.8 -> 143.0, B16384 c_x7168 877.7 -> 845.2 at one block's).
+__global__ void __launch_bounds__(PROJECT_THREADS,
+                                  N <= 4 && Io<T>::x_pieces == 1 && STAGE_K * STAGES <= 256 ? 2 : 1)
     mhc_project(const PreParams p) {
   static_assert(STAGE_K % BLOCK_K == 0 && STAGES >= 2, "whole fragment blocks, a pipeline");
   typedef typename Io<T>::elem E;

@@ -356,25 +356,26 @@ def test_pre_launched_early_gives_the_same_bits(rng):
 
 
 @GPU
-@pytest.mark.parametrize("two_stage_run", (0, 1 << 30), ids=("two-stages", "three-stages"))
+@pytest.mark.parametrize(
+    "dtype, pipeline",
+    (("bfloat16", (128, 3)), ("bfloat16", (128, 2)), ("bfloat16", (64, 3)), ("float16", (128, 3))),
+)
 @pytest.mark.parametrize("c_x, batch", ((200, 300), (1000, 129), (72, 5000), (4096, 700)))
-def test_pre_projection_pipelines(rng, monkeypatch, c_x, batch, two_stage_run):
-    """bf16 n4 projects 128 columns a stage, three stages deep or two (forced here for every
+def test_pre_projection_pipelines(rng, monkeypatch, c_x, batch, dtype, pipeline):
+    """Each pipeline mhc_project is compiled with for 16-bit x and n4 (forced here for every
     batch): tiles ending in a partial one, K ranges ending in a partial stage (c_x 200 and
     1000: 800 and 4000 columns), the cooperative plan (129 tokens) and K unsplit, each
     against the oracle and a second call bit-identical."""
     require("cuda", "torch")
     import torch
 
-    monkeypatch.setattr(_mhc, "_MIN_TWO_STAGE_RUN", two_stage_run)
+    assert pipeline in _mhc.project_pipelines(dtype, 4)
+    monkeypatch.setattr(_mhc, "project_pipelines", lambda *_: (pipeline,))
     monkeypatch.setattr(_mhc, "_pre_plans", {})
-    case = random_pre_case(rng, 4, c_x, batch)
-    plan = _mhc._pre_plan(0, "bfloat16", 4, c_x, batch)
-    stages = 2 if two_stage_run == 0 else 3
-    expected = _mhc._cuda.function(
-        _mhc.pre_module("bfloat16", 4), f"mhc_project<bfloat16_t, 4, 128, {stages}>", 0
-    )
-    assert plan.steps[1].kernel is expected
+    case = random_pre_case(rng, 4, c_x, batch, dtype)
+    plan = _mhc._pre_plan(0, dtype, 4, c_x, batch)
+    name = f"mhc_project<{_mhc.CUDA_TYPES[dtype]}, 4, {pipeline[0]}, {pipeline[1]}>"
+    assert plan.steps[1].kernel is _mhc._cuda.function(_mhc.pre_module(dtype, 4), name, 0)
     first, second = run_pre(case, "cuda"), run_pre(case, "cuda")
     assert_pre_matches(case, first)
     for a, b in zip(first, second, strict=True):
@@ -679,21 +680,28 @@ def _modelled_sm90(monkeypatch, optin: int = 227 << 10) -> None:
         ("bfloat16", 4, 128, 4096, "mhc_project<bfloat16_t, 4, 128, 3>", 128),
         ("bfloat16", 4, 512, 7168, "mhc_project<bfloat16_t, 4, 128, 3>", 896),
         ("bfloat16", 4, 2048, 4096, "mhc_project<bfloat16_t, 4, 128, 3>", 2048),
-        ("bfloat16", 4, 4096, 4096, "mhc_project<bfloat16_t, 4, 128, 2>", 2048),
+        ("bfloat16", 4, 4096, 4096, "mhc_project<bfloat16_t, 4, 128, 3>", 4096),
+        ("bfloat16", 4, 8192, 4096, "mhc_project<bfloat16_t, 4, 128, 2>", 4096),
         ("bfloat16", 4, 16384, 7168, "mhc_project<bfloat16_t, 4, 128, 2>", 2 * 7168),
-        ("bfloat16", 2, 16384, 7168, "mhc_project<bfloat16_t, 2, 128, 2>", 7168),
+        ("bfloat16", 2, 16384, 7168, "mhc_project<bfloat16_t, 2, 128, 3>", 2 * 7168),
+        ("bfloat16", 2, 128, 4096, "mhc_project<bfloat16_t, 2, 64, 3>", 64),
+        ("bfloat16", 1, 256, 4096, "mhc_project<bfloat16_t, 1, 64, 3>", 64),
         ("bfloat16", 6, 4096, 4096, "mhc_project<bfloat16_t, 6, 64, 3>", 6 * 4096 // 8),
         ("float32", 4, 4096, 4096, "mhc_project<float, 4, 64, 3>", 4 * 4096 // 4),
-        ("float16", 4, 16384, 7168, "mhc_project<half_t, 4, 64, 3>", 2 * 7168),
+        ("float16", 4, 16384, 7168, "mhc_project<half_t, 4, 128, 3>", 4 * 7168),
+        ("float16", 4, 128, 4096, "mhc_project<half_t, 4, 128, 3>", 128),
+        ("float16", 2, 128, 4096, "mhc_project<half_t, 2, 64, 3>", 64),
     ),
 )
 def test_pre_plan_picks_the_projection_pipeline(
     monkeypatch, dtype, n, batch, c_x, project, k_range
 ):
-    """bf16 x with n <= 4 projects 128 columns a stage (256-byte runs of each row), three
-    stages deep, or two deep with two blocks a multiprocessor where a block streams at least
-    16 stages; other x dtypes and n keep 64 columns, three deep. The pieces kernel covers
-    every stage's fragments whole."""
+    """16-bit x with n <= 4 projects 128 columns a stage (256-byte runs of each row), three
+    stages deep; bf16 n4 two deep (two blocks a multiprocessor) where a block streams at
+    least 32 stages; 64 columns where 128 would leave half of the 132 multiprocessors or more
+    without a block (64 and 32 blocks of 128 columns at n2 and n1, B128 c_x4096: 128 of 64).
+    Other x dtypes and n keep 64 columns, three deep. The pieces kernel covers every stage's
+    fragments whole."""
     _modelled_sm90(monkeypatch)
     plan = _mhc._pre_plan(0, dtype, n, c_x, batch)
     pieces, projection = plan.steps[:2]
@@ -701,6 +709,14 @@ def test_pre_plan_picks_the_projection_pipeline(
     stage_k, stages = (int(v) for v in project.rstrip(">").split(", ")[2:])
     assert projection.shared_mem == _mhc._project_smem(dtype, n, (stage_k, stages))
     assert pieces.grid[0] * 64 == -(-n * c_x // stage_k) * stage_k
+
+
+def test_pre_projection_falls_back_to_stages_that_fit(monkeypatch):
+    """On a device with too little shared memory a block for 128-column stages (100 KB here:
+    (128, 3) needs 157 KB, (128, 2) 105 KB), bf16 n4 projects 64 columns three deep."""
+    _modelled_sm90(monkeypatch, optin=100 << 10)
+    plan = _mhc._pre_plan(0, "bfloat16", 4, 4096, 4096)
+    assert plan.steps[1].kernel == "mhc_project<bfloat16_t, 4, 64, 3>"
 
 
 @pytest.mark.parametrize("n", _mhc.CUDA_STREAMS)

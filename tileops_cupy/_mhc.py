@@ -73,18 +73,26 @@ _MAX_FUSED_ROWS = 256  # batches this small: cooperative mhc_project, no mhc_app
 _MIN_EARLY_ROWS = 512  # from here on sm_90 mhc_project and mhc_apply start early (_pre_plan)
 # mhc_project's pipelines, (STAGE_K, STAGES): stages of one or two 64-wide fragment blocks,
 # so 128- or 256-byte runs of each 16-bit row of x (DRAM serves the longer runs faster), 3
-# or 2 deep. Where two blocks fit a multiprocessor (bf16 x, n <= 4: 128 registers) the runs
-# are 256 bytes: three stages (one block a multiprocessor, by shared memory) where a block
-# streams few stages, two stages (two blocks) where it streams at least _MIN_TWO_STAGE_RUN.
-# Elsewhere the stages are 64 wide and 3 deep (a 128-wide float32 or n = 8 stage does not fit
-# twice). H200, bf16 n4, device time, us, (64, 3) -> (128, 3) / (128, 2), stages a block
-# streams under (128, 2): B128 c_x4096 36.5 -> 30.2 / 30.9 (1), B256 c_x7168 51.6 -> 53.7 /
-# 53.7 (1), B512 c_x7168 58.8 -> 52.6 / 58.8 (4), B2048 c_x4096 87.7 -> 85.0 / 89.0 (8),
-# B4096 c_x4096 148.3 -> 146.0 / 145.7 (16), B16384 c_x1280 193.9 -> 191.6 / 191.4 (20),
-# B4096 c_x7168 239.7 -> 238.3 / 231.6 (28), B8192 c_x4096 275.4 -> 272.9 / 265.5 (32),
-# B16384 c_x7168 876.5 -> 874.9 / 835.0 (112).
-_NARROW_PIPELINE, _WIDE_PIPELINES = (64, 3), ((128, 3), (128, 2))
-_MIN_TWO_STAGE_RUN = 16
+# or 2 deep (_project_plan chooses). 16-bit x with n <= 4 takes 256-byte runs three stages
+# deep (one block a multiprocessor, by shared memory); where a block streams at least
+# _MIN_TWO_STAGE_RUN stages, bf16 n4 takes them two deep (two blocks, whose registers only
+# bf16 n <= 4 allows); where the 256-byte runs would leave half the multiprocessors or more
+# without a (tile, K range) block (few tokens of narrow rows), 128-byte runs three deep.
+# float32, and n > 4, keep 128-byte runs three deep (a 256-column float32 or n = 8 stage
+# does not fit twice). H200, device time, us, (64, 3) / (128, 3) / (128, 2), with (128, 3)
+# at the one-block register bound:
+# - bf16 n4: B128 c_x4096 37.1 / 29.1 / 29.9, B512 c_x7168 59.0 / 51.4 / 58.2, B2048 c_x4096
+#   89.0 / 84.2 / 88.8, B4096 c_x4096 149.1 / 143.0 / 145.5, B16384 c_x7168 874.5 / 845.2 /
+#   832.3 (a session before, two-block (128, 3): B4096 c_x7168 238.3 / 231.6 for the last two,
+#   B8192 c_x4096 272.9 / 265.5, B16384 c_x1280 191.6 / 191.4);
+# - bf16 n2: B128 c_x4096 21.3 / 25.7 / 25.6 (64 blocks of 128 columns on 132
+#   multiprocessors), B512 c_x7168 34.3 / 30.9 / 34.3, B2048 c_x4096 51.7 / 49.0 / 52.0,
+#   B4096 c_x4096 86.4 / 84.2 / 86.4, B16384 c_x7168 448.8 / 438.3 / 442.0;
+# - fp16 n4 (one block a multiprocessor: its x takes two bf16 pieces): B128 c_x4096 29.9 /
+#   29.4, B512 c_x7168 55.0 / 54.3, B2048 c_x4096 93.8 / 90.5, B4096 c_x4096 166.6 / 159.7,
+#   B16384 c_x7168 1032.6 / 978.9.
+_NARROW, _WIDE, _WIDE_TWO_STAGES = (64, 3), (128, 3), (128, 2)
+_MIN_TWO_STAGE_RUN = 32
 # mhc_pre_small, one ordinary launch, for batches of at most _MAX_SMALL_ROWS tokens and
 # _SMALL_WORK elements of x: its projection runs on the CUDA cores, which beyond that lose to
 # the tensor-core path (H200, n = 4, device time: B32 c_x1280 27.7 us vs 30.3 fused, B4
@@ -317,7 +325,13 @@ def zero_fill(output: Operand) -> None:
 
 def project_pipelines(dtype: str, n: int) -> tuple[tuple[int, int], ...]:
     """The (STAGE_K, STAGES) pipelines mhc_project is compiled with for x's dtype and n."""
-    return _WIDE_PIPELINES if dtype == "bfloat16" and n <= 4 else (_NARROW_PIPELINE,)
+    if ITEMSIZE[dtype] == 2 and n <= 4:
+        return (
+            (_WIDE, _WIDE_TWO_STAGES, _NARROW)
+            if dtype == "bfloat16" and n == 4
+            else (_WIDE, _NARROW)
+        )
+    return (_NARROW,)
 
 
 def _project_name(dtype: str, n: int, pipeline: tuple[int, int]) -> str:
@@ -645,31 +659,45 @@ def _pre_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan
 def _project_plan(
     device: int, dtype: str, n: int, batch: int, c_x: int
 ) -> tuple[Any, int, tuple[int, int, bool], int]:
-    """(kernel, shared memory, plan_geometry, STAGE_K) of mhc_project for this batch: the
-    first of project_pipelines, or the second (two stages, two blocks a multiprocessor)
-    where its blocks stream at least _MIN_TWO_STAGE_RUN stages each."""
+    """(kernel, shared memory, plan_geometry, STAGE_K) of mhc_project for this batch, among
+    the project_pipelines whose blocks fit the device's shared memory: 128-column stages,
+    three deep, or two deep where a block streams at least _MIN_TWO_STAGE_RUN of them; 64
+    columns where 128 would leave half the multiprocessors or more without a block (and 64
+    give more blocks), and wherever 128 are not compiled."""
     spec = pre_module(dtype, n)
     optin = _attribute(device, _MAX_SMEM_OPTIN)
-    chosen = None
-    for index, pipeline in enumerate(project_pipelines(dtype, n)):
+    multiprocessors = _attribute(device, _MULTIPROCESSORS)
+    tiles = -(-batch // _TILE_ROWS)
+    options = {}  # pipeline: (kernel, shared memory, plan_geometry)
+    needs = []
+    for pipeline in project_pipelines(dtype, n):
         smem = _project_smem(dtype, n, pipeline)
         needed = smem + 4 * _PROJECT_THREADS  # (and the kernel's static float per thread)
+        needs.append(needed)
         if needed > optin:  # (sm_80 allows 163 KB a block: float32 x with n >= 7 needs more)
-            if index == 0:
-                raise ValueError(
-                    f"mHC pre's projection with {dtype} x and n = {n} needs {needed} bytes "
-                    f"of shared memory per block; this device allows {optin}: use 16-bit x, "
-                    "or run on the host (target='cpu' with host arrays)"
-                )
             continue
         kernel = _cuda.function(spec, _project_name(dtype, n, pipeline), device)
         with _lock:
             per_multiprocessor = _raise_smem_limit(kernel, device, smem)
-        resident = per_multiprocessor * _attribute(device, _MULTIPROCESSORS)
-        geometry = plan_geometry(batch, n * c_x, resident, pipeline[0])
-        if index == 0 or geometry[0] // pipeline[0] >= _MIN_TWO_STAGE_RUN:
-            chosen = kernel, smem, geometry, pipeline[0]
-    return chosen
+        resident = per_multiprocessor * multiprocessors
+        options[pipeline] = kernel, smem, plan_geometry(batch, n * c_x, resident, pipeline[0])
+    if not options:
+        raise ValueError(
+            f"mHC pre's projection with {dtype} x and n = {n} needs {min(needs)} bytes of "
+            f"shared memory per block; this device allows {optin}: use 16-bit x, or run on "
+            "the host (target='cpu' with host arrays)"
+        )
+    blocks = {pipeline: tiles * option[2][1] for pipeline, option in options.items()}
+    chosen = _NARROW if _NARROW in options else next(iter(options))
+    if _WIDE in options and (
+        2 * blocks[_WIDE] > multiprocessors or blocks[_WIDE] >= blocks.get(_NARROW, 0)
+    ):
+        chosen = _WIDE
+        two_stages = options.get(_WIDE_TWO_STAGES)
+        if two_stages is not None and two_stages[2][0] // _WIDE[0] >= _MIN_TWO_STAGE_RUN:
+            chosen = _WIDE_TWO_STAGES
+    kernel, smem, geometry = options[chosen]
+    return kernel, smem, geometry, chosen[0]
 
 
 def _remember(key: tuple, plan: _PrePlan) -> _PrePlan:
