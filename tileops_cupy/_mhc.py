@@ -669,32 +669,33 @@ def _project_plan(
     multiprocessors = _attribute(device, _MULTIPROCESSORS)
     tiles = -(-batch // _TILE_ROWS)
     options = {}  # pipeline: (kernel, shared memory, plan_geometry)
-    needs = []
+    needs = {}  # pipeline: bytes of shared memory a block
     for pipeline in project_pipelines(dtype, n):
         smem = _project_smem(dtype, n, pipeline)
-        needed = smem + 4 * _PROJECT_THREADS  # (and the kernel's static float per thread)
-        needs.append(needed)
-        if needed > optin:  # (sm_80 allows 163 KB a block: float32 x with n >= 7 needs more)
+        # (and the kernel's static float a thread; sm_80 allows 163 KB a block, which float32
+        # x with n >= 7 passes)
+        needs[pipeline] = smem + 4 * _PROJECT_THREADS
+        if needs[pipeline] > optin:
             continue
         kernel = _cuda.function(spec, _project_name(dtype, n, pipeline), device)
         with _lock:
             per_multiprocessor = _raise_smem_limit(kernel, device, smem)
         resident = per_multiprocessor * multiprocessors
         options[pipeline] = kernel, smem, plan_geometry(batch, n * c_x, resident, pipeline[0])
-    if not options:
+    if _NARROW not in options:  # (the smallest pipeline, compiled for every dtype and n)
         raise ValueError(
-            f"mHC pre's projection with {dtype} x and n = {n} needs {min(needs)} bytes of "
+            f"mHC pre's projection with {dtype} x and n = {n} needs {needs[_NARROW]} bytes of "
             f"shared memory per block; this device allows {optin}: use 16-bit x, or run on "
             "the host (target='cpu' with host arrays)"
         )
     blocks = {pipeline: tiles * option[2][1] for pipeline, option in options.items()}
-    chosen = _NARROW if _NARROW in options else next(iter(options))
+    chosen = _NARROW
     if _WIDE in options and (
-        2 * blocks[_WIDE] > multiprocessors or blocks[_WIDE] >= blocks.get(_NARROW, 0)
+        2 * blocks[_WIDE] > multiprocessors or blocks[_WIDE] >= blocks[_NARROW]
     ):
         chosen = _WIDE
-        two_stages = options.get(_WIDE_TWO_STAGES)
-        if two_stages is not None and two_stages[2][0] // _WIDE[0] >= _MIN_TWO_STAGE_RUN:
+        two_stages = options.get(_WIDE_TWO_STAGES)  # (its k_range: whole stages a block)
+        if two_stages is not None and two_stages[2][0] >= _MIN_TWO_STAGE_RUN * _WIDE_TWO_STAGES[0]:
             chosen = _WIDE_TWO_STAGES
     kernel, smem, geometry = options[chosen]
     return kernel, smem, geometry, chosen[0]
