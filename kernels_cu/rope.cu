@@ -697,3 +697,95 @@ __global__ void __launch_bounds__(NORM == NORM_ROWS ? ROPE_ROWS_THREADS : ROPE_T
     rotate_all([=](int j) { return make_float2(cache_row[j], cache_row[pairs + j]); });
   }
 }
+
+// ------------------------------------------------------------------ whole rows, one pack a lane
+
+// The plain rotation of mid-sized launches of the common case (tileops_cupy._rotate's
+// _packs_layout says which): one operand (q alone), sequential positions, 16-bit rows of
+// ROTARY_DIM elements rotated whole, two-level tables. A row is ROTARY_DIM / 8 lanes of one
+// 16-byte pack each (the neox partner half comes from lane ^ LANES/2 by a shuffle), and a
+// lane takes ROWS rows of its token (group, group + groups, ...: the same columns, so its
+// cos/sin are formed once for them, from 16-byte table loads of two pairs), their loads issued
+// before the position is formed. Threads are numbered flat: beyond its rows a lane does two
+// 32-bit divisions and the position, where rope_rotate's lanes also pay for 64-bit row
+// indices, the q/k selects, 8-byte table loads and rounds (_rotate has the measurements).
+template <typename T, bool NEOX, int ROTARY_DIM, int ROWS>
+__global__ void __launch_bounds__(ROPE_PACK_THREADS, ROPE_PACK_MIN_BLOCKS)
+    rope_rotate_packs(const RopeParams p) {
+  static_assert(sizeof(T) == 2, "16-bit rows: one pack is 8 elements");
+  constexpr int VEC = 8;
+  constexpr int LANES = ROTARY_DIM / VEC;      // lanes of a row, a power of two up to 16
+  constexpr int PAIRS = NEOX ? VEC : VEC / 2;  // pairs whose cos/sin a lane needs
+  constexpr int TABLE_PAIRS = ROTARY_DIM / 2;
+  static_assert(LANES <= 16 && (LANES & (LANES - 1)) == 0, "a row is a half warp or less");
+  const unsigned groups = static_cast<unsigned>(p.q_heads) / ROWS;  // row groups of a token
+  const unsigned per_token = groups * LANES;
+  const unsigned threads = static_cast<unsigned>(p.batch) * static_cast<unsigned>(p.seq) * per_token;
+  // A lane past the last row stays for its warp's shuffles (the blocks are whole warps), reading
+  // the last pack (always in bounds) and writing nothing.
+  const unsigned flat = blockIdx.x * ROPE_PACK_THREADS + threadIdx.x;
+  const bool live = flat < threads;
+  const unsigned thread = live ? flat : threads - 1;
+  const unsigned token = thread / per_token;
+  const unsigned in_token = thread - token * per_token;
+  const int lane = static_cast<int>(in_token % LANES);
+  const int group = static_cast<int>(in_token / LANES);
+  const unsigned seq = static_cast<unsigned>(p.seq);
+  const int b = static_cast<int>(token / seq);
+  const int s = static_cast<int>(token - static_cast<unsigned>(b) * seq);
+
+  // the rows' packs first: their loads are in flight while the position and table are read
+  // (head strides within 32 bits: the plan checks)
+  const int in_head = static_cast<int>(p.q_in_stride[2]), out_head = static_cast<int>(p.q_out_stride[2]);
+  const T* in = static_cast<const T*>(p.q_in) + b * p.q_in_stride[0] + s * p.q_in_stride[1] +
+                group * in_head + lane * VEC;
+  T* out = static_cast<T*>(p.q_out) + b * p.q_out_stride[0] + s * p.q_out_stride[1] +
+           group * out_head + lane * VEC;
+  const int groups_in = static_cast<int>(groups);  // rows between a lane's rows
+  RowPack data[ROWS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r)
+    data[r] = *reinterpret_cast<const RowPack*>(in + r * groups_in * in_head);
+
+  const long long position =
+      token_position(p.ids, p.ids_is_int64, p.offsets, p.offsets_is_int64, p.position_offset, b,
+                     s, token, p.position_limit, p.error_flag);
+  // this lane's pairs: neox, VEC pairs of its half's columns; interleaved, VEC / 2 pairs
+  const int first_pair = NEOX ? (lane % (LANES / 2)) * VEC : lane * PAIRS;
+  const float4* fine = reinterpret_cast<const float4*>(
+      p.fine + (position & ((1 << FINE_BITS) - 1)) * TABLE_PAIRS + first_pair);
+  const float4* coarse =
+      reinterpret_cast<const float4*>(p.coarse + (position >> FINE_BITS) * TABLE_PAIRS + first_pair);
+  // neox: the first half's lanes hold x1 (y1 = x1 cos - x2 sin), the second half's x2
+  // (y2 = x2 cos + x1 sin); the sign goes into sin, an exact product
+  const float own_sign = NEOX && lane < LANES / 2 ? -p.sin_sign : p.sin_sign;
+  float cos_v[PAIRS], sin_v[PAIRS];
+#pragma unroll
+  for (int i = 0; i < PAIRS / 2; ++i) {  // (TwoLevelRows::cos_sin, two pairs a load)
+    const float4 f = fine[i], c = coarse[i];
+    cos_v[2 * i] = fmaf(c.x, f.x, -c.y * f.y);
+    sin_v[2 * i] = fmaf(c.y, f.x, c.x * f.y) * own_sign;
+    cos_v[2 * i + 1] = fmaf(c.z, f.z, -c.w * f.w);
+    sin_v[2 * i + 1] = fmaf(c.w, f.z, c.z * f.w) * own_sign;
+  }
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    float y[VEC];
+#pragma unroll
+    for (int w = 0; w < VEC / 2; ++w) {
+      const float x0 = word_low<T>(data[r].word[w]), x1 = word_high<T>(data[r].word[w]);
+      if constexpr (NEOX) {
+        const u32 other = __shfl_xor_sync(0xffffffffu, data[r].word[w], LANES / 2);
+        y[2 * w] = fmaf(x0, cos_v[2 * w], word_low<T>(other) * sin_v[2 * w]);
+        y[2 * w + 1] = fmaf(x1, cos_v[2 * w + 1], word_high<T>(other) * sin_v[2 * w + 1]);
+      } else {  // the pair (x0, x1)
+        y[2 * w] = fmaf(x0, cos_v[w], -x1 * sin_v[w]);
+        y[2 * w + 1] = fmaf(x1, cos_v[w], x0 * sin_v[w]);
+      }
+    }
+    if (live) {
+      store_16_bytes(out + r * groups_in * out_head, pack_word<T>(y[0], y[1]),
+                     pack_word<T>(y[2], y[3]), pack_word<T>(y[4], y[5]), pack_word<T>(y[6], y[7]));
+    }
+  }
+}

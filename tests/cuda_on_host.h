@@ -58,6 +58,10 @@ template <typename T> float word_high(u32 word) { T v; v.bits = u16(word >> 16);
 template <typename T> u32 pack_word(float low, float high) {
   return u32(from_float<T>(low).bits) | u32(from_float<T>(high).bits) << 16;
 }
+inline void store_16_bytes(void* to, u32 w0, u32 w1, u32 w2, u32 w3) {
+  const u32 words[4] = {w0, w1, w2, w3};
+  std::memcpy(to, words, 16);
+}
 inline int min(int a, int b) { return a < b ? a : b; }
 // The lanes a barrier joins: the 32 of a warp or the x-lanes of one (y, z).
 struct Lanes {

@@ -212,6 +212,37 @@ def test_large_neox_launches_move_8_bytes_an_access(rng, monkeypatch, dtype, dir
     assert torch.equal(outputs[narrow], outputs[wide])
 
 
+@GPU
+@pytest.mark.parametrize("case", SEQUENCE_OPS, ids=SEQUENCE_OP_IDS)
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("dtype", ("bfloat16", "float16"))
+@pytest.mark.parametrize("shape", ((1, 1031, 4, 128), (2, 1030, 8, 64)), ids=("D128", "D64"))
+def test_mid_sized_launches_rotate_whole_rows(rng, monkeypatch, shape, dtype, direction, case):
+    """Mid-sized 16-bit launches of one operand at sequential positions take
+    rope_rotate_packs (one 16-byte pack of a row a lane, four rows of a token a lane;
+    ``_rotate._PACK_MIN_HEAD_ROWS`` lowered here to this call's rows, whose last warp is half
+    empty at D128): every element against the oracle, and the same bits as rope_rotate."""
+    require("cuda", "torch")
+    host = random_data(rng, shape, dtype)
+    x = to_place(host, "cuda")
+    outputs, blocks = {}, {}
+    for packs_from in (1 << 30, 0):
+        monkeypatch.setattr(_rotate, "_PACK_MIN_HEAD_ROWS", packs_from)
+        _rotate._plans.clear()
+        # (a new op each time, the same scheme: an op keeps the launch of its first call)
+        op, freqs, neox = case.make(direction, "2d", shape[-1], np.random.default_rng(7))
+        outputs[packs_from] = op(x)
+        torch.cuda.synchronize()
+        (plan,) = _rotate._plans.values()
+        blocks[packs_from] = plan.steps[0].block
+    assert blocks[0] == (_rotate._PACK_THREADS, 1, 1) != blocks[1 << 30], blocks
+    assert_matches_oracle(
+        outputs[0], host.astype(np.float64), sequence_positions(shape, "2d"), freqs, dtype,
+        neox=neox, inverse=direction == "Bwd",
+    )  # fmt: skip
+    assert torch.equal(outputs[0], outputs[1 << 30])
+
+
 def test_forward_and_call_agree_and_bwd_is_not_fwd(rng):
     x = random_data(rng, (33, 64), "float32")
     op = RoPEFwdOp()

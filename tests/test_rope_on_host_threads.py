@@ -63,6 +63,11 @@ void run(const RopeParams& p, unsigned grid, unsigned bx, unsigned by, unsigned 
                     [&] {{ rope_rotate<T, NEOX, VEC, RD, TABLE, NORM, HEADS>(p); }});
 }}
 
+template <typename T, bool NEOX, int RD, int ROWS>
+void run_packs(const RopeParams& p, unsigned grid, unsigned bx, unsigned by, unsigned bz) {{
+  launch_on_threads(grid, dim3{{bx, by, bz}}, [&] {{ rope_rotate_packs<T, NEOX, RD, ROWS>(p); }});
+}}
+
 typedef void (*Runner)(const RopeParams&, unsigned, unsigned, unsigned, unsigned);
 extern "C" Runner runners[] = {{{runners}}};
 """
@@ -91,7 +96,7 @@ TABLE_HEAD_DIM, TABLE_ROTARY_DIM, SECTION, CACHE_ROWS = 80, 64, (8, 12, 12), 100
 
 
 def _name_expressions() -> list[str]:
-    """Every instantiation the cases may pick (both vector widths)."""
+    """Every instantiation the cases may pick (both vector widths), and rope_rotate_packs."""
     launches = [
         (dtype, neox, rotary_dim, _rotate.TWO_LEVEL, weights is not None)
         for dtype, neox, _, rotary_dim, _, weights, *_ in _cases()
@@ -102,7 +107,12 @@ def _name_expressions() -> list[str]:
             ("float32", "bfloat16"), (True, False), TABLE_CASES
         )
     ]
-    names = []
+    names = [
+        _rotate._packs_name(dtype, neox, rotary_dim)
+        for dtype, neox, rotary_dim in itertools.product(
+            ("bfloat16", "float16"), (True, False), _rotate.SHIPPED_ROTARY_DIMS
+        )
+    ]
     for dtype, neox, rotary_dim, mode, norm in launches:
         for vec, layout, heads in _rotate.instantiations(dtype, neox, rotary_dim, norm, mode):
             name = _rotate._kernel(dtype, neox, vec, rotary_dim, mode, layout, heads)[1]
@@ -353,6 +363,66 @@ def test_blocks_of_partial_warps_on_host_threads(kernels, rng, neox):
             block = _run_case(kernels, rng, *case, heads=(8, 4))[1].block
             partial += math.prod(block) % 32 != 0
     assert partial
+
+
+@pytest.mark.parametrize("rotary_dim", _rotate.SHIPPED_ROTARY_DIMS)
+@pytest.mark.parametrize("neox", (True, False), ids=("neox", "interleaved"))
+@pytest.mark.parametrize("dtype", ("bfloat16", "float16"))
+def test_packs_layout_on_host_threads(kernels, rng, dtype, neox, rotary_dim):
+    """rope_rotate_packs (one 16-byte pack of a row a lane, four rows of a token a lane, the
+    neox partner by shuffle): 4 and 8 heads (one and two row groups a token), an odd token
+    count (the last warp's lanes past the last row stay for its shuffles and write nothing),
+    per-sequence offsets, both directions, in place and into a new array (rows of a wider
+    buffer), every element against the oracle and nothing else written."""
+    batch, seq = 3, 5
+    partial_warps = 0
+    for heads, inverse, in_place in itertools.product((4, 8), (False, True), (False, True)):
+        width = (heads + 2) * rotary_dim  # q's heads, then two heads nothing may touch
+        host = random_data(rng, (batch, seq, width), dtype)
+        buffer = host.copy()
+        output = np.zeros_like(host)
+        strides = (seq * width, width, rotary_dim)
+        shape = (batch, seq, heads, rotary_dim)
+
+        q_rows = [
+            _rotate.HeadRows(
+                Operand(None, "numpy", 0, dtype, shape, (*strides, 1), array.ctypes.data),
+                shape, (*strides, 1),
+            )
+            for array in (buffer, buffer if in_place else output)
+        ]  # fmt: skip
+        offsets = np.array([0, 700, 3], np.int64)
+        table = shared_table(Standard(), rotary_dim)
+        table.ensure(POSITION + 700 + seq)
+        fine, coarse = (np.ascontiguousarray(t) for t in (table.fine32, table.coarse32))
+        lanes = rotary_dim // 8
+        threads = batch * seq * heads // _rotate._PACK_ROWS * lanes
+        partial_warps += threads % 32 != 0
+        name = _rotate._packs_name(dtype, neox, rotary_dim)
+        _launch(
+            kernels[name], (-(-threads // _rotate._PACK_THREADS),), (_rotate._PACK_THREADS, 1, 1),
+            q_rows, [_rows(dtype, 0, 0, rotary_dim, (0, 0, 0))] * 2, q_heads=heads, k_heads=0,
+            batch=batch, seq=seq, fine=fine.ctypes.data, coarse=coarse.ctypes.data,
+            position_offset=POSITION, position_limit=table.capacity, offsets=offsets.ctypes.data,
+            offsets_is_int64=1, rotary_dim=rotary_dim, tail_chunks=0,
+            sin_sign=-1.0 if inverse else 1.0,
+        )  # fmt: skip
+        positions = (POSITION + offsets[:, None] + np.arange(seq))[..., None]
+        x = host[..., : heads * rotary_dim].astype(np.float64).reshape(shape)
+        y = (buffer if in_place else output)[..., : heads * rotary_dim]
+        what = f"{dtype} neox={neox} D{rotary_dim} heads={heads} in_place={in_place}"
+        assert_matches_oracle(
+            y.astype(np.float64).reshape(shape), x, positions, standard_frequencies(rotary_dim),
+            dtype, neox=neox, inverse=inverse, what=what,
+        )  # fmt: skip
+        rest = buffer if in_place else output
+        untouched = host if in_place else np.zeros_like(host)
+        np.testing.assert_array_equal(
+            rest[..., heads * rotary_dim :], untouched[..., heads * rotary_dim :], err_msg=what
+        )
+        if not in_place:
+            np.testing.assert_array_equal(buffer, host, err_msg=f"{what}: the source changed")
+    assert partial_warps
 
 
 @pytest.mark.parametrize(

@@ -81,6 +81,18 @@ _REGISTERS, _NORM_REGISTERS = 96, 128
 # 81.1 / 93.7% against the chunk layout's 85.0 / 95.2%, so the plain rotation keeps its own.)
 NO_NORM, NORM_CHUNKS, NORM_ROWS = 0, 1, 2
 _ROWS_THREADS, _ROWS_REGISTERS, _ROWS_HEADS = 64, 64, 2
+# The plain rotation's whole-row layout (rope.cu rope_rotate_packs): one 16-bit operand (q
+# alone: the seed ops) at sequential positions (no position ids), rotated whole at a shipped
+# rotary_dim, two-level tables, 16-byte rows. One pack of a row a lane, _PACK_ROWS rows of a
+# token a lane at once, blocks of _PACK_THREADS at 64 registers (32 warps a multiprocessor).
+# Measured on an H200 (bf16 D128 H32, % of the copy ceiling, the chunk layout -> this one, in
+# one process): neox B1 S8192 82.4 -> 84.5, interleaved 81.3 -> 82.5, backward 82.4 -> 83.3;
+# B2 S2048 67.7 -> 71.1, 67.0 -> 73.3, 69.5 -> 71.1; D64 B2 S2048 55.7 -> 59.5. Where it lost,
+# the chunk layout keeps the launch: from _PACK_MAX_HEAD_ROWS head rows (B8 S4096, 8 rows a
+# lane: 96.2 -> 91.0-95.7), and with position ids (N4096 68.0 -> 65.8: a lane waits on its
+# token's id, then the table, for fewer bytes than the chunk layout's rounds move).
+_PACK_THREADS, _PACK_REGISTERS, _PACK_ROWS = 256, 64, 4
+_PACK_MIN_HEAD_ROWS, _PACK_MAX_HEAD_ROWS = 1 << 17, 1 << 20
 _SHARED_BYTES = 48 * 1024  # dynamic shared memory any launch may take without opting in
 _DEFINES = (
     f"ROPE_THREADS={_THREADS_PER_BLOCK}",
@@ -88,6 +100,8 @@ _DEFINES = (
     f"ROPE_NORM_MIN_BLOCKS={65536 // (_THREADS_PER_BLOCK * _NORM_REGISTERS)}",
     f"ROPE_ROWS_THREADS={_ROWS_THREADS}",
     f"ROPE_ROWS_MIN_BLOCKS={65536 // (_ROWS_THREADS * _ROWS_REGISTERS)}",
+    f"ROPE_PACK_THREADS={_PACK_THREADS}",
+    f"ROPE_PACK_MIN_BLOCKS={65536 // (_PACK_THREADS * _PACK_REGISTERS)}",
 )
 ROPE_PARAMS = _cuda.ParamStruct.declared("rope", "RopeParams")
 # Where the kernel finds cos/sin (rope.cu's TABLE template argument): the two-level tables at
@@ -386,7 +400,25 @@ def module_spec(
         for neox in (True, False)
         for vec, layout, heads in instantiations(dtype, neox, rotary_dim, norm, mode)
     )
+    if _packs_compiled(dtype, rotary_dim, mode, norm):
+        names += tuple(_packs_name(dtype, neox, rotary_dim) for neox in (True, False))
     return _cuda.ModuleSpec("rope", names, _DEFINES)
+
+
+def _packs_compiled(dtype: str, rotary_dim: int, mode: int, norm: bool) -> bool:
+    """Whether rope_rotate_packs is compiled into this module (16-bit, a shipped rotary_dim,
+    two-level tables, no norm)."""
+    return (
+        ITEMSIZE[dtype] == 2
+        and rotary_dim in SHIPPED_ROTARY_DIMS
+        and mode == TWO_LEVEL
+        and not norm
+    )
+
+
+def _packs_name(dtype: str, neox: bool, rotary_dim: int) -> str:
+    flags = f"{str(neox).lower()}, {rotary_dim}, {_PACK_ROWS}"
+    return f"rope_rotate_packs<{_cuda.CUDA_TYPES[dtype]}, {flags}>"
 
 
 def instantiations(
@@ -573,7 +605,10 @@ def _plan(
     rows: list[HeadRows],
     copy_tail: bool,
     norm: RowNorm | None = None,
+    token_ids: bool = False,
 ) -> _LaunchPlan:
+    """The launch of one layout (computed once): rope_rotate_packs where it takes the launch
+    (_packs_layout; ``token_ids``: positions come from ids), else rope_rotate's geometry."""
     q_in = rows[0]
     dtype, device = q_in.operand.dtype, q_in.operand.device
     alignment = 0
@@ -582,7 +617,7 @@ def _plan(
     rows_in_place = norm is not None and _rows_in_place(rows)  # (only the norm has two layouts)
     key = (
         dtype, neox, rotary_dim, mode, device, copy_tail, alignment, norm is not None,
-        rows_in_place,
+        rows_in_place, token_ids,
         tuple((r.shape, r.strides) for r in rows),
     )  # fmt: skip
     plan = _plans.get(key)
@@ -591,9 +626,16 @@ def _plan(
     batch, seq, q_heads, head_dim = q_in.shape
     copy_tail = copy_tail or norm is not None  # a normed tail is always written
     total_heads = q_heads + (rows[2].shape[2] if len(rows) > 2 else 0)
+    aligned_width = _vector_width(dtype, neox, rotary_dim, head_dim, copy_tail, rows)
+    if _packs_layout(dtype, rotary_dim, mode, norm is not None, rows, aligned_width, token_ids):
+        lanes = rotary_dim // aligned_width
+        threads = batch * seq * q_heads // _PACK_ROWS * lanes
+        name = _packs_name(dtype, neox, rotary_dim)
+        kernel = _cuda.function(module_spec(dtype, rotary_dim, mode), name, device)
+        step = _cuda.Step(kernel, (-(-threads // _PACK_THREADS), 1, 1), (_PACK_THREADS, 1, 1), 0)
+        return _remember_plan(key, _LaunchPlan(steps=(step,), tail_chunks=0))
     vec = access_width(
-        dtype, neox, mode, norm is not None, batch * seq * total_heads,
-        _vector_width(dtype, neox, rotary_dim, head_dim, copy_tail, rows),
+        dtype, neox, mode, norm is not None, batch * seq * total_heads, aligned_width
     )  # fmt: skip
     geometry = _geometry(
         dtype, neox, vec, rotary_dim, head_dim, copy_tail, total_heads, batch * seq,
@@ -603,11 +645,40 @@ def _plan(
     shared = 0 if norm is None else norm_shared_bytes(head_dim)
     kernel = _cuda.function(spec, name, device)
     step = _cuda.Step(kernel, geometry.grid, geometry.block, shared)
-    plan = _LaunchPlan(steps=(step,), tail_chunks=geometry.tail_chunks)
+    return _remember_plan(key, _LaunchPlan(steps=(step,), tail_chunks=geometry.tail_chunks))
+
+
+def _remember_plan(key: tuple, plan: _LaunchPlan) -> _LaunchPlan:
     if len(_plans) > 4096:  # shapes churn (e.g. growing prefill chunks): start over
         _plans.clear()
     _plans[key] = plan
     return plan
+
+
+def _packs_layout(
+    dtype: str,
+    rotary_dim: int,
+    mode: int,
+    norm: bool,
+    rows: list[HeadRows],
+    aligned_width: int,
+    token_ids: bool,
+) -> bool:
+    """Whether rope_rotate_packs takes the launch (_PACK_* above): one operand (q in, q out)
+    at sequential positions, 16-byte-aligned 16-bit rows rotated whole at a compiled
+    rotary_dim, a multiple of _PACK_ROWS heads, head offsets and thread numbers within 32 bits,
+    _PACK_MIN_HEAD_ROWS to _PACK_MAX_HEAD_ROWS head rows."""
+    if len(rows) != 2 or token_ids or aligned_width * ITEMSIZE[dtype] != 16:
+        return False
+    batch, seq, heads, head_dim = rows[0].shape
+    head_rows = batch * seq * heads
+    return (
+        rotary_dim == head_dim
+        and _packs_compiled(dtype, rotary_dim, mode, norm)
+        and heads % _PACK_ROWS == 0
+        and _PACK_MIN_HEAD_ROWS <= head_rows < _PACK_MAX_HEAD_ROWS
+        and all(r.strides[2] > 0 and r.strides[2] * heads < 1 << 31 for r in rows)
+    )
 
 
 def _rotate_cuda(
@@ -624,7 +695,7 @@ def _rotate_cuda(
     else:
         mode = TWO_LEVEL if positions.mrope_section is None else MROPE
         fine_ptr, coarse_ptr, capacity = table.device_tables(device, positions.cover)
-    plan = _plan(rotary_dim, mode, neox, rows, copy_tail, norm)
+    plan = _plan(rotary_dim, mode, neox, rows, copy_tail, norm, positions.ids is not None)
     k_weight = None if norm is None else norm.k_weight
 
     k_in, k_out = (None, None) if k is None else k  # k_heads = 0: the kernel never reads k
