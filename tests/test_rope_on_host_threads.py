@@ -1,14 +1,16 @@
-"""The CUDA rotation kernel (``kernels_cu/rope.cu``), fused QK-RMSNorm included, executed on
-the host: compiled by the C++ compiler against ``cuda_on_host.h`` (one thread per CUDA
-thread, block barriers and warp shuffles through std::barrier), launched with the geometry,
-vector width and parameter struct the package computes (``_rotate._geometry``,
-``_vector_width``, ``ROPE_PARAMS``), and compared with the float64 oracle.
+"""The CUDA rotation kernels (``kernels_cu/rope.cu``: ``rope_rotate``, fused QK-RMSNorm
+included, and ``rope_rotate_packs``), executed on the host: compiled by the C++ compiler
+against ``cuda_on_host.h`` (one thread per CUDA thread, block barriers and warp shuffles
+through std::barrier), launched with the geometry, vector width and parameter struct the
+package computes (``_rotate._geometry``, ``_vector_width``, ``ROPE_PARAMS``), and compared
+with the float64 oracle.
 
 What this adds to the GPU tests: every lane layout of the norm's reduction (groups of 1 to
 32 lanes, rows with more chunks than lanes, tails, one-element accesses, blocks of whole
 warps and of partial ones), the weights staged in shared memory, q-only launches,
-and the MRoPE and cos_sin_cache table modes, checked on any machine with g++ (C++20); the
-shuffle emulation refuses a mask that names neither the whole warp nor the calling group, or
+the MRoPE and cos_sin_cache table modes, and the whole-row layout's shuffles and its idle
+lanes past the last row, checked on any machine with g++ (C++20); the shuffle emulation
+refuses a mask that names neither the whole warp nor the calling group, or
 a lane that has returned. A build failure fails the tests (only a missing g++ skips). Not
 covered: timing, memory ordering, the PTX conversions.
 """
