@@ -578,10 +578,24 @@ struct TwoLevelRows {
       : fine(fine_table + (position & ((1 << FINE_BITS) - 1)) * pairs),
         coarse(coarse_table + (position >> FINE_BITS) * pairs) {}
 
+  // (cos, sin) of hi*1024 + lo from the coarse entry (c_cos, c_sin) and the fine (f_cos, f_sin)
+  __device__ __forceinline__ static float2 angle_sum(float c_cos, float c_sin, float f_cos,
+                                                     float f_sin) {
+    return make_float2(fmaf(c_cos, f_cos, -c_sin * f_sin), fmaf(c_sin, f_cos, c_cos * f_sin));
+  }
+
   __device__ __forceinline__ float2 cos_sin(int j) const {
     const float2 f = fine[j];
     const float2 c = coarse[j];
-    return make_float2(fmaf(c.x, f.x, -c.y * f.y), fmaf(c.y, f.x, c.x * f.y));
+    return angle_sum(c.x, c.y, f.x, f.y);
+  }
+
+  // pairs j and j + 1 (j even) from one 16-byte load of each table
+  __device__ __forceinline__ void cos_sin_two(int j, float2& first, float2& second) const {
+    const float4 f = *reinterpret_cast<const float4*>(fine + j);
+    const float4 c = *reinterpret_cast<const float4*>(coarse + j);
+    first = angle_sum(c.x, c.y, f.x, f.y);
+    second = angle_sum(c.z, c.w, f.z, f.w);
   }
 };
 
@@ -716,7 +730,6 @@ __global__ void __launch_bounds__(ROPE_PACK_THREADS, ROPE_PACK_MIN_BLOCKS)
   constexpr int VEC = 8;
   constexpr int LANES = ROTARY_DIM / VEC;      // lanes of a row, a power of two up to 16
   constexpr int PAIRS = NEOX ? VEC : VEC / 2;  // pairs whose cos/sin a lane needs
-  constexpr int TABLE_PAIRS = ROTARY_DIM / 2;
   static_assert(LANES <= 16 && (LANES & (LANES - 1)) == 0, "a row is a half warp or less");
   const unsigned groups = static_cast<unsigned>(p.q_heads) / ROWS;  // row groups of a token
   const unsigned per_token = groups * LANES;
@@ -752,21 +765,17 @@ __global__ void __launch_bounds__(ROPE_PACK_THREADS, ROPE_PACK_MIN_BLOCKS)
                      s, token, p.position_limit, p.error_flag);
   // this lane's pairs: neox, VEC pairs of its half's columns; interleaved, VEC / 2 pairs
   const int first_pair = NEOX ? (lane % (LANES / 2)) * VEC : lane * PAIRS;
-  const float4* fine = reinterpret_cast<const float4*>(
-      p.fine + (position & ((1 << FINE_BITS) - 1)) * TABLE_PAIRS + first_pair);
-  const float4* coarse =
-      reinterpret_cast<const float4*>(p.coarse + (position >> FINE_BITS) * TABLE_PAIRS + first_pair);
+  const TwoLevelRows rows(p.fine, p.coarse, position, ROTARY_DIM / 2);
   // neox: the first half's lanes hold x1 (y1 = x1 cos - x2 sin), the second half's x2
   // (y2 = x2 cos + x1 sin); the sign goes into sin, an exact product
   const float own_sign = NEOX && lane < LANES / 2 ? -p.sin_sign : p.sin_sign;
   float cos_v[PAIRS], sin_v[PAIRS];
 #pragma unroll
-  for (int i = 0; i < PAIRS / 2; ++i) {  // (TwoLevelRows::cos_sin, two pairs a load)
-    const float4 f = fine[i], c = coarse[i];
-    cos_v[2 * i] = fmaf(c.x, f.x, -c.y * f.y);
-    sin_v[2 * i] = fmaf(c.y, f.x, c.x * f.y) * own_sign;
-    cos_v[2 * i + 1] = fmaf(c.z, f.z, -c.w * f.w);
-    sin_v[2 * i + 1] = fmaf(c.w, f.z, c.z * f.w) * own_sign;
+  for (int i = 0; i < PAIRS; i += 2) {
+    float2 first, second;
+    rows.cos_sin_two(first_pair + i, first, second);
+    cos_v[i] = first.x, sin_v[i] = first.y * own_sign;
+    cos_v[i + 1] = second.x, sin_v[i + 1] = second.y * own_sign;
   }
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {

@@ -384,7 +384,8 @@ def _name(
 
 
 def _rows_layout_compiled(dtype: str, rotary_dim: int) -> bool:
-    """Whether NORM_ROWS is compiled for this dtype and (compile-time) rotary_dim."""
+    """Whether the whole-row layouts (NORM_ROWS, rope_rotate_packs) are compiled for this dtype
+    and (compile-time) rotary_dim."""
     return ITEMSIZE[dtype] == 2 and rotary_dim in SHIPPED_ROTARY_DIMS
 
 
@@ -408,12 +409,7 @@ def module_spec(
 def _packs_compiled(dtype: str, rotary_dim: int, mode: int, norm: bool) -> bool:
     """Whether rope_rotate_packs is compiled into this module (16-bit, a shipped rotary_dim,
     two-level tables, no norm)."""
-    return (
-        ITEMSIZE[dtype] == 2
-        and rotary_dim in SHIPPED_ROTARY_DIMS
-        and mode == TWO_LEVEL
-        and not norm
-    )
+    return _rows_layout_compiled(dtype, rotary_dim) and mode == TWO_LEVEL and not norm
 
 
 def _packs_name(dtype: str, neox: bool, rotary_dim: int) -> str:
