@@ -715,14 +715,15 @@ __global__ void __launch_bounds__(NORM == NORM_ROWS ? ROPE_ROWS_THREADS : ROPE_T
 // ------------------------------------------------------------------ whole rows, one pack a lane
 
 // The plain rotation of mid-sized launches of the common case (tileops_cupy._rotate's
-// _packs_layout says which): one operand (q alone), sequential positions, 16-bit rows of
+// _packs_layout says which): q, or q and k, at sequential positions, 16-bit rows of
 // ROTARY_DIM elements rotated whole, two-level tables. A row is ROTARY_DIM / 8 lanes of one
 // 16-byte pack each (the neox partner half comes from lane ^ LANES/2 by a shuffle), and a
-// lane takes ROWS rows of its token (group, group + groups, ...: the same columns, so its
-// cos/sin are formed once for them, from 16-byte table loads of two pairs), their loads issued
-// before the position is formed. Threads are numbered flat: beyond its rows a lane does two
-// 32-bit divisions and the position, where rope_rotate's lanes also pay for 64-bit row
-// indices, the q/k selects, 8-byte table loads and rounds (_rotate has the measurements).
+// lane takes ROWS rows of one operand of its token (group, group + groups, ...: the same
+// columns, so its cos/sin are formed once for them, from 16-byte table loads of two pairs),
+// their loads issued before the position is formed. A token's row groups are q's, then
+// k's. Threads are numbered flat: beyond its rows a lane does two 32-bit divisions, one q/k
+// select and the position, where rope_rotate's lanes also pay for 64-bit row indices,
+// 8-byte table loads and rounds (_rotate has the measurements).
 template <typename T, bool NEOX, int ROTARY_DIM, int ROWS>
 __global__ void __launch_bounds__(ROPE_PACK_THREADS, ROPE_PACK_MIN_BLOCKS)
     rope_rotate_packs(const RopeParams p) {
@@ -731,8 +732,9 @@ __global__ void __launch_bounds__(ROPE_PACK_THREADS, ROPE_PACK_MIN_BLOCKS)
   constexpr int LANES = ROTARY_DIM / VEC;      // lanes of a row, a power of two up to 16
   constexpr int PAIRS = NEOX ? VEC : VEC / 2;  // pairs whose cos/sin a lane needs
   static_assert(LANES <= 16 && (LANES & (LANES - 1)) == 0, "a row is a half warp or less");
-  const unsigned groups = static_cast<unsigned>(p.q_heads) / ROWS;  // row groups of a token
-  const unsigned per_token = groups * LANES;
+  // row groups of a token: q's, then k's (k_heads = 0 without k)
+  const unsigned q_groups = static_cast<unsigned>(p.q_heads) / ROWS;
+  const unsigned per_token = (q_groups + static_cast<unsigned>(p.k_heads) / ROWS) * LANES;
   const unsigned threads = static_cast<unsigned>(p.batch) * static_cast<unsigned>(p.seq) * per_token;
   // A lane past the last row stays for its warp's shuffles (the blocks are whole warps), reading
   // the last pack (always in bounds) and writing nothing.
@@ -742,23 +744,29 @@ __global__ void __launch_bounds__(ROPE_PACK_THREADS, ROPE_PACK_MIN_BLOCKS)
   const unsigned token = thread / per_token;
   const unsigned in_token = thread - token * per_token;
   const int lane = static_cast<int>(in_token % LANES);
-  const int group = static_cast<int>(in_token / LANES);
+  const unsigned token_group = in_token / LANES;
+  const bool of_k = token_group >= q_groups;
+  const int group = static_cast<int>(of_k ? token_group - q_groups : token_group);
+  // rows of the operand between a lane's rows
+  const int groups = of_k ? p.k_heads / ROWS : static_cast<int>(q_groups);
   const unsigned seq = static_cast<unsigned>(p.seq);
   const int b = static_cast<int>(token / seq);
   const int s = static_cast<int>(token - static_cast<unsigned>(b) * seq);
 
   // the rows' packs first: their loads are in flight while the position and table are read
   // (head strides within 32 bits: the plan checks)
-  const int in_head = static_cast<int>(p.q_in_stride[2]), out_head = static_cast<int>(p.q_out_stride[2]);
-  const T* in = static_cast<const T*>(p.q_in) + b * p.q_in_stride[0] + s * p.q_in_stride[1] +
-                group * in_head + lane * VEC;
-  T* out = static_cast<T*>(p.q_out) + b * p.q_out_stride[0] + s * p.q_out_stride[1] +
-           group * out_head + lane * VEC;
-  const int groups_in = static_cast<int>(groups);  // rows between a lane's rows
+  const int in_head = static_cast<int>(of_k ? p.k_in_stride[2] : p.q_in_stride[2]);
+  const int out_head = static_cast<int>(of_k ? p.k_out_stride[2] : p.q_out_stride[2]);
+  const T* in = static_cast<const T*>(of_k ? p.k_in : p.q_in) +
+                b * (of_k ? p.k_in_stride[0] : p.q_in_stride[0]) +
+                s * (of_k ? p.k_in_stride[1] : p.q_in_stride[1]) + group * in_head + lane * VEC;
+  T* out = static_cast<T*>(of_k ? p.k_out : p.q_out) +
+           b * (of_k ? p.k_out_stride[0] : p.q_out_stride[0]) +
+           s * (of_k ? p.k_out_stride[1] : p.q_out_stride[1]) + group * out_head + lane * VEC;
   RowPack data[ROWS];
 #pragma unroll
   for (int r = 0; r < ROWS; ++r)
-    data[r] = *reinterpret_cast<const RowPack*>(in + r * groups_in * in_head);
+    data[r] = *reinterpret_cast<const RowPack*>(in + r * groups * in_head);
 
   const long long position =
       token_position(p.ids, p.ids_is_int64, p.offsets, p.offsets_is_int64, p.position_offset, b,
@@ -793,7 +801,7 @@ __global__ void __launch_bounds__(ROPE_PACK_THREADS, ROPE_PACK_MIN_BLOCKS)
       }
     }
     if (live) {
-      store_16_bytes(out + r * groups_in * out_head, pack_word<T>(y[0], y[1]),
+      store_16_bytes(out + r * groups * out_head, pack_word<T>(y[0], y[1]),
                      pack_word<T>(y[2], y[3]), pack_word<T>(y[4], y[5]), pack_word<T>(y[6], y[7]));
     }
   }

@@ -53,6 +53,7 @@ from _oracle import (
     yarn_frequencies,
 )
 
+from tileops_cupy import _rotate
 from tileops_cupy.rope import RoPE, RoPEFwdOp, apply_rope, table_cache_info
 from tileops_cupy.schemes import Llama31, LongRoPE, Standard, YaRN
 
@@ -422,6 +423,50 @@ def test_chunked_prefill_equals_full_forward(rng, place, case, dtype, layout, ch
     frequencies = case.frequencies(head_dim)
     assert_rotated(q, q64, positions, frequencies, dtype, layout=layout, what="q")
     assert_rotated(k, k64, positions, frequencies, dtype, layout=layout, what="k")
+
+
+@GPU
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize(("head_dim", "offsets"), [(128, 7), (64, (0, 3000))], ids=["D128", "D64"])
+def test_mid_sized_prefill_rotates_whole_rows(rng, monkeypatch, head_dim, offsets, dtype, layout):
+    """Mid-sized 16-bit prefills of q and k take rope_rotate_packs (one 16-byte pack of a row
+    a lane, four rows of one operand a lane, k's row groups after q's;
+    ``_rotate._PACK_MIN_HEAD_ROWS`` lowered here to this call's rows, whose last warp is half
+    empty at D128): q and k in place in a fused QKV row, every element against the oracle, v
+    untouched, and the same bits as rope_rotate."""
+    require("cuda", "torch")
+    batch, seq, hq, hkv = 2, 1031, 8, 4
+    heads = hq + 2 * hkv
+    host = random_data(rng, (batch, seq, heads * head_dim), dtype)
+    results, blocks = {}, {}
+    for packs_from in (1 << 30, 0):
+        monkeypatch.setattr(_rotate, "_PACK_MIN_HEAD_ROWS", packs_from)
+        _rotate._plans.clear()
+        qkv = to_place(host, "cuda", "torch")
+        split = qkv.view(batch, seq, heads, head_dim)
+        q, k = split[:, :, :hq], split[:, :, hq : hq + hkv]
+        rope = RoPE(head_dim, hq, hkv, rope_layout=layout)
+        assert_same(rope.prefill(q, k, offsets), q, k)
+        torch.cuda.synchronize()
+        (plan,) = _rotate._plans.values()
+        blocks[packs_from] = plan.steps[0].block
+        results[packs_from] = qkv
+    assert blocks[0] == (_rotate._PACK_THREADS, 1, 1) != blocks[1 << 30], blocks
+    packed = results[0]
+    assert torch.equal(packed, results[1 << 30])
+    before = host.astype(np.float64).reshape(batch, seq, heads, head_dim)
+    after = to_float64(packed).reshape(batch, seq, heads, head_dim)
+    v_after, v_before = (
+        raw_bytes(x).reshape(batch, seq, heads, -1)[:, :, hq + hkv :] for x in (packed, host)
+    )
+    assert np.array_equal(v_after, v_before), "v changed"
+    positions, frequencies = token_positions(batch, seq, offsets), standard_frequencies(head_dim)
+    for name, heads_of in (("q", slice(0, hq)), ("k", slice(hq, hq + hkv))):
+        assert_rotated(
+            after[:, :, heads_of], before[:, :, heads_of], positions, frequencies, dtype,
+            layout=layout, what=name,
+        )  # fmt: skip
 
 
 # (scheme, per-sequence offsets, max_position, seq): both twins' settings, in both places

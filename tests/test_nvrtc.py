@@ -236,20 +236,25 @@ def test_rows_layout_takes_in_place_rows_with_32_bit_offsets():
     assert not _rotate._rows_in_place([wide, wide])
 
 
-def test_packs_layout_takes_mid_sized_single_operand_launches():
-    """rope_rotate_packs takes one 16-bit operand at sequential positions, rotated whole at a
-    shipped rotary_dim, 16-byte aligned, a multiple of four heads, between
-    _PACK_MIN_HEAD_ROWS and _PACK_MAX_HEAD_ROWS head rows (B1 S8192 and B2 S2048 of 32 heads
-    take it, B8 S4096 does not); every other launch keeps rope_rotate. The kernel it names is
-    shipped in that launch's module."""
+def test_packs_layout_takes_mid_sized_launches_at_sequential_positions():
+    """rope_rotate_packs takes 16-bit q, or q and k, at sequential positions, rotated whole
+    at a shipped rotary_dim, 16-byte aligned, a multiple of four heads in each operand,
+    between _PACK_MIN_HEAD_ROWS and _PACK_MAX_HEAD_ROWS head rows in all (B1 S8192 and B2
+    S2048 of 32 heads take it, B8 S4096 does not; 32 q and 8 k heads count 40 a token);
+    every other launch keeps rope_rotate. The kernel it names is shipped in that launch's
+    module."""
 
     def takes(batch=1, seq=8192, heads=32, head_dim=128, rotary_dim=128, dtype="bfloat16",
-              k=False, ids=False, offset=0, head_stride=None, mode=_rotate.TWO_LEVEL):  # fmt: skip
-        shape = (batch, seq, heads, head_dim)
+              k_heads=0, ids=False, offset=0, head_stride=None,
+              mode=_rotate.TWO_LEVEL):  # fmt: skip
         stride = head_stride or head_dim
-        strides = (seq * heads * stride, heads * stride, stride, 1)
-        q = _rows(dtype, shape, strides, offset)
-        rows = [q, _rows(dtype, shape, strides)] + ([q, q] if k else [])
+        width = (heads + k_heads) * stride  # (q's heads then k's, of one fused row)
+        strides = (seq * width, width, stride, 1)
+        q = _rows(dtype, (batch, seq, heads, head_dim), strides, offset)
+        rows = [q, _rows(dtype, (batch, seq, heads, head_dim), strides)]
+        if k_heads:
+            k = _rows(dtype, (batch, seq, k_heads, head_dim), strides, heads * stride)
+            rows += [k, k]
         copy_tail = rotary_dim < head_dim
         aligned = _rotate._vector_width(dtype, True, rotary_dim, head_dim, copy_tail, rows)
         return _rotate._packs_layout(dtype, rotary_dim, mode, False, rows, aligned, ids)
@@ -257,14 +262,20 @@ def test_packs_layout_takes_mid_sized_single_operand_launches():
     assert takes() and takes(batch=2, seq=2048) and takes(dtype="float16")
     assert takes(head_dim=64, rotary_dim=64) and takes(heads=8, seq=1 << 14)
     assert takes(head_stride=192)  # (rows of a wider buffer: 32-bit head offsets)
+    assert (
+        takes(k_heads=8) and takes(seq=4096, k_heads=8) and takes(heads=4, k_heads=4, seq=1 << 14)
+    )
     assert not takes(batch=8, seq=4096)  # _PACK_MAX_HEAD_ROWS
+    assert not takes(seq=4095, heads=24, k_heads=8) and takes(seq=4096, heads=24, k_heads=8)
     assert not takes(batch=1, seq=2048)  # _PACK_MIN_HEAD_ROWS
-    assert not takes(k=True) and not takes(ids=True)
+    assert not takes(ids=True) and not takes(k_heads=8, ids=True)
+    assert not takes(k_heads=2) and not takes(k_heads=6)
     assert not takes(dtype="float32") and not takes(heads=30, seq=1 << 13)
     assert not takes(rotary_dim=64) and not takes(head_dim=96, rotary_dim=96)
     assert not takes(offset=1)  # (one element in: not 16-byte aligned)
     assert not takes(mode=_rotate.MROPE) and not takes(mode=_rotate.COS_SIN_CACHE)
     assert not takes(head_stride=1 << 26)  # (32 heads: offsets past 2**31 elements)
+    assert not takes(heads=4, k_heads=32, head_stride=1 << 26)  # (k's 32 heads: the same)
     for dtype, rotary_dim, neox in itertools.product(
         ("bfloat16", "float16"), _rotate.SHIPPED_ROTARY_DIMS, (True, False)
     ):

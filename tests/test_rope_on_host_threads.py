@@ -162,6 +162,17 @@ def _rows(dtype: str, pointer: int, heads: int, head_dim: int, strides) -> _rota
     return _rotate.HeadRows(operand, shape, (*strides, 1))
 
 
+def _head_rows(arrays, dtype: str, shape, strides, first: int) -> list[_rotate.HeadRows]:
+    """(in, out) head rows of ``shape`` in numpy ``arrays``, from element ``first`` of each."""
+    rows = []
+    for array in arrays:
+        operand = Operand(
+            None, "numpy", 0, dtype, shape, strides, array.ctypes.data + first * array.itemsize
+        )
+        rows.append(_rotate.HeadRows(operand, shape, strides))
+    return rows
+
+
 def _launch(kernel, grid, block, q_rows, k_rows, **fields) -> None:
     """Run ``kernel`` on host threads over q's (in, out) and k's (in, out) rows, with
     ``fields`` of RopeParams over these defaults: BATCH x SEQ tokens, HEADS q heads and
@@ -372,27 +383,30 @@ def test_blocks_of_partial_warps_on_host_threads(kernels, rng, neox):
 @pytest.mark.parametrize("dtype", ("bfloat16", "float16"))
 def test_packs_layout_on_host_threads(kernels, rng, dtype, neox, rotary_dim):
     """rope_rotate_packs (one 16-byte pack of a row a lane, four rows of a token a lane, the
-    neox partner by shuffle): 4 and 8 heads (one and two row groups a token), an odd token
-    count (the last warp's lanes past the last row stay for its shuffles and write nothing),
-    per-sequence offsets, both directions, in place and into a new array (rows of a wider
-    buffer), every element against the oracle and nothing else written."""
+    neox partner by shuffle): q alone of 4 and 8 heads (one and two row groups a token) and
+    q with k in one launch (k's row groups after q's), an odd token count (the last warp's
+    lanes past the last row stay for its shuffles and write nothing), per-sequence offsets,
+    both directions, in place and into a new array (rows of a wider buffer: q's heads, k's,
+    then two heads nothing may touch), every element against the oracle and nothing else
+    written."""
     batch, seq = 3, 5
     partial_warps = 0
-    for heads, inverse, in_place in itertools.product((4, 8), (False, True), (False, True)):
-        width = (heads + 2) * rotary_dim  # q's heads, then two heads nothing may touch
+    operands = ((4, 0), (8, 0), (4, 4), (8, 4), (4, 8))  # (q heads, k heads)
+    for (q_heads, k_heads), inverse, in_place in itertools.product(
+        operands, (False, True), (False, True)
+    ):
+        heads = q_heads + k_heads
+        width = (heads + 2) * rotary_dim
         host = random_data(rng, (batch, seq, width), dtype)
         buffer = host.copy()
         output = np.zeros_like(host)
-        strides = (seq * width, width, rotary_dim)
-        shape = (batch, seq, heads, rotary_dim)
-
-        q_rows = [
-            _rotate.HeadRows(
-                Operand(None, "numpy", 0, dtype, shape, (*strides, 1), array.ctypes.data),
-                shape, (*strides, 1),
-            )
-            for array in (buffer, buffer if in_place else output)
-        ]  # fmt: skip
+        strides = (seq * width, width, rotary_dim, 1)
+        arrays = (buffer, buffer if in_place else output)
+        q_rows = _head_rows(arrays, dtype, (batch, seq, q_heads, rotary_dim), strides, 0)
+        k_rows = [_rows(dtype, 0, 0, rotary_dim, (0,) * 3)] * 2  # (k_heads 0: never read)
+        if k_heads:
+            k_shape = (batch, seq, k_heads, rotary_dim)
+            k_rows = _head_rows(arrays, dtype, k_shape, strides, q_heads * rotary_dim)
         offsets = np.array([0, 700, 3], np.int64)
         table = shared_table(Standard(), rotary_dim)
         table.ensure(POSITION + 700 + seq)
@@ -403,16 +417,17 @@ def test_packs_layout_on_host_threads(kernels, rng, dtype, neox, rotary_dim):
         name = _rotate._packs_name(dtype, neox, rotary_dim)
         _launch(
             kernels[name], (-(-threads // _rotate._PACK_THREADS),), (_rotate._PACK_THREADS, 1, 1),
-            q_rows, [_rows(dtype, 0, 0, rotary_dim, (0, 0, 0))] * 2, q_heads=heads, k_heads=0,
+            q_rows, k_rows, q_heads=q_heads, k_heads=k_heads,
             batch=batch, seq=seq, fine=fine.ctypes.data, coarse=coarse.ctypes.data,
             position_offset=POSITION, position_limit=table.capacity, offsets=offsets.ctypes.data,
             offsets_is_int64=1, rotary_dim=rotary_dim, tail_chunks=0,
             sin_sign=-1.0 if inverse else 1.0,
         )  # fmt: skip
         positions = (POSITION + offsets[:, None] + np.arange(seq))[..., None]
+        shape = (batch, seq, heads, rotary_dim)
         x = host[..., : heads * rotary_dim].astype(np.float64).reshape(shape)
         y = (buffer if in_place else output)[..., : heads * rotary_dim]
-        what = f"{dtype} neox={neox} D{rotary_dim} heads={heads} in_place={in_place}"
+        what = f"{dtype} neox={neox} D{rotary_dim} heads={q_heads}+{k_heads} in_place={in_place}"
         assert_matches_oracle(
             y.astype(np.float64).reshape(shape), x, positions, standard_frequencies(rotary_dim),
             dtype, neox=neox, inverse=inverse, what=what,

@@ -81,16 +81,19 @@ _REGISTERS, _NORM_REGISTERS = 96, 128
 # 81.1 / 93.7% against the chunk layout's 85.0 / 95.2%, so the plain rotation keeps its own.)
 NO_NORM, NORM_CHUNKS, NORM_ROWS = 0, 1, 2
 _ROWS_THREADS, _ROWS_REGISTERS, _ROWS_HEADS = 64, 64, 2
-# The plain rotation's whole-row layout (rope.cu rope_rotate_packs): one 16-bit operand (q
-# alone: the seed ops) at sequential positions (no position ids), rotated whole at a shipped
-# rotary_dim, two-level tables, 16-byte rows. One pack of a row a lane, _PACK_ROWS rows of a
-# token a lane at once, blocks of _PACK_THREADS at 64 registers (32 warps a multiprocessor).
-# Measured on an H200 (bf16 D128 H32, % of the copy ceiling, the chunk layout -> this one, in
-# one process): neox B1 S8192 82.4 -> 84.5, interleaved 81.3 -> 82.5, backward 82.4 -> 83.3;
-# B2 S2048 67.7 -> 71.1, 67.0 -> 73.3, 69.5 -> 71.1; D64 B2 S2048 55.7 -> 59.5. Where it lost,
-# the chunk layout keeps the launch: from _PACK_MAX_HEAD_ROWS head rows (B8 S4096, 8 rows a
-# lane: 96.2 -> 91.0-95.7), and with position ids (N4096 68.0 -> 65.8: a lane waits on its
-# token's id, then the table, for fewer bytes than the chunk layout's rounds move).
+# The plain rotation's whole-row layout (rope.cu rope_rotate_packs): 16-bit q, or q and k,
+# at sequential positions (no position ids), rotated whole at a shipped rotary_dim, two-level
+# tables, 16-byte rows. One pack of a row a lane, _PACK_ROWS rows of one operand of a token a
+# lane at once, blocks of _PACK_THREADS at 64 registers (32 warps a multiprocessor).
+# Measured on an H200 (bf16 D128, % of the copy ceiling, the chunk layout -> this one, in one
+# process). q alone, H32: neox B1 S8192 82.4 -> 84.5, interleaved 81.3 -> 82.5, backward
+# 82.4 -> 83.3; B2 S2048 67.7 -> 71.1, 67.0 -> 73.3, 69.5 -> 71.1; D64 B2 S2048 55.7 -> 59.5.
+# q and k in place in a fused QKV row (32q/8kv, the component's prefill): N4096 75.7 ->
+# 78.4, N8192 84.6 -> 86.7, N16384 91.7 -> 93.0. Where it lost, the chunk layout keeps the
+# launch: from _PACK_MAX_HEAD_ROWS head rows (B8 S4096, 8 rows a lane: 96.2 -> 91.0-95.7),
+# and with position ids (q alone N4096 68.0 -> 65.8; q and k N8192 84.6 -> 83.2, N16384
+# 91.5 -> 88.9: a lane waits on its token's id, then the table, for fewer bytes than the
+# chunk layout's rounds move).
 _PACK_THREADS, _PACK_REGISTERS, _PACK_ROWS = 256, 64, 4
 _PACK_MIN_HEAD_ROWS, _PACK_MAX_HEAD_ROWS = 1 << 17, 1 << 20
 _SHARED_BYTES = 48 * 1024  # dynamic shared memory any launch may take without opting in
@@ -625,7 +628,7 @@ def _plan(
     aligned_width = _vector_width(dtype, neox, rotary_dim, head_dim, copy_tail, rows)
     if _packs_layout(dtype, rotary_dim, mode, norm is not None, rows, aligned_width, token_ids):
         lanes = rotary_dim // aligned_width
-        threads = batch * seq * q_heads // _PACK_ROWS * lanes
+        threads = batch * seq * total_heads // _PACK_ROWS * lanes
         name = _packs_name(dtype, neox, rotary_dim)
         kernel = _cuda.function(module_spec(dtype, rotary_dim, mode), name, device)
         step = _cuda.Step(kernel, (-(-threads // _PACK_THREADS), 1, 1), (_PACK_THREADS, 1, 1), 0)
@@ -660,20 +663,20 @@ def _packs_layout(
     aligned_width: int,
     token_ids: bool,
 ) -> bool:
-    """Whether rope_rotate_packs takes the launch (_PACK_* above): one operand (q in, q out)
-    at sequential positions, 16-byte-aligned 16-bit rows rotated whole at a compiled
-    rotary_dim, a multiple of _PACK_ROWS heads, head offsets and thread numbers within 32 bits,
-    _PACK_MIN_HEAD_ROWS to _PACK_MAX_HEAD_ROWS head rows."""
-    if len(rows) != 2 or token_ids or aligned_width * ITEMSIZE[dtype] != 16:
+    """Whether rope_rotate_packs takes the launch (_PACK_* above): q, or q and k (``rows``:
+    their (in, out) pairs), at sequential positions, 16-byte-aligned 16-bit rows rotated
+    whole at a compiled rotary_dim, a multiple of _PACK_ROWS heads in each operand, head
+    offsets within 32 bits, _PACK_MIN_HEAD_ROWS to _PACK_MAX_HEAD_ROWS head rows in all."""
+    if token_ids or aligned_width * ITEMSIZE[dtype] != 16:
         return False
-    batch, seq, heads, head_dim = rows[0].shape
-    head_rows = batch * seq * heads
+    batch, seq, _, head_dim = rows[0].shape
+    head_rows = batch * seq * sum(r.shape[2] for r in rows[::2])
     return (
         rotary_dim == head_dim
         and _packs_compiled(dtype, rotary_dim, mode, norm)
-        and heads % _PACK_ROWS == 0
+        and all(r.shape[2] % _PACK_ROWS == 0 for r in rows)
         and _PACK_MIN_HEAD_ROWS <= head_rows < _PACK_MAX_HEAD_ROWS
-        and all(r.strides[2] > 0 and r.strides[2] * heads < 1 << 31 for r in rows)
+        and all(r.strides[2] > 0 and r.strides[2] * r.shape[2] < 1 << 31 for r in rows)
     )
 
 
