@@ -714,11 +714,31 @@ __global__ void __launch_bounds__(NORM == NORM_ROWS ? ROPE_ROWS_THREADS : ROPE_T
 
 // ------------------------------------------------------------------ whole rows, one pack a lane
 
+// Element i of a 16-byte pack of T (16-bit: two a word, the first in the low half), as float.
+template <typename T>
+__device__ __forceinline__ float pack_element(const RowPack& pack, int i) {
+  if constexpr (sizeof(T) == 4) {
+    return __uint_as_float(pack.word[i]);
+  } else {
+    return i % 2 ? word_high<T>(pack.word[i / 2]) : word_low<T>(pack.word[i / 2]);
+  }
+}
+
+// Word w of the 16-byte pack of T that holds the floats y, each rounded once.
+template <typename T>
+__device__ __forceinline__ u32 pack_word_of(const float* y, int w) {
+  if constexpr (sizeof(T) == 4) {
+    return __float_as_uint(y[w]);
+  } else {
+    return pack_word<T>(y[2 * w], y[2 * w + 1]);
+  }
+}
+
 // The plain rotation of mid-sized launches of the common case (tileops_cupy._rotate's
-// _packs_layout says which): q, or q and k, at sequential positions, 16-bit rows of
-// ROTARY_DIM elements rotated whole, two-level tables. A row is ROTARY_DIM / 8 lanes of one
-// 16-byte pack each (the neox partner half comes from lane ^ LANES/2 by a shuffle), and a
-// lane takes ROWS rows of one operand of its token (group, group + groups, ...: the same
+// _packs_layout says which): q, or q and k, at sequential positions, rows of ROTARY_DIM
+// elements rotated whole, two-level tables. A row is ROTARY_DIM / VEC lanes of one 16-byte
+// pack (VEC elements) each (the neox partner half comes from lane ^ LANES/2 by a shuffle),
+// and a lane takes ROWS rows of one operand of its token (group, group + groups, ...: the same
 // columns, so its cos/sin are formed once for them, from 16-byte table loads of two pairs),
 // their loads issued before the position is formed. A token's row groups are q's, then
 // k's. Threads are numbered flat: beyond its rows a lane does two 32-bit divisions, one q/k
@@ -727,11 +747,10 @@ __global__ void __launch_bounds__(NORM == NORM_ROWS ? ROPE_ROWS_THREADS : ROPE_T
 template <typename T, bool NEOX, int ROTARY_DIM, int ROWS>
 __global__ void __launch_bounds__(ROPE_PACK_THREADS, ROPE_PACK_MIN_BLOCKS)
     rope_rotate_packs(const RopeParams p) {
-  static_assert(sizeof(T) == 2, "16-bit rows: one pack is 8 elements");
-  constexpr int VEC = 8;
-  constexpr int LANES = ROTARY_DIM / VEC;      // lanes of a row, a power of two up to 16
+  constexpr int VEC = 16 / sizeof(T);          // elements a pack
+  constexpr int LANES = ROTARY_DIM / VEC;      // lanes of a row, a power of two up to 32
   constexpr int PAIRS = NEOX ? VEC : VEC / 2;  // pairs whose cos/sin a lane needs
-  static_assert(LANES <= 16 && (LANES & (LANES - 1)) == 0, "a row is a half warp or less");
+  static_assert(LANES <= 32 && (LANES & (LANES - 1)) == 0, "a row is a warp or less");
   // row groups of a token: q's, then k's (k_heads = 0 without k)
   const unsigned q_groups = static_cast<unsigned>(p.q_heads) / ROWS;
   const unsigned per_token = (q_groups + static_cast<unsigned>(p.k_heads) / ROWS) * LANES;
@@ -788,21 +807,25 @@ __global__ void __launch_bounds__(ROPE_PACK_THREADS, ROPE_PACK_MIN_BLOCKS)
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
     float y[VEC];
+    if constexpr (NEOX) {
+      RowPack other;
 #pragma unroll
-    for (int w = 0; w < VEC / 2; ++w) {
-      const float x0 = word_low<T>(data[r].word[w]), x1 = word_high<T>(data[r].word[w]);
-      if constexpr (NEOX) {
-        const u32 other = __shfl_xor_sync(0xffffffffu, data[r].word[w], LANES / 2);
-        y[2 * w] = fmaf(x0, cos_v[2 * w], word_low<T>(other) * sin_v[2 * w]);
-        y[2 * w + 1] = fmaf(x1, cos_v[2 * w + 1], word_high<T>(other) * sin_v[2 * w + 1]);
-      } else {  // the pair (x0, x1)
-        y[2 * w] = fmaf(x0, cos_v[w], -x1 * sin_v[w]);
-        y[2 * w + 1] = fmaf(x1, cos_v[w], x0 * sin_v[w]);
+      for (int w = 0; w < 4; ++w)
+        other.word[w] = __shfl_xor_sync(0xffffffffu, data[r].word[w], LANES / 2);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i)
+        y[i] = fmaf(pack_element<T>(data[r], i), cos_v[i], pack_element<T>(other, i) * sin_v[i]);
+    } else {
+#pragma unroll
+      for (int j = 0; j < PAIRS; ++j) {  // the pair (x0, x1)
+        const float x0 = pack_element<T>(data[r], 2 * j), x1 = pack_element<T>(data[r], 2 * j + 1);
+        y[2 * j] = fmaf(x0, cos_v[j], -x1 * sin_v[j]);
+        y[2 * j + 1] = fmaf(x1, cos_v[j], x0 * sin_v[j]);
       }
     }
     if (live) {
-      store_16_bytes(out + r * groups * out_head, pack_word<T>(y[0], y[1]),
-                     pack_word<T>(y[2], y[3]), pack_word<T>(y[4], y[5]), pack_word<T>(y[6], y[7]));
+      store_16_bytes(out + r * groups * out_head, pack_word_of<T>(y, 0), pack_word_of<T>(y, 1),
+                     pack_word_of<T>(y, 2), pack_word_of<T>(y, 3));
     }
   }
 }

@@ -74,17 +74,17 @@ for dtype in (torch.bfloat16, torch.float32):
             "q_norm_weight": torch.rand(128, device=cuda),
             "k_norm_weight": torch.rand(128, device=cuda, dtype=dtype),
         })  # fmt: skip
-    # rope_rotate_packs (16-bit rows rotated whole, one pack of a row a lane): launches large
-    # enough for it, 9 row groups of an odd token count (its last warp half past the last row),
-    # rows of a wider buffer, both layouts, forward and backward; and a prefill of q and k in a
-    # fused QKV row (9 q row groups, then 2 of k: the last warp half past k's last row)
-    if dtype == torch.bfloat16:
-        wide = torch.randn(1, 4097, 37, 128, device=cuda, dtype=dtype)[:, :, 1:]  # 36 heads
-        for rope_layout in ("neox", "interleaved"):
-            RoPEFwdOp(rope_layout, "2d")(wide)
-            RoPEBwdOp(rope_layout, "2d")(wide)
-        qkv = torch.randn(1, 4097, 52, 128, device=cuda, dtype=dtype)
-        RoPE(128, 36, 8).prefill(qkv[:, :, :36], qkv[:, :, 36:44], 5)
+    # rope_rotate_packs (rows rotated whole, one 16-byte pack of a row a lane): launches large
+    # enough for it, 9 row groups of an odd token count (in bf16 its last warp half past the
+    # last row), rows of a wider buffer, both layouts, forward and backward; and a prefill of q
+    # and k in a fused QKV row (10 q row groups, then 1 of k: in bf16 the last warp half past
+    # k's last row)
+    wide = torch.randn(1, 4097, 37, 128, device=cuda, dtype=dtype)[:, :, 1:]  # 36 heads
+    for rope_layout in ("neox", "interleaved"):
+        RoPEFwdOp(rope_layout, "2d")(wide)
+        RoPEBwdOp(rope_layout, "2d")(wide)
+    qkv = torch.randn(1, 4097, 48, 128, device=cuda, dtype=dtype)
+    RoPE(128, 40, 4).prefill(qkv[:, :, :40], qkv[:, :, 40:44], 5)
     cache = torch.randn(100, 40, device=cuda)
     tokens = torch.randn(15, 4 * 64 + 1, device=cuda, dtype=dtype)[:, 1:]
     token_ids = torch.tensor([0, 99, 100, -1, 7] * 3, device=cuda)  # two out of range: clamped

@@ -427,18 +427,24 @@ def test_chunked_prefill_equals_full_forward(rng, place, case, dtype, layout, ch
 
 @GPU
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize(("head_dim", "offsets"), [(128, 7), (64, (0, 3000))], ids=["D128", "D64"])
-def test_mid_sized_prefill_rotates_whole_rows(rng, monkeypatch, head_dim, offsets, dtype, layout):
-    """Mid-sized 16-bit prefills of q and k take rope_rotate_packs (one 16-byte pack of a row
-    a lane, four rows of one operand a lane, k's row groups after q's;
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize(
+    ("head_dim", "batch", "offsets"), [(128, 1, 7), (64, 2, "per sequence")], ids=["D128", "D64"]
+)
+def test_mid_sized_prefill_rotates_whole_rows(
+    rng, monkeypatch, head_dim, batch, offsets, dtype, layout
+):
+    """Mid-sized prefills of q and k take rope_rotate_packs (one 16-byte pack of a row a
+    lane, four rows of one operand a lane, k's row group after q's two;
     ``_rotate._PACK_MIN_HEAD_ROWS`` lowered here to this call's rows, whose last warp is half
-    empty at D128): q and k in place in a fused QKV row, every element against the oracle, v
-    untouched, and the same bits as rope_rotate."""
+    empty in 16 bits): q and k in place in a fused QKV row, every element against the
+    oracle, v untouched, and the same bits as rope_rotate."""
     require("cuda", "torch")
-    batch, seq, hq, hkv = 2, 1031, 8, 4
+    seq, hq, hkv = 1031, 8, 4
     heads = hq + 2 * hkv
     host = random_data(rng, (batch, seq, heads * head_dim), dtype)
+    if offsets == "per sequence":
+        offsets = np.array([0, 3000])
     results, blocks = {}, {}
     for packs_from in (1 << 30, 0):
         monkeypatch.setattr(_rotate, "_PACK_MIN_HEAD_ROWS", packs_from)

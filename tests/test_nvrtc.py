@@ -237,12 +237,12 @@ def test_rows_layout_takes_in_place_rows_with_32_bit_offsets():
 
 
 def test_packs_layout_takes_mid_sized_launches_at_sequential_positions():
-    """rope_rotate_packs takes 16-bit q, or q and k, at sequential positions, rotated whole
-    at a shipped rotary_dim, 16-byte aligned, a multiple of four heads in each operand,
-    between _PACK_MIN_HEAD_ROWS and _PACK_MAX_HEAD_ROWS head rows in all (B1 S8192 and B2
-    S2048 of 32 heads take it, B8 S4096 does not; 32 q and 8 k heads count 40 a token);
-    every other launch keeps rope_rotate. The kernel it names is shipped in that launch's
-    module."""
+    """rope_rotate_packs takes q, or q and k, at sequential positions, rotated whole at a
+    shipped rotary_dim, 16-byte aligned, a multiple of four heads in each operand, from
+    _PACK_MIN_HEAD_ROWS head rows in all up to _PACK_MAX_HEAD_ROWS of the element size (B1
+    S8192 and B2 S2048 of 32 heads take it, B8 S4096 does not, nor float32 B1 S16384; 32 q
+    and 8 k heads count 40 a token); every other launch keeps rope_rotate. The kernel it
+    names is shipped in that launch's module."""
 
     def takes(batch=1, seq=8192, heads=32, head_dim=128, rotary_dim=128, dtype="bfloat16",
               k_heads=0, ids=False, offset=0, head_stride=None,
@@ -260,6 +260,9 @@ def test_packs_layout_takes_mid_sized_launches_at_sequential_positions():
         return _rotate._packs_layout(dtype, rotary_dim, mode, False, rows, aligned, ids)
 
     assert takes() and takes(batch=2, seq=2048) and takes(dtype="float16")
+    assert takes(dtype="float32") and takes(dtype="float32", batch=2, seq=2048)
+    assert takes(dtype="float32", head_dim=64, rotary_dim=64)
+    assert takes(seq=16384) and not takes(dtype="float32", seq=16384)  # _PACK_MAX_HEAD_ROWS
     assert takes(head_dim=64, rotary_dim=64) and takes(heads=8, seq=1 << 14)
     assert takes(head_stride=192)  # (rows of a wider buffer: 32-bit head offsets)
     assert (
@@ -270,14 +273,14 @@ def test_packs_layout_takes_mid_sized_launches_at_sequential_positions():
     assert not takes(batch=1, seq=2048)  # _PACK_MIN_HEAD_ROWS
     assert not takes(ids=True) and not takes(k_heads=8, ids=True)
     assert not takes(k_heads=2) and not takes(k_heads=6)
-    assert not takes(dtype="float32") and not takes(heads=30, seq=1 << 13)
+    assert not takes(heads=30, seq=1 << 13)
     assert not takes(rotary_dim=64) and not takes(head_dim=96, rotary_dim=96)
     assert not takes(offset=1)  # (one element in: not 16-byte aligned)
     assert not takes(mode=_rotate.MROPE) and not takes(mode=_rotate.COS_SIN_CACHE)
     assert not takes(head_stride=1 << 26)  # (32 heads: offsets past 2**31 elements)
     assert not takes(heads=4, k_heads=32, head_stride=1 << 26)  # (k's 32 heads: the same)
     for dtype, rotary_dim, neox in itertools.product(
-        ("bfloat16", "float16"), _rotate.SHIPPED_ROTARY_DIMS, (True, False)
+        ("bfloat16", "float16", "float32"), _rotate.SHIPPED_ROTARY_DIMS, (True, False)
     ):
         spec = _rotate.module_spec(dtype, rotary_dim, _rotate.TWO_LEVEL)
         assert spec in CATALOGUE

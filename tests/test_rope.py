@@ -215,13 +215,14 @@ def test_large_neox_launches_move_8_bytes_an_access(rng, monkeypatch, dtype, dir
 @GPU
 @pytest.mark.parametrize("case", SEQUENCE_OPS, ids=SEQUENCE_OP_IDS)
 @pytest.mark.parametrize("direction", DIRECTIONS)
-@pytest.mark.parametrize("dtype", ("bfloat16", "float16"))
+@pytest.mark.parametrize("dtype", ("bfloat16", "float16", "float32"))
 @pytest.mark.parametrize("shape", ((1, 1031, 4, 128), (2, 1030, 8, 64)), ids=("D128", "D64"))
 def test_mid_sized_launches_rotate_whole_rows(rng, monkeypatch, shape, dtype, direction, case):
-    """Mid-sized 16-bit launches of one operand at sequential positions take
+    """Mid-sized launches of one operand at sequential positions take
     rope_rotate_packs (one 16-byte pack of a row a lane, four rows of a token a lane;
     ``_rotate._PACK_MIN_HEAD_ROWS`` lowered here to this call's rows, whose last warp is half
-    empty at D128): every element against the oracle, and the same bits as rope_rotate."""
+    empty at 16-bit D128): every element against the oracle, and the same bits as
+    rope_rotate."""
     require("cuda", "torch")
     host = random_data(rng, shape, dtype)
     x = to_place(host, "cuda")

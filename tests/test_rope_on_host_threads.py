@@ -112,7 +112,7 @@ def _name_expressions() -> list[str]:
     names = [
         _rotate._packs_name(dtype, neox, rotary_dim)
         for dtype, neox, rotary_dim in itertools.product(
-            ("bfloat16", "float16"), (True, False), _rotate.SHIPPED_ROTARY_DIMS
+            ("bfloat16", "float16", "float32"), (True, False), _rotate.SHIPPED_ROTARY_DIMS
         )
     ]
     for dtype, neox, rotary_dim, mode, norm in launches:
@@ -380,15 +380,15 @@ def test_blocks_of_partial_warps_on_host_threads(kernels, rng, neox):
 
 @pytest.mark.parametrize("rotary_dim", _rotate.SHIPPED_ROTARY_DIMS)
 @pytest.mark.parametrize("neox", (True, False), ids=("neox", "interleaved"))
-@pytest.mark.parametrize("dtype", ("bfloat16", "float16"))
+@pytest.mark.parametrize("dtype", ("bfloat16", "float16", "float32"))
 def test_packs_layout_on_host_threads(kernels, rng, dtype, neox, rotary_dim):
-    """rope_rotate_packs (one 16-byte pack of a row a lane, four rows of a token a lane, the
-    neox partner by shuffle): q alone of 4 and 8 heads (one and two row groups a token) and
-    q with k in one launch (k's row groups after q's), an odd token count (the last warp's
-    lanes past the last row stay for its shuffles and write nothing), per-sequence offsets,
-    both directions, in place and into a new array (rows of a wider buffer: q's heads, k's,
-    then two heads nothing may touch), every element against the oracle and nothing else
-    written."""
+    """rope_rotate_packs (one 16-byte pack of a row a lane: 8 elements of 16 bits or 4 of
+    float32; four rows of a token a lane, the neox partner by shuffle): q alone of 4 and 8
+    heads (one and two row groups a token) and q with k in one launch (k's row groups after
+    q's), an odd token count (in 16 bits the last warp's lanes past the last row stay for its
+    shuffles and write nothing), per-sequence offsets, both directions, in place and into a
+    new array (rows of a wider buffer: q's heads, k's, then two heads nothing may touch),
+    every element against the oracle and nothing else written."""
     batch, seq = 3, 5
     partial_warps = 0
     operands = ((4, 0), (8, 0), (4, 4), (8, 4), (4, 8))  # (q heads, k heads)
@@ -411,7 +411,7 @@ def test_packs_layout_on_host_threads(kernels, rng, dtype, neox, rotary_dim):
         table = shared_table(Standard(), rotary_dim)
         table.ensure(POSITION + 700 + seq)
         fine, coarse = (np.ascontiguousarray(t) for t in (table.fine32, table.coarse32))
-        lanes = rotary_dim // 8
+        lanes = rotary_dim // (16 // host.itemsize)  # (one 16-byte pack a lane)
         threads = batch * seq * heads // _rotate._PACK_ROWS * lanes
         partial_warps += threads % 32 != 0
         name = _rotate._packs_name(dtype, neox, rotary_dim)
@@ -439,7 +439,7 @@ def test_packs_layout_on_host_threads(kernels, rng, dtype, neox, rotary_dim):
         )
         if not in_place:
             np.testing.assert_array_equal(buffer, host, err_msg=f"{what}: the source changed")
-    assert partial_warps
+    assert partial_warps or lanes == 32  # (float32 D128: a row is a whole warp)
 
 
 @pytest.mark.parametrize(

@@ -81,21 +81,25 @@ _REGISTERS, _NORM_REGISTERS = 96, 128
 # 81.1 / 93.7% against the chunk layout's 85.0 / 95.2%, so the plain rotation keeps its own.)
 NO_NORM, NORM_CHUNKS, NORM_ROWS = 0, 1, 2
 _ROWS_THREADS, _ROWS_REGISTERS, _ROWS_HEADS = 64, 64, 2
-# The plain rotation's whole-row layout (rope.cu rope_rotate_packs): 16-bit q, or q and k,
-# at sequential positions (no position ids), rotated whole at a shipped rotary_dim, two-level
+# The plain rotation's whole-row layout (rope.cu rope_rotate_packs): q, or q and k, at
+# sequential positions (no position ids), rotated whole at a shipped rotary_dim, two-level
 # tables, 16-byte rows. One pack of a row a lane, _PACK_ROWS rows of one operand of a token a
 # lane at once, blocks of _PACK_THREADS at 64 registers (32 warps a multiprocessor).
-# Measured on an H200 (bf16 D128, % of the copy ceiling, the chunk layout -> this one, in one
-# process). q alone, H32: neox B1 S8192 82.4 -> 84.5, interleaved 81.3 -> 82.5, backward
-# 82.4 -> 83.3; B2 S2048 67.7 -> 71.1, 67.0 -> 73.3, 69.5 -> 71.1; D64 B2 S2048 55.7 -> 59.5.
-# q and k in place in a fused QKV row (32q/8kv, the component's prefill): N4096 75.7 ->
-# 78.4, N8192 84.6 -> 86.7, N16384 91.7 -> 93.0. Where it lost, the chunk layout keeps the
-# launch: from _PACK_MAX_HEAD_ROWS head rows (B8 S4096, 8 rows a lane: 96.2 -> 91.0-95.7),
-# and with position ids (q alone N4096 68.0 -> 65.8; q and k N8192 84.6 -> 83.2, N16384
-# 91.5 -> 88.9: a lane waits on its token's id, then the table, for fewer bytes than the
-# chunk layout's rounds move).
+# Measured on an H200 (D128, % of the copy ceiling, the chunk layout -> this one, in one
+# process). bf16 q alone, H32: neox B1 S8192 82.4 -> 84.5, interleaved 81.3 -> 82.5,
+# backward 82.4 -> 83.3; B2 S2048 67.7 -> 71.1, 67.0 -> 73.3, 69.5 -> 71.1; D64 B2 S2048
+# 55.7 -> 59.5. bf16 q and k in place in a fused QKV row (32q/8kv, the component's prefill):
+# N4096 75.7 -> 78.4, N8192 84.6 -> 86.7, N16384 91.7 -> 93.0. float32 q alone, H32: B1
+# S8192 89.4 -> 89.7, 88.5 -> 89.8, 89.4 -> 90.2; B2 S2048 81.6 -> 82.3, 79.8 -> 82.6,
+# 81.6 -> 82.6; D64 B2 S2048 67.1 -> 73.1. Where it lost, the chunk layout keeps the launch:
+# from _PACK_MAX_HEAD_ROWS head rows, 256 MB of D128 rows in either width (bf16 B8 S4096, 8
+# rows a lane: 96.2 -> 91.0-95.7; float32 B1 S16384 95.3 -> 94.7, B8 S4096 98.3 -> 96.9),
+# and with position ids (bf16 q alone N4096 68.0 -> 65.8; q and k N8192 84.6 -> 83.2, N16384
+# 91.5 -> 88.9: a lane waits on its token's id, then the table, for fewer bytes than the chunk
+# layout's rounds move).
 _PACK_THREADS, _PACK_REGISTERS, _PACK_ROWS = 256, 64, 4
-_PACK_MIN_HEAD_ROWS, _PACK_MAX_HEAD_ROWS = 1 << 17, 1 << 20
+_PACK_MIN_HEAD_ROWS = 1 << 17
+_PACK_MAX_HEAD_ROWS = {2: 1 << 20, 4: 1 << 19}  # by element size
 _SHARED_BYTES = 48 * 1024  # dynamic shared memory any launch may take without opting in
 _DEFINES = (
     f"ROPE_THREADS={_THREADS_PER_BLOCK}",
@@ -410,9 +414,9 @@ def module_spec(
 
 
 def _packs_compiled(dtype: str, rotary_dim: int, mode: int, norm: bool) -> bool:
-    """Whether rope_rotate_packs is compiled into this module (16-bit, a shipped rotary_dim,
+    """Whether rope_rotate_packs is compiled into this module (a shipped rotary_dim,
     two-level tables, no norm)."""
-    return _rows_layout_compiled(dtype, rotary_dim) and mode == TWO_LEVEL and not norm
+    return rotary_dim in SHIPPED_ROTARY_DIMS and mode == TWO_LEVEL and not norm
 
 
 def _packs_name(dtype: str, neox: bool, rotary_dim: int) -> str:
@@ -664,9 +668,10 @@ def _packs_layout(
     token_ids: bool,
 ) -> bool:
     """Whether rope_rotate_packs takes the launch (_PACK_* above): q, or q and k (``rows``:
-    their (in, out) pairs), at sequential positions, 16-byte-aligned 16-bit rows rotated
-    whole at a compiled rotary_dim, a multiple of _PACK_ROWS heads in each operand, head
-    offsets within 32 bits, _PACK_MIN_HEAD_ROWS to _PACK_MAX_HEAD_ROWS head rows in all."""
+    their (in, out) pairs), at sequential positions, 16-byte-aligned rows rotated whole at a
+    compiled rotary_dim, a multiple of _PACK_ROWS heads in each operand, head offsets within
+    32 bits, from _PACK_MIN_HEAD_ROWS head rows in all to _PACK_MAX_HEAD_ROWS of the dtype's
+    element size."""
     if token_ids or aligned_width * ITEMSIZE[dtype] != 16:
         return False
     batch, seq, _, head_dim = rows[0].shape
@@ -675,7 +680,7 @@ def _packs_layout(
         rotary_dim == head_dim
         and _packs_compiled(dtype, rotary_dim, mode, norm)
         and all(r.shape[2] % _PACK_ROWS == 0 for r in rows)
-        and _PACK_MIN_HEAD_ROWS <= head_rows < _PACK_MAX_HEAD_ROWS
+        and _PACK_MIN_HEAD_ROWS <= head_rows < _PACK_MAX_HEAD_ROWS[ITEMSIZE[dtype]]
         and all(r.strides[2] > 0 and r.strides[2] * r.shape[2] < 1 << 31 for r in rows)
     )
 
