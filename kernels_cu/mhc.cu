@@ -785,12 +785,22 @@ __device__ __forceinline__ void grid_barrier(unsigned int* count, unsigned int a
   __syncthreads();
 }
 
+// Dynamic shared memory of mhc_project<T, N, STAGE_K, STAGES>: STAGES stages of x (TILE_ROWS
+// rows of STAGE_K elements, 8 of padding each), then STAGES stages of phi's B fragments.
+// (tileops_cupy._mhc._project_smem asks for as much at launch; tests/test_nvrtc.py holds the
+// two equal for every compiled pipeline.)
+template <typename T, int N, int STAGE_K, int STAGES>
+__host__ __device__ constexpr int project_smem_bytes() {
+  return STAGES * (TILE_ROWS * (STAGE_K + 8) * (int)sizeof(typename Io<T>::elem) +
+                   STAGE_K / BLOCK_K * piece_words<N>() * 4);
+}
+
 // Grid: (batch tiles of 128 tokens) x k_splits blocks; block b takes tile b / k_splits and
 // K range [split * k_range, (split+1) * k_range), a multiple of STAGE_K. Warp w: tokens
 // 32*(w%4) .. +32 (two mma m-tiles) and the k-steps of half w/4 of every stage.
 // The pipeline: STAGES stages of STAGE_K columns (BLOCK_K or 2*BLOCK_K: a row's run of x a
-// stage, 128 or 256 bytes for 16-bit x; DRAM serves longer runs faster). Shared memory (size
-// as in _mhc._project_smem): STAGES x stages, then STAGES B-fragment stages.
+// stage, 128 or 256 bytes for 16-bit x; DRAM serves longer runs faster). Shared memory:
+// project_smem_bytes' layout.
 template <typename T, int N, int STAGE_K, int STAGES>
 // Two blocks per multiprocessor where the registers allow (bf16 x, n <= 4) and shared memory
 // does (stages of at most 256 columns in all): twice the warps to hide the pipeline's
@@ -810,6 +820,8 @@ __global__ void __launch_bounds__(PROJECT_THREADS,
   constexpr int X_STAGE = TILE_ROWS * PITCH;        // elements
   constexpr int X_BYTES = STAGES * X_STAGE * (int)sizeof(E);
   constexpr int PIECES = STAGE_K / BLOCK_K * piece_words<N>();  // u32 words a stage
+  static_assert(X_BYTES + STAGES * PIECES * 4 == project_smem_bytes<T, N, STAGE_K, STAGES>(),
+                "the layout below is project_smem_bytes'");
   extern __shared__ U4 dynamic_smem[];
   __shared__ float sh_scratch[PROJECT_THREADS];
 

@@ -12,6 +12,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
+import kernels_cu
 from tileops_cupy import _cuda, _mhc, _rotate
 from tileops_cupy._arrays import ITEMSIZE, Operand
 from tileops_cupy._catalogue import shipped_modules
@@ -290,14 +291,44 @@ def test_packs_layout_takes_mid_sized_launches_at_sequential_positions():
 # --------------------------------------------------------------------------- argument structs
 
 
+def test_projection_shared_memory_is_the_kernels_own(monkeypatch):
+    """What a launch of mhc_project asks for (_mhc._project_smem) and the scratch of phi's
+    fragments (_mhc._fragment_bytes) are the kernel's own layout (mhc.cu project_smem_bytes,
+    piece_words), for every compiled x dtype, n and pipeline: NVRTC evaluates the equalities
+    appended to mhc.cu as static_asserts."""
+    checks = []
+    for dtype, n in itertools.product(_cuda.CUDA_TYPES, _mhc.CUDA_STREAMS):
+        cuda_type = _cuda.CUDA_TYPES[dtype]
+        checks.append(
+            f"static_assert(piece_words<{n}>() * 4 == {_mhc._fragment_bytes(n, 64)}, "
+            f'"{dtype} n={n}: fragments");'
+        )
+        for stage_k, stages in _mhc.project_pipelines(dtype, n):
+            checks.append(
+                f"static_assert(project_smem_bytes<{cuda_type}, {n}, {stage_k}, {stages}>() == "
+                f"{_mhc._project_smem(dtype, n, (stage_k, stages))}, "
+                f'"{dtype} n={n} ({stage_k}, {stages})");'
+            )
+    source = kernels_cu.source
+    monkeypatch.setattr(
+        kernels_cu,
+        "source",
+        lambda name: source(name) + ("\n".join(["", *checks]) if name == "mhc" else ""),
+    )
+    spec = _cuda.ModuleSpec("mhc", (), _mhc.pre_module("bfloat16", 4).defines)
+    _cuda.nvrtc_compile(spec, "compute_90")  # (raises with NVRTC's log where one differs)
+    assert len(checks) == len(_cuda.CUDA_TYPES) * len(_mhc.CUDA_STREAMS) + sum(
+        len(_mhc.project_pipelines(dtype, n))
+        for dtype, n in itertools.product(_cuda.CUDA_TYPES, _mhc.CUDA_STREAMS)
+    )
+
+
 def test_param_structs_are_read_from_the_cuda_declarations():
     """Each kernel's argument struct is declared once, in C; the host reads its fields from
     that text and packs them with ``struct``'s native alignment. The packed size (padded to
     the struct's 8-byte alignment) must be the ``static_assert(sizeof(...))`` of the .cu
     file, which NVRTC checks against the C layout (test_compiles_without_a_device)."""
     import re
-
-    import kernels_cu
 
     shipped_modules()  # imports every primitive, each declaring its structs
     names = {s.c_name for s in _cuda.PARAM_STRUCTS}

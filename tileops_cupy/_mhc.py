@@ -340,13 +340,15 @@ def _project_name(dtype: str, n: int, pipeline: tuple[int, int]) -> str:
 
 def _fragment_bytes(n: int, columns: int) -> int:
     """Bytes of phi's bf16 B fragments for ``columns`` rows of phi (mhc.cu build_pieces:
-    three pieces of each of the n-tiles' 8-byte slots, 32 lanes a k-step of 16)."""
+    three pieces of each of the n-tiles' 8-byte slots, 32 lanes a k-step of 16; its
+    piece_words, which tests/test_nvrtc.py holds equal)."""
     return columns // 16 * ((n * n + 2 * n + 7) // 8) * 3 * 32 * 8
 
 
 def _project_smem(dtype: str, n: int, pipeline: tuple[int, int]) -> int:
     """Dynamic shared memory of mhc_project: STAGES stages of x (TILE_ROWS rows of STAGE_K
-    elements, 8 elements of padding each) and of phi's B fragments."""
+    elements, 8 elements of padding each) and of phi's B fragments (mhc.cu
+    project_smem_bytes, which tests/test_nvrtc.py holds equal)."""
     stage_k, stages = pipeline
     return stages * (_TILE_ROWS * (stage_k + 8) * ITEMSIZE[dtype] + _fragment_bytes(n, stage_k))
 
