@@ -111,16 +111,15 @@ for dtype in (torch.bfloat16, torch.float32):
             x_res, x_layer, h_post = pre(phi, xm, b)
             post(x_layer, h_post, x_res)
             post_backward(x_layer, h_post, x_res, torch.randn_like(x_res))
-        # every pipeline of the projection compiled for this dtype and n, each forced as the
-        # only one, and the one the plan falls back to (fp16 too: its x takes two bf16 pieces)
-        shipped, fallback = _mhc.project_pipelines, _mhc._NARROW
+        # every pipeline of the projection compiled for this dtype and n, each forced (fp16
+        # too: its x takes two bf16 pieces)
+        shipped = _mhc.project_pipelines
         for x_dtype in (dtype, torch.float16):
             name = str(x_dtype).removeprefix("torch.")
             for pipeline in shipped(name, n):
-                _mhc.project_pipelines = lambda *_, p=pipeline: (p,)
-                _mhc._NARROW, _mhc._pre_plans = pipeline, {}
+                _mhc.project_pipelines, _mhc._pre_plans = lambda *_, p=pipeline: (p,), {}
                 MHCPreFwdOp(1.0, 0.9, 1.1, 20)(phi, xm.to(x_dtype), b)
-        _mhc.project_pipelines, _mhc._NARROW, _mhc._pre_plans = shipped, fallback, {}
+        _mhc.project_pipelines, _mhc._pre_plans = shipped, {}
         upstream = (torch.randn_like(x_res), torch.randn_like(x_layer), torch.randn_like(h_post))
         pre_backward = MHCPreBwdOp(1.0, 0.9, 1.1, 20)
         for _ in range(2):

@@ -719,6 +719,18 @@ def test_pre_projection_falls_back_to_stages_that_fit(monkeypatch):
     assert plan.steps[1].kernel == "mhc_project<bfloat16_t, 4, 64, 3>"
 
 
+@pytest.mark.parametrize("pipeline", _mhc.project_pipelines("bfloat16", 4))
+def test_pre_projection_takes_a_pipeline_given_alone(monkeypatch, pipeline):
+    """Given one pipeline (as test_pre_projection_pipelines and tests/gpu_memcheck.py force
+    each in turn), the plan projects with it, at every batch: the narrow pipeline is the
+    default only when it is among those given."""
+    _modelled_sm90(monkeypatch)
+    monkeypatch.setattr(_mhc, "project_pipelines", lambda *_: (pipeline,))
+    name = f"mhc_project<bfloat16_t, 4, {pipeline[0]}, {pipeline[1]}>"
+    for batch, c_x in ((300, 200), (700, 4096), (16384, 7168)):
+        assert _mhc._pre_plan(0, "bfloat16", 4, c_x, batch).steps[1].kernel == name
+
+
 @pytest.mark.parametrize("n", _mhc.CUDA_STREAMS)
 def test_pre_projection_that_does_not_fit_is_refused(monkeypatch, n):
     """On a device of sm_80's 163 KB a block (166912 bytes), float32 x projects up to n = 6;
