@@ -391,8 +391,8 @@ def _name(
 
 
 def _rows_layout_compiled(dtype: str, rotary_dim: int) -> bool:
-    """Whether the whole-row layouts (NORM_ROWS, rope_rotate_packs) are compiled for this dtype
-    and (compile-time) rotary_dim."""
+    """Whether the fused norm's whole-row layout (NORM_ROWS) is compiled for this dtype and
+    (compile-time) rotary_dim."""
     return ITEMSIZE[dtype] == 2 and rotary_dim in SHIPPED_ROTARY_DIMS
 
 
