@@ -288,9 +288,6 @@ def test_packs_layout_takes_mid_sized_launches_at_sequential_positions():
         assert _rotate._packs_name(dtype, neox, rotary_dim) in spec.name_expressions
 
 
-# --------------------------------------------------------------------------- argument structs
-
-
 def test_projection_shared_memory_is_the_kernels_own(monkeypatch):
     """What a launch of mhc_project asks for (_mhc._project_smem) and the scratch of phi's
     fragments (_mhc._fragment_bytes) are the kernel's own layout (mhc.cu project_smem_bytes,
@@ -317,10 +314,9 @@ def test_projection_shared_memory_is_the_kernels_own(monkeypatch):
     )
     spec = _cuda.ModuleSpec("mhc", (), _mhc.pre_module("bfloat16", 4).defines)
     _cuda.nvrtc_compile(spec, "compute_90")  # (raises with NVRTC's log where one differs)
-    assert len(checks) == len(_cuda.CUDA_TYPES) * len(_mhc.CUDA_STREAMS) + sum(
-        len(_mhc.project_pipelines(dtype, n))
-        for dtype, n in itertools.product(_cuda.CUDA_TYPES, _mhc.CUDA_STREAMS)
-    )
+
+
+# --------------------------------------------------------------------------- argument structs
 
 
 def test_param_structs_are_read_from_the_cuda_declarations():
