@@ -173,6 +173,14 @@ def _head_rows(arrays, dtype: str, shape, strides, first: int) -> list[_rotate.H
     return rows
 
 
+def _array_rows(arrays, dtype: str, heads: int, rotary_dim: int, first_head: int) -> list:
+    """(in, out) rows of ``heads`` heads of ``rotary_dim`` elements from head ``first_head``
+    of each contiguous [batch, seq, width] numpy array in ``arrays``."""
+    batch, seq, width = arrays[0].shape
+    shape, strides = (batch, seq, heads, rotary_dim), (seq * width, width, rotary_dim, 1)
+    return _head_rows(arrays, dtype, shape, strides, first_head * rotary_dim)
+
+
 def _launch(kernel, grid, block, q_rows, k_rows, **fields) -> None:
     """Run ``kernel`` on host threads over q's (in, out) and k's (in, out) rows, with
     ``fields`` of RopeParams over these defaults: BATCH x SEQ tokens, HEADS q heads and
@@ -385,34 +393,46 @@ def test_packs_layout_on_host_threads(kernels, rng, dtype, neox, rotary_dim):
     """rope_rotate_packs (one 16-byte pack of a row a lane: 8 elements of 16 bits or 4 of
     float32; four rows of a token a lane, the neox partner by shuffle): q alone of 4 and 8
     heads (one and two row groups a token) and q with k in one launch (k's row groups after
-    q's), an odd token count (in 16 bits the last warp's lanes past the last row stay for its
-    shuffles and write nothing), per-sequence offsets, both directions, in place and into a
-    new array (rows of a wider buffer: q's heads, k's, then two heads nothing may touch),
-    every element against the oracle and nothing else written."""
+    q's; k in q's rows, or in an array of its own with another token stride), an odd token
+    count (in 16 bits the last warp's lanes past the last row stay for its shuffles and
+    write nothing), per-sequence offsets, both directions, in place and into new arrays
+    (rows of wider ones: their last heads nothing may touch), every element against the
+    oracle and nothing else written."""
     batch, seq = 3, 5
     partial_warps = 0
-    operands = ((4, 0), (8, 0), (4, 4), (8, 4), (4, 8))  # (q heads, k heads)
-    for (q_heads, k_heads), inverse, in_place in itertools.product(
+    # (q heads, k heads, k in an array of its own)
+    operands = ((4, 0, False), (8, 0, False), (4, 4, False), (8, 4, False), (4, 8, False))
+    operands += ((8, 4, True),)
+    offsets = np.array([0, 700, 3], np.int64)
+    positions = (POSITION + offsets[:, None] + np.arange(seq))[..., None]
+    table = shared_table(Standard(), rotary_dim)
+    table.ensure(POSITION + 700 + seq)
+    fine, coarse = (np.ascontiguousarray(t) for t in (table.fine32, table.coarse32))
+    for (q_heads, k_heads, k_apart), inverse, in_place in itertools.product(
         operands, (False, True), (False, True)
     ):
-        heads = q_heads + k_heads
-        width = (heads + 2) * rotary_dim
-        host = random_data(rng, (batch, seq, width), dtype)
-        buffer = host.copy()
-        output = np.zeros_like(host)
-        strides = (seq * width, width, rotary_dim, 1)
-        arrays = (buffer, buffer if in_place else output)
-        q_rows = _head_rows(arrays, dtype, (batch, seq, q_heads, rotary_dim), strides, 0)
+        # each array's rotated heads (name, first head, heads), then two heads left alone
+        rotated = {"q": [(0, q_heads)]}
+        if k_heads:
+            rotated.setdefault("k" if k_apart else "q", []).append(
+                (0 if k_apart else q_heads, k_heads)
+            )
+        hosts = {
+            name: random_data(rng, (batch, seq, (sum(h for _, h in runs) + 2) * rotary_dim), dtype)
+            for name, runs in rotated.items()
+        }
+        buffers = {name: host.copy() for name, host in hosts.items()}
+        outputs = {name: np.zeros_like(host) for name, host in hosts.items()}
+
+        results = buffers if in_place else outputs
+        q_rows = _array_rows((buffers["q"], results["q"]), dtype, q_heads, rotary_dim, 0)
         k_rows = [_rows(dtype, 0, 0, rotary_dim, (0,) * 3)] * 2  # (k_heads 0: never read)
         if k_heads:
-            k_shape = (batch, seq, k_heads, rotary_dim)
-            k_rows = _head_rows(arrays, dtype, k_shape, strides, q_heads * rotary_dim)
-        offsets = np.array([0, 700, 3], np.int64)
-        table = shared_table(Standard(), rotary_dim)
-        table.ensure(POSITION + 700 + seq)
-        fine, coarse = (np.ascontiguousarray(t) for t in (table.fine32, table.coarse32))
-        lanes = rotary_dim // (16 // host.itemsize)  # (one 16-byte pack a lane)
-        threads = batch * seq * heads // _rotate._PACK_ROWS * lanes
+            k_array, k_first = ("k", 0) if k_apart else ("q", q_heads)
+            k_arrays = (buffers[k_array], results[k_array])
+            k_rows = _array_rows(k_arrays, dtype, k_heads, rotary_dim, k_first)
+        lanes = rotary_dim // (16 // hosts["q"].itemsize)  # (one 16-byte pack a lane)
+        threads = batch * seq * (q_heads + k_heads) // _rotate._PACK_ROWS * lanes
         partial_warps += threads % 32 != 0
         name = _rotate._packs_name(dtype, neox, rotary_dim)
         _launch(
@@ -423,22 +443,26 @@ def test_packs_layout_on_host_threads(kernels, rng, dtype, neox, rotary_dim):
             offsets_is_int64=1, rotary_dim=rotary_dim, tail_chunks=0,
             sin_sign=-1.0 if inverse else 1.0,
         )  # fmt: skip
-        positions = (POSITION + offsets[:, None] + np.arange(seq))[..., None]
-        shape = (batch, seq, heads, rotary_dim)
-        x = host[..., : heads * rotary_dim].astype(np.float64).reshape(shape)
-        y = (buffer if in_place else output)[..., : heads * rotary_dim]
-        what = f"{dtype} neox={neox} D{rotary_dim} heads={q_heads}+{k_heads} in_place={in_place}"
-        assert_matches_oracle(
-            y.astype(np.float64).reshape(shape), x, positions, standard_frequencies(rotary_dim),
-            dtype, neox=neox, inverse=inverse, what=what,
-        )  # fmt: skip
-        rest = buffer if in_place else output
-        untouched = host if in_place else np.zeros_like(host)
-        np.testing.assert_array_equal(
-            rest[..., heads * rotary_dim :], untouched[..., heads * rotary_dim :], err_msg=what
-        )
-        if not in_place:
-            np.testing.assert_array_equal(buffer, host, err_msg=f"{what}: the source changed")
+        for array, runs in rotated.items():
+            host, result = hosts[array], results[array]
+            what = f"{dtype} neox={neox} D{rotary_dim} {array} of heads={q_heads}+{k_heads} "
+            what += f"k_apart={k_apart} in_place={in_place}"
+            for first, heads in runs:
+                columns = slice(first * rotary_dim, (first + heads) * rotary_dim)
+                shape = (batch, seq, heads, rotary_dim)
+                assert_matches_oracle(
+                    result[..., columns].astype(np.float64).reshape(shape),
+                    host[..., columns].astype(np.float64).reshape(shape), positions,
+                    standard_frequencies(rotary_dim), dtype, neox=neox, inverse=inverse,
+                    what=what,
+                )  # fmt: skip
+            end = sum(heads for _, heads in runs) * rotary_dim
+            untouched = host if in_place else np.zeros_like(host)
+            np.testing.assert_array_equal(result[..., end:], untouched[..., end:], err_msg=what)
+            if not in_place:
+                np.testing.assert_array_equal(
+                    buffers[array], host, err_msg=f"{what}: the source changed"
+                )
     assert partial_warps or lanes == 32  # (float32 D128: a row is a whole warp)
 
 
