@@ -240,14 +240,15 @@ def test_rows_layout_takes_in_place_rows_with_32_bit_offsets():
 def test_packs_layout_takes_mid_sized_launches_at_sequential_positions():
     """rope_rotate_packs takes q, or q and k, at sequential positions, rotated whole at a
     shipped rotary_dim, 16-byte aligned, a multiple of four heads in each operand, from
-    _PACK_MIN_HEAD_ROWS head rows in all up to _PACK_MAX_HEAD_ROWS of the element size (B1
-    S8192 and B2 S2048 of 32 heads take it, B8 S4096 does not, nor float32 B1 S16384; 32 q
-    and 8 k heads count 40 a token); every other launch keeps rope_rotate. The kernel it
+    _PACK_MIN_HEAD_ROWS head rows in all up to _PACK_MAX_HEAD_ROWS of the element size and
+    layout (B1 S8192 and B2 S2048 of 32 heads take it, B8 S4096 does not, nor float32 neox
+    B1 S16384, while float32 interleaved takes any size its 32-bit thread numbers reach; 32
+    q and 8 k heads count 40 a token); every other launch keeps rope_rotate. The kernel it
     names is shipped in that launch's module."""
 
     def takes(batch=1, seq=8192, heads=32, head_dim=128, rotary_dim=128, dtype="bfloat16",
               k_heads=0, ids=False, offset=0, head_stride=None,
-              mode=_rotate.TWO_LEVEL):  # fmt: skip
+              mode=_rotate.TWO_LEVEL, neox=True):  # fmt: skip
         stride = head_stride or head_dim
         width = (heads + k_heads) * stride  # (q's heads then k's, of one fused row)
         strides = (seq * width, width, stride, 1)
@@ -257,13 +258,20 @@ def test_packs_layout_takes_mid_sized_launches_at_sequential_positions():
             k = _rows(dtype, (batch, seq, k_heads, head_dim), strides, heads * stride)
             rows += [k, k]
         copy_tail = rotary_dim < head_dim
-        aligned = _rotate._vector_width(dtype, True, rotary_dim, head_dim, copy_tail, rows)
-        return _rotate._packs_layout(dtype, rotary_dim, mode, False, rows, aligned, ids)
+        aligned = _rotate._vector_width(dtype, neox, rotary_dim, head_dim, copy_tail, rows)
+        return _rotate._packs_layout(dtype, neox, rotary_dim, mode, False, rows, aligned, ids)
 
     assert takes() and takes(batch=2, seq=2048) and takes(dtype="float16")
     assert takes(dtype="float32") and takes(dtype="float32", batch=2, seq=2048)
     assert takes(dtype="float32", head_dim=64, rotary_dim=64)
     assert takes(seq=16384) and not takes(dtype="float32", seq=16384)  # _PACK_MAX_HEAD_ROWS
+    assert not takes(batch=8, seq=4096, neox=False)  # (16-bit interleaved: the same bound)
+    for batch in (1, 8, 32):  # float32 interleaved: 2**19, 2**20, 2**22 head rows
+        assert takes(dtype="float32", batch=batch, seq=16384, neox=False)
+        assert not takes(dtype="float32", batch=batch, seq=16384)
+    # (8 threads a D128 row: 2**28 head rows are 2**31 threads, _PACK_MAX_THREADS)
+    assert takes(dtype="float32", batch=(1 << 9) - 1, seq=1 << 14, neox=False)
+    assert not takes(dtype="float32", batch=1 << 9, seq=1 << 14, neox=False)
     assert takes(head_dim=64, rotary_dim=64) and takes(heads=8, seq=1 << 14)
     assert takes(head_stride=192)  # (rows of a wider buffer: 32-bit head offsets)
     assert (

@@ -244,6 +244,35 @@ def test_mid_sized_launches_rotate_whole_rows(rng, monkeypatch, shape, dtype, di
     assert torch.equal(outputs[0], outputs[1 << 30])
 
 
+@GPU
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_large_float32_interleaved_launches_rotate_whole_rows(rng, monkeypatch, direction):
+    """float32 interleaved rows take rope_rotate_packs at every size, where neox goes back to
+    the chunk layout from 2**19 head rows (``_rotate._PACK_MAX_HEAD_ROWS``): 2**19 + 2**13
+    head rows, every element against the oracle, and the same bits as the chunk layout."""
+    require("cuda", "torch")
+    shape = (1, (1 << 14) + 256, 32, 128)
+    case = SEQUENCE_OPS[SEQUENCE_OP_IDS.index("RoPE-interleaved")]
+    host = random_data(rng, shape, "float32")
+    x = to_place(host, "cuda")
+    outputs, blocks = {}, {}
+    for layout, packs_from in (("chunks", 1 << 62), ("shipped", _rotate._PACK_MIN_HEAD_ROWS)):
+        monkeypatch.setattr(_rotate, "_PACK_MIN_HEAD_ROWS", packs_from)
+        _rotate._plans.clear()
+        op, freqs, neox = case.make(direction, "2d", shape[-1], np.random.default_rng(7))
+        outputs[layout] = op(x)
+        torch.cuda.synchronize()
+        (plan,) = _rotate._plans.values()
+        blocks[layout] = plan.steps[0].block
+    packs, chunks = outputs["shipped"], outputs["chunks"]
+    assert blocks["shipped"] == (_rotate._PACK_THREADS, 1, 1) != blocks["chunks"], blocks
+    assert_matches_oracle(
+        packs, host.astype(np.float64), sequence_positions(shape, "2d"), freqs, "float32",
+        neox=neox, inverse=direction == "Bwd",
+    )  # fmt: skip
+    assert torch.equal(packs, chunks)
+
+
 def test_forward_and_call_agree_and_bwd_is_not_fwd(rng):
     x = random_data(rng, (33, 64), "float32")
     op = RoPEFwdOp()

@@ -92,14 +92,22 @@ _ROWS_THREADS, _ROWS_REGISTERS, _ROWS_HEADS = 64, 64, 2
 # N4096 75.7 -> 78.4, N8192 84.6 -> 86.7, N16384 91.7 -> 93.0. float32 q alone, H32: B1
 # S8192 89.4 -> 89.7, 88.5 -> 89.8, 89.4 -> 90.2; B2 S2048 81.6 -> 82.3, 79.8 -> 82.6,
 # 81.6 -> 82.6; D64 B2 S2048 67.1 -> 73.1. Where it lost, the chunk layout keeps the launch:
-# from _PACK_MAX_HEAD_ROWS head rows, 256 MB of D128 rows in either width (bf16 B8 S4096, 8
-# rows a lane: 96.2 -> 91.0-95.7; float32 B1 S16384 95.3 -> 94.7, B8 S4096 98.3 -> 96.9),
-# and with position ids (bf16 q alone N4096 68.0 -> 65.8; q and k N8192 84.6 -> 83.2, N16384
+# with position ids (bf16 q alone N4096 68.0 -> 65.8; q and k N8192 84.6 -> 83.2, N16384
 # 91.5 -> 88.9: a lane waits on its token's id, then the table, for fewer bytes than the chunk
-# layout's rounds move).
+# layout's rounds move), and from _PACK_MAX_HEAD_ROWS head rows (by element size and
+# layout), where its rows are the chunk layout's again. Chunks -> packs, H32 D128, one process:
+#   bf16 (2**20: B8 S4096; 2**21: B16 S4096, B4 S16384; 2**22: B32 S4096): neox 95.7 -> 95.7,
+#     98.4 -> 97.8, 99.9 -> 98.6; interleaved 96.2 -> 95.2, 98.6 -> 97.2, 100.0 -> 98.0.
+#   float32 neox (2**19: B1 S16384): 95.6 -> 94.9, B8 S4096 98.4 -> 96.4, 2**22 100.6 -> 98.6.
+#   float32 interleaved ahead at every size measured, so bounded only by the kernel's 32-bit
+#   thread numbers: 2**19 93.2 -> 94.9, 2**20 95.4 -> 96.4, 2**21 96.8 -> 98.1, 2**22 97.6 ->
+#   98.5 (the backward the same).
 _PACK_THREADS, _PACK_REGISTERS, _PACK_ROWS = 256, 64, 4
 _PACK_MIN_HEAD_ROWS = 1 << 17
-_PACK_MAX_HEAD_ROWS = {2: 1 << 20, 4: 1 << 19}  # by element size
+_PACK_MAX_HEAD_ROWS = {  # (element size, neox): exclusive
+    (2, True): 1 << 20, (2, False): 1 << 20, (4, True): 1 << 19, (4, False): 1 << 62
+}  # fmt: skip
+_PACK_MAX_THREADS = 1 << 31  # rope_rotate_packs numbers its threads in 32 bits
 _SHARED_BYTES = 48 * 1024  # dynamic shared memory any launch may take without opting in
 _DEFINES = (
     f"ROPE_THREADS={_THREADS_PER_BLOCK}",
@@ -630,7 +638,9 @@ def _plan(
     copy_tail = copy_tail or norm is not None  # a normed tail is always written
     total_heads = q_heads + (rows[2].shape[2] if len(rows) > 2 else 0)
     aligned_width = _vector_width(dtype, neox, rotary_dim, head_dim, copy_tail, rows)
-    if _packs_layout(dtype, rotary_dim, mode, norm is not None, rows, aligned_width, token_ids):
+    if _packs_layout(
+        dtype, neox, rotary_dim, mode, norm is not None, rows, aligned_width, token_ids
+    ):
         lanes = rotary_dim // aligned_width
         threads = batch * seq * total_heads // _PACK_ROWS * lanes
         name = _packs_name(dtype, neox, rotary_dim)
@@ -660,6 +670,7 @@ def _remember_plan(key: tuple, plan: _LaunchPlan) -> _LaunchPlan:
 
 def _packs_layout(
     dtype: str,
+    neox: bool,
     rotary_dim: int,
     mode: int,
     norm: bool,
@@ -671,7 +682,7 @@ def _packs_layout(
     their (in, out) pairs), at sequential positions, 16-byte-aligned rows rotated whole at a
     compiled rotary_dim, a multiple of _PACK_ROWS heads in each operand, head offsets within
     32 bits, from _PACK_MIN_HEAD_ROWS head rows in all to _PACK_MAX_HEAD_ROWS of the dtype's
-    element size."""
+    element size and the layout, fewer than _PACK_MAX_THREADS threads."""
     if token_ids or aligned_width * ITEMSIZE[dtype] != 16:
         return False
     batch, seq, _, head_dim = rows[0].shape
@@ -680,7 +691,8 @@ def _packs_layout(
         rotary_dim == head_dim
         and _packs_compiled(dtype, rotary_dim, mode, norm)
         and all(r.shape[2] % _PACK_ROWS == 0 for r in rows)
-        and _PACK_MIN_HEAD_ROWS <= head_rows < _PACK_MAX_HEAD_ROWS[ITEMSIZE[dtype]]
+        and _PACK_MIN_HEAD_ROWS <= head_rows < _PACK_MAX_HEAD_ROWS[ITEMSIZE[dtype], neox]
+        and head_rows // _PACK_ROWS * (rotary_dim // aligned_width) < _PACK_MAX_THREADS
         and all(r.strides[2] > 0 and r.strides[2] * r.shape[2] < 1 << 31 for r in rows)
     )
 
