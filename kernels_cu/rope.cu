@@ -734,8 +734,8 @@ __device__ __forceinline__ u32 pack_word_of(const float* y, int w) {
   }
 }
 
-// The plain rotation of mid-sized launches of the common case (tileops_cupy._rotate's
-// _packs_layout says which): q, or q and k, at sequential positions, rows of ROTARY_DIM
+// The plain rotation of mid-sized launches of the common case, and of float32 interleaved
+// launches of any size (tileops_cupy._rotate's _packs_layout says which): q, or q and k, at sequential positions, rows of ROTARY_DIM
 // elements rotated whole, two-level tables. A row is ROTARY_DIM / VEC lanes of one 16-byte
 // pack (VEC elements) each (the neox partner half comes from lane ^ LANES/2 by a shuffle),
 // and a lane takes ROWS rows of one operand of its token (group, group + groups, ...: the same
