@@ -735,15 +735,15 @@ __device__ __forceinline__ u32 pack_word_of(const float* y, int w) {
 }
 
 // The plain rotation of mid-sized launches of the common case, and of float32 interleaved
-// launches of any size (tileops_cupy._rotate's _packs_layout says which): q, or q and k, at sequential positions, rows of ROTARY_DIM
-// elements rotated whole, two-level tables. A row is ROTARY_DIM / VEC lanes of one 16-byte
-// pack (VEC elements) each (the neox partner half comes from lane ^ LANES/2 by a shuffle),
-// and a lane takes ROWS rows of one operand of its token (group, group + groups, ...: the same
-// columns, so its cos/sin are formed once for them, from 16-byte table loads of two pairs),
-// their loads issued before the position is formed. A token's row groups are q's, then
-// k's. Threads are numbered flat: beyond its rows a lane does two 32-bit divisions, one q/k
-// select and the position, where rope_rotate's lanes also pay for 64-bit row indices,
-// 8-byte table loads and rounds (_rotate has the measurements).
+// launches of any size (tileops_cupy._rotate's _packs_layout says which): q, or q and k, at
+// sequential positions, rows of ROTARY_DIM elements rotated whole, two-level tables. A row is
+// ROTARY_DIM / VEC lanes of one 16-byte pack (VEC elements) each (the neox partner half comes
+// from lane ^ LANES/2 by a shuffle), and a lane takes ROWS rows of one operand of its token
+// (group, group + groups, ...: the same columns, so its cos/sin are formed once for them, from
+// 16-byte table loads of two pairs), their loads issued before the position is formed. A
+// token's row groups are q's, then k's. Threads are numbered flat: beyond its rows a lane does
+// two 32-bit divisions, one q/k select and the position, where rope_rotate's lanes also pay for
+// 64-bit row indices, 8-byte table loads and rounds (_rotate has the measurements).
 template <typename T, bool NEOX, int ROTARY_DIM, int ROWS>
 __global__ void __launch_bounds__(ROPE_PACK_THREADS, ROPE_PACK_MIN_BLOCKS)
     rope_rotate_packs(const RopeParams p) {

@@ -104,7 +104,7 @@ _ROWS_THREADS, _ROWS_REGISTERS, _ROWS_HEADS = 64, 64, 2
 #   98.5 (the backward the same).
 _PACK_THREADS, _PACK_REGISTERS, _PACK_ROWS = 256, 64, 4
 _PACK_MIN_HEAD_ROWS = 1 << 17
-_PACK_MAX_HEAD_ROWS = {  # (element size, neox): exclusive
+_PACK_MAX_HEAD_ROWS = {  # (element size, neox): exclusive (float32 interleaved: none of its own)
     (2, True): 1 << 20, (2, False): 1 << 20, (4, True): 1 << 19, (4, False): 1 << 62
 }  # fmt: skip
 _PACK_MAX_THREADS = 1 << 31  # rope_rotate_packs numbers its threads in 32 bits
