@@ -641,8 +641,7 @@ def _plan(
     if _packs_layout(
         dtype, neox, rotary_dim, mode, norm is not None, rows, aligned_width, token_ids
     ):
-        lanes = rotary_dim // aligned_width
-        threads = batch * seq * total_heads // _PACK_ROWS * lanes
+        threads = _packs_threads(batch * seq * total_heads, rotary_dim, aligned_width)
         name = _packs_name(dtype, neox, rotary_dim)
         kernel = _cuda.function(module_spec(dtype, rotary_dim, mode), name, device)
         step = _cuda.Step(kernel, (-(-threads // _PACK_THREADS), 1, 1), (_PACK_THREADS, 1, 1), 0)
@@ -692,9 +691,15 @@ def _packs_layout(
         and _packs_compiled(dtype, rotary_dim, mode, norm)
         and all(r.shape[2] % _PACK_ROWS == 0 for r in rows)
         and _PACK_MIN_HEAD_ROWS <= head_rows < _PACK_MAX_HEAD_ROWS[ITEMSIZE[dtype], neox]
-        and head_rows // _PACK_ROWS * (rotary_dim // aligned_width) < _PACK_MAX_THREADS
+        and _packs_threads(head_rows, rotary_dim, aligned_width) < _PACK_MAX_THREADS
         and all(r.strides[2] > 0 and r.strides[2] * r.shape[2] < 1 << 31 for r in rows)
     )
+
+
+def _packs_threads(head_rows: int, rotary_dim: int, aligned_width: int) -> int:
+    """Threads of a rope_rotate_packs launch: a lane for each 16-byte pack of a row
+    (``aligned_width`` elements), one for each _PACK_ROWS rows."""
+    return head_rows // _PACK_ROWS * (rotary_dim // aligned_width)
 
 
 def _rotate_cuda(
