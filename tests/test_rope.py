@@ -43,6 +43,7 @@ from _oracle import (
     assert_unchanged,
     assert_within,
     contract_tolerance,
+    dtype_name,
     llama31_frequencies,
     longrope_frequencies,
     max_angle,
@@ -212,6 +213,29 @@ def test_large_neox_launches_move_8_bytes_an_access(rng, monkeypatch, dtype, dir
     assert torch.equal(outputs[narrow], outputs[wide])
 
 
+def _assert_whole_rows_match_chunks(monkeypatch, host, case, direction, packs_from):
+    """``case``'s op on ``host`` (on the device) with ``_rotate._PACK_MIN_HEAD_ROWS`` at
+    ``packs_from`` takes rope_rotate_packs: every element against the oracle, and the same
+    bits as the chunk layout (rope_rotate, forced by a bound no launch reaches)."""
+    x = to_place(host, "cuda")
+    outputs, blocks = {}, {}
+    for layout, bound in (("chunks", 1 << 62), ("packs", packs_from)):
+        monkeypatch.setattr(_rotate, "_PACK_MIN_HEAD_ROWS", bound)
+        _rotate._plans.clear()
+        # (a new op each time, the same scheme: an op keeps the launch of its first call)
+        op, freqs, neox = case.make(direction, "2d", host.shape[-1], np.random.default_rng(7))
+        outputs[layout] = op(x)
+        torch.cuda.synchronize()
+        (plan,) = _rotate._plans.values()
+        blocks[layout] = plan.steps[0].block
+    assert blocks["packs"] == (_rotate._PACK_THREADS, 1, 1) != blocks["chunks"], blocks
+    assert_matches_oracle(
+        outputs["packs"], host.astype(np.float64), sequence_positions(host.shape, "2d"), freqs,
+        dtype_name(host), neox=neox, inverse=direction == "Bwd",
+    )  # fmt: skip
+    assert torch.equal(outputs["packs"], outputs["chunks"])
+
+
 @GPU
 @pytest.mark.parametrize("case", SEQUENCE_OPS, ids=SEQUENCE_OP_IDS)
 @pytest.mark.parametrize("direction", DIRECTIONS)
@@ -224,24 +248,7 @@ def test_mid_sized_launches_rotate_whole_rows(rng, monkeypatch, shape, dtype, di
     empty at 16-bit D128): every element against the oracle, and the same bits as
     rope_rotate."""
     require("cuda", "torch")
-    host = random_data(rng, shape, dtype)
-    x = to_place(host, "cuda")
-    outputs, blocks = {}, {}
-    for packs_from in (1 << 30, 0):
-        monkeypatch.setattr(_rotate, "_PACK_MIN_HEAD_ROWS", packs_from)
-        _rotate._plans.clear()
-        # (a new op each time, the same scheme: an op keeps the launch of its first call)
-        op, freqs, neox = case.make(direction, "2d", shape[-1], np.random.default_rng(7))
-        outputs[packs_from] = op(x)
-        torch.cuda.synchronize()
-        (plan,) = _rotate._plans.values()
-        blocks[packs_from] = plan.steps[0].block
-    assert blocks[0] == (_rotate._PACK_THREADS, 1, 1) != blocks[1 << 30], blocks
-    assert_matches_oracle(
-        outputs[0], host.astype(np.float64), sequence_positions(shape, "2d"), freqs, dtype,
-        neox=neox, inverse=direction == "Bwd",
-    )  # fmt: skip
-    assert torch.equal(outputs[0], outputs[1 << 30])
+    _assert_whole_rows_match_chunks(monkeypatch, random_data(rng, shape, dtype), case, direction, 0)
 
 
 @GPU
@@ -249,28 +256,12 @@ def test_mid_sized_launches_rotate_whole_rows(rng, monkeypatch, shape, dtype, di
 def test_large_float32_interleaved_launches_rotate_whole_rows(rng, monkeypatch, direction):
     """float32 interleaved rows take rope_rotate_packs at every size, where neox goes back to
     the chunk layout from 2**19 head rows (``_rotate._PACK_MAX_HEAD_ROWS``): 2**19 + 2**13
-    head rows, every element against the oracle, and the same bits as the chunk layout."""
+    head rows under the shipped bounds, every element against the oracle, and the same bits
+    as the chunk layout."""
     require("cuda", "torch")
-    shape = (1, (1 << 14) + 256, 32, 128)
+    host = random_data(rng, (1, (1 << 14) + 256, 32, 128), "float32")
     case = SEQUENCE_OPS[SEQUENCE_OP_IDS.index("RoPE-interleaved")]
-    host = random_data(rng, shape, "float32")
-    x = to_place(host, "cuda")
-    outputs, blocks = {}, {}
-    for layout, packs_from in (("chunks", 1 << 62), ("shipped", _rotate._PACK_MIN_HEAD_ROWS)):
-        monkeypatch.setattr(_rotate, "_PACK_MIN_HEAD_ROWS", packs_from)
-        _rotate._plans.clear()
-        op, freqs, neox = case.make(direction, "2d", shape[-1], np.random.default_rng(7))
-        outputs[layout] = op(x)
-        torch.cuda.synchronize()
-        (plan,) = _rotate._plans.values()
-        blocks[layout] = plan.steps[0].block
-    packs, chunks = outputs["shipped"], outputs["chunks"]
-    assert blocks["shipped"] == (_rotate._PACK_THREADS, 1, 1) != blocks["chunks"], blocks
-    assert_matches_oracle(
-        packs, host.astype(np.float64), sequence_positions(shape, "2d"), freqs, "float32",
-        neox=neox, inverse=direction == "Bwd",
-    )  # fmt: skip
-    assert torch.equal(packs, chunks)
+    _assert_whole_rows_match_chunks(monkeypatch, host, case, direction, _rotate._PACK_MIN_HEAD_ROWS)
 
 
 def test_forward_and_call_agree_and_bwd_is_not_fwd(rng):
