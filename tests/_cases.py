@@ -149,12 +149,14 @@ def assert_graph_replays_like_eager(
             check(new, captured)
 
 
-def assert_runs_in_own_process(script: str, *argv: str) -> None:
+def assert_runs_in_own_process(
+    script: str, *argv: str, env: Mapping[str, str] | None = None
+) -> None:
     """Run ``script`` (Python source) with ``argv`` in a fresh interpreter that imports the
     package from this checkout, and assert it exits 0 (its output in the failure message).
     CUDA-graph captures run this way: a failed capture poisons its process's CUDA context,
-    which would hide the tests after it."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    which would hide the tests after it. ``env``: variables to set on top of this process's."""
+    env = {**os.environ, **(env or {}), "PYTHONPATH": str(REPO)}
     result = subprocess.run(
         [sys.executable, "-c", script, *argv],
         env=env, cwd=REPO, capture_output=True, text=True, timeout=300,
