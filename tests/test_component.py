@@ -1493,7 +1493,18 @@ CALL_ERRORS = {
     "q-rank": (lambda r: r.forward(_zeros((T, NUM_HEADS * HEAD_DIM)), None), r"\bq\b"),
     "k-heads": (lambda r: r.forward(_zeros(_Q), _zeros((B, T, 3, HEAD_DIM))), r"\bk\b"),
     "k-as-q-heads": (lambda r: r.forward(_zeros(_Q), _zeros(_Q)), r"\bk\b"),
-    "k-seq": (lambda r: r.forward(_zeros(_Q), _zeros((B, T + 1, 2 * HEAD_DIM))), r"\bk\b"),
+    "k-seq": (
+        lambda r: r.forward(_zeros(_Q), _zeros((B, T + 1, 2 * HEAD_DIM))),
+        rf"q and k must share \[B, T\], got q \({B}, {T}\) and k \({B}, {T + 1}\)",
+    ),
+    "k-tokens-packed": (
+        lambda r: r.forward(_zeros((5, 512)), _zeros((4, 128)), positions=np.zeros(5, np.int64)),
+        r"q and k must share \[N\], got q \(5,\) and k \(4,\)",
+    ),
+    "positions-3d": (
+        lambda r: r.forward(_zeros((5, 512)), None, positions=np.zeros((1, 1, 5), np.int64)),
+        r"positions must be \[B, T\] or \[N\], one position per token, got shape \(1, 1, 5\)",
+    ),
     "k-batch": (lambda r: r.forward(_zeros(_Q), _zeros((B + 1, T, 2 * HEAD_DIM))), r"\bk\b"),
     "decode-T": (lambda r: r.decode(_zeros(_Q), _zeros(_K), 0), r"T"),
     "decode-T0": (lambda r: r.decode(_zeros((B, 3, 512))[:, :0], None, 0), r"T"),
@@ -1566,8 +1577,17 @@ def test_a_rejected_call_changes_nothing(rng):
         (lambda r: r.forward(_zeros(_Q), _zeros(_K, np.float16)), r"\bk\b"),
         (lambda r: r.prefill(_zeros(_Q), None, np.array([0.0, 1.0])), "position_offset"),
         (lambda r: r.forward([[0.0] * 512], None), r"\bq\b"),
+        (lambda r: r.forward(_zeros((5, 512)), None, positions=[0] * 5), "positions must be an"),
     ],
-    ids=["q-int32", "k-int64", "q-complex", "k-dtype-differs", "float-offsets", "list"],
+    ids=[
+        "q-int32",
+        "k-int64",
+        "q-complex",
+        "k-dtype-differs",
+        "float-offsets",
+        "list",
+        "positions-list",
+    ],  # fmt: skip
 )
 def test_type_errors(call, match):
     rope = RoPE(HEAD_DIM, NUM_HEADS, NUM_KV_HEADS)

@@ -185,7 +185,7 @@ def test_cos_sin_cache_in_place_under_autograd_is_recorded(rng, place):
     (q2 * weights).sum().backward()
     torch.testing.assert_close(w.grad, w2.grad)
     leaf = random_tensor(rng, (N, HEADS * HEAD_SIZE), place, requires_grad=True)
-    with pytest.raises(ValueError, match="leaf tensor that requires grad"):
+    with pytest.raises(ValueError, match="query is a leaf tensor that requires grad"):
         apply_rope_with_cos_sin_cache_inplace(positions, leaf, None, HEAD_SIZE, cache)
 
 
@@ -252,8 +252,23 @@ def _bad_calls(place):
             "contiguous",
         ),
         "query width": ((ids, query[:, :-2], key, HEAD_SIZE, cache), ValueError, "query must"),
-        "key tokens": ((ids, query, key[:-1], HEAD_SIZE, cache), ValueError, "share"),
+        "key tokens": (
+            (ids, query, key[:-1], HEAD_SIZE, cache),
+            ValueError,
+            rf"query and key must share \[N\], got query \({N},\) and key \({N - 1},\)",
+        ),
+        "key dtype": (
+            (ids, query, key.double(), HEAD_SIZE, cache),
+            TypeError,
+            "query and key must share a dtype",
+        ),
         "positions shape": ((ids[:-1], query, key, HEAD_SIZE, cache), ValueError, "positions"),
+        "positions [B, T]": (
+            (ids[None], query, key, HEAD_SIZE, cache),
+            ValueError,
+            rf"positions must be \[N\], one position per token, got shape \(1, {N}\)",
+        ),
+        "positions list": ((ids.tolist(), query, key, HEAD_SIZE, cache), TypeError, "positions"),
         "positions float": ((ids.float(), query, key, HEAD_SIZE, cache), TypeError, "int32"),
         "position past cache": ((far, query, key, HEAD_SIZE, cache), ValueError, r"\[0, 3000\)"),
         "negative position": ((negative, query, key, HEAD_SIZE, cache), ValueError, r"\[0, 3000"),

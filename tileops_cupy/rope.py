@@ -793,8 +793,9 @@ class RoPE:
         bookkeeping would otherwise cost more than the kernel."""
         weights = (q_norm_weight, k_norm_weight)
         if not in_place:
-            q_out = empty_like(as_operand(q, "q"), tuple(q.shape))
-            k_out = None if k is None else empty_like(as_operand(k, "k"), tuple(k.shape))
+            q_name, k_name = _argument_names(cache)
+            q_out = empty_like(as_operand(q, q_name), tuple(q.shape))
+            k_out = None if k is None else empty_like(as_operand(k, k_name), tuple(k.shape))
             out = (q_out, k_out)
             self._apply(q, k, position, inverse, decode, out, ids, weights, cache)
             return to_caller(q_out), None if k_out is None else to_caller(k_out)
@@ -970,42 +971,49 @@ class RoPE:
                 "positions (one per token) and a position offset cannot be combined: "
                 f"got position_offset={position!r}; add the offset to the positions"
             )
-        # positions of one token dim ([N], or [3, N] under MRoPE): packed q and k
-        token_dims = getattr(ids, "ndim", 0) - (self.mrope_section is not None)
+        # positions of one token dim ([N], or [3, N] under MRoPE): packed q and k; the
+        # cos_sin_cache calls take packed tokens only, as FlashInfer's (query [N, ...])
+        ids_dims = 0 if ids is None else as_operand(ids, "positions").ndim
+        token_dims = ids_dims - (self.mrope_section is not None)
         packed = ids is not None and token_dims == 1
-        if ids is not None and hasattr(ids, "ndim") and token_dims not in (1, 2):
-            rows = (
-                "[3, B, T] or [3, N] (MRoPE rows t, h, w)"
-                if self.mrope_section
-                else "[B, T] or [N]"
-            )
+        if cache is not None and ids is None:
+            raise ValueError("a cos_sin_cache call takes per-token positions")
+        token_dims_taken = (1,) if cache is not None else (1, 2)
+        if ids is not None and token_dims not in token_dims_taken:
+            if cache is not None:
+                rows = "[N]"
+            elif self.mrope_section:
+                rows = "[3, B, T] or [3, N] (MRoPE rows t, h, w)"
+            else:
+                rows = "[B, T] or [N]"
             raise ValueError(
                 f"positions must be {rows}, one position per token, got shape {tuple(ids.shape)}"
             )
         table = self.table
         if cache is not None:
-            if ids is None:
-                raise ValueError("a cos_sin_cache call takes per-token positions")
             table = CosSinCache(check_cos_sin_cache(cache, self.head_dim))
             if table.rotary_dim != self.rotary_dim:
                 raise ValueError(
                     f"cos_sin_cache has width {table.rotary_dim}; this component rotates "
                     f"rotary_dim={self.rotary_dim}"
                 )
-        q_rows = self._operand(q, "q", self.num_heads, in_place, packed)
+        q_name, k_name = _argument_names(cache)
+        q_rows = self._operand(q, q_name, self.num_heads, in_place, packed)
         k_rows = None
         if k is not None:
-            k_rows = self._operand(k, "k", self.num_kv_heads, in_place, packed)
-        operands = {"q": q_rows.operand}
+            k_rows = self._operand(k, k_name, self.num_kv_heads, in_place, packed)
+        operands = {q_name: q_rows.operand}
         if k_rows is not None:
-            operands["k"] = k_rows.operand
+            operands[k_name] = k_rows.operand
             if k_rows.shape[:2] != q_rows.shape[:2]:
+                tokens, first = ("[N]", 1) if packed else ("[B, T]", 0)  # (packed: B = 1)
                 raise ValueError(
-                    f"q and k must share [B, T], got q {q_rows.shape[:2]} and k {k_rows.shape[:2]}"
+                    f"{q_name} and {k_name} must share {tokens}, got {q_name} "
+                    f"{q_rows.shape[first:2]} and {k_name} {k_rows.shape[first:2]}"
                 )
             if k_rows.operand.dtype != q_rows.operand.dtype:
                 raise TypeError(
-                    f"q and k must share a dtype, got {q_rows.operand.dtype} and "
+                    f"{q_name} and {k_name} must share a dtype, got {q_rows.operand.dtype} and "
                     f"{k_rows.operand.dtype}"
                 )
         if in_place:  # every operand checked before anything is written
@@ -1126,17 +1134,21 @@ def _in_place_call(
         arguments = (q, k, offsets, offset, ids, cache, inverse, decode, *weights)
         torch_ops.rope_qk(config, *arguments, in_place=True)
         return
-    for name, tensor in (("q", q), ("k", k)):
+    q_name, k_name = _argument_names(cache)
+    for name, tensor in ((q_name, q), (k_name, k)):
         if tensor is not None and tensor.requires_grad and tensor.is_leaf:
+            copy = (
+                "apply_rope_with_cos_sin_cache" if cache is not None else "apply_rope(q, k, rope)"
+            )
             raise ValueError(
                 f"{name} is a leaf tensor that requires grad, which cannot be rotated in "
-                f"place (autograd forbids it); use apply_rope(q, k, rope) for a rotated "
-                "copy, or rotate under torch.no_grad()"
+                f"place (autograd forbids it); use {copy} for a rotated copy, or rotate "
+                "under torch.no_grad()"
             )
     if not torch_ops.is_compiling():  # (a traced graph has no memory to compare)
-        operands = {"q": as_operand(q, "q")}
+        operands = {q_name: as_operand(q, q_name)}
         if k is not None:
-            operands["k"] = as_operand(k, "k")
+            operands[k_name] = as_operand(k, k_name)
         check_in_place(operands)  # before the first copy_ writes
     q_in, k_in = q, k
     if weights[0] is not None or weights[1] is not None:
@@ -1284,6 +1296,12 @@ def _packed_heads(name: str, tensor: Any, head_size: int) -> int:
 
 _CACHE_FLAG, _ = error_flag()  # one device error flag for every cos_sin_cache call
 _STANDARD_ARGS = scheme_args(Standard())
+
+
+def _argument_names(cache: Any) -> tuple[str, str]:
+    """What the caller's API calls q and k, for its errors: FlashInfer's ``query`` and
+    ``key`` in the cos_sin_cache calls (``cache`` given), ``q`` and ``k`` elsewhere."""
+    return ("query", "key") if cache is not None else ("q", "k")
 
 
 def _byte_span(tensor: Any) -> int:
