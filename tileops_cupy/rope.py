@@ -38,6 +38,7 @@ from ._arrays import (
     to_caller,
     upload,
 )
+from ._cache import ProcessLocal
 from ._rotate import (
     ROPE_PARAMS,
     CosSinCache,
@@ -112,10 +113,11 @@ INPUT_LAYOUTS = ("1d", "2d")
 # --------------------------------------------------------------------------- seed ops
 
 
-class _RotaryOp:
+class _RotaryOp(ProcessLocal):
     """Rotation of ``x`` by its sequence positions with one scheme; see the subclasses."""
 
     _inverse = False
+    _process_state = frozenset({"_tables", "_relaunches", "_flag", "config"})
 
     def _setup(
         self,
@@ -133,12 +135,17 @@ class _RotaryOp:
         self.target = check_target(target)
         self.rotary_dim = check_rotary_dim(rotary_dim)
         self.max_position = None if max_position is None else check_max_position(max_position)
+        self._start(flag)
+
+    def _start(self, flag: int | None = None) -> None:
+        """This process's state (see :class:`ProcessLocal`); ``flag``: the key of the device
+        error flag to use (a new flag if None)."""
         self._tables: dict[int, Any] = {}
         self._relaunches: dict[tuple, Any] = {}  # torch CUDA layout -> its first call's launch
         flag, self._flag = error_flag(flag)  # device-side position errors of this op
         # the op by value: what its torch custom op carries (its flag by key)
         self.config = (
-            *scheme_args(scheme), self.rotary_dim or 0, self.rope_layout == "neox",
+            *scheme_args(self.scheme), self.rotary_dim or 0, self.rope_layout == "neox",
             self._inverse, self.input_layout, self.max_position or 0, self.target or "", flag,
         )  # fmt: skip
         torch_ops.register_if_torch_imported()
@@ -496,7 +503,7 @@ RoPENeoxPositionIdsBwdOp = _make_backward(RoPENeoxPositionIdsFwdOp)
 # --------------------------------------------------------------------------- Q/K component
 
 
-class RoPE:
+class RoPE(ProcessLocal):
     """In-place rotary embedding of Q and K for inference and training stacks.
 
     Rotates q ``[B, T, num_heads*head_dim]`` or ``[B, T, num_heads, head_dim]`` and k (the
@@ -579,6 +586,8 @@ class RoPE:
         >>> _ = rope.prefill(q, k, 5, q_norm_weight=w, k_norm_weight=w)
     """
 
+    _process_state = frozenset({"table", "_flag", "config", "_relaunches"})
+
     def __init__(
         self,
         head_dim: int,
@@ -619,6 +628,11 @@ class RoPE:
         if self.norm_eps < 0:
             raise ValueError(f"norm_eps must be >= 0, got {norm_eps!r}")
         self.norm_weight_offset = check_real("norm_weight_offset", norm_weight_offset)
+        self._start()
+
+    def _start(self) -> None:
+        """This process's state (see :class:`ProcessLocal`): the shared table of (scheme,
+        rotary_dim), a new device error flag, no recorded launches."""
         self.table = shared_table(self.scheme, self.rotary_dim)
         self._adopt_flag(None)
         self._relaunches: dict[tuple, Any] = {}  # see _direct

@@ -49,6 +49,7 @@ from ._arrays import (
     select_place,
     to_caller,
 )
+from ._cache import ProcessLocal
 from ._mhc_host import (
     SinkhornGates,
 )
@@ -64,7 +65,17 @@ X_DTYPES = tuple(_mhc.CUDA_TYPES)  # bfloat16, float16, float32
 # --------------------------------------------------------------------------- ops
 
 
-class _PreSettings:
+class _MHCOp(ProcessLocal):
+    """An mHC op: what it holds for this process alone is the launches it recorded."""
+
+    _process_state = frozenset({"_relaunches"})
+
+    def _start(self) -> None:
+        self._relaunches: dict[tuple, Any] = {}  # torch layouts -> their recorded launch
+        torch_ops.register_if_torch_imported()
+
+
+class _PreSettings(_MHCOp):
     """The constructor MHCPreFwdOp and MHCPreBwdOp share: the arguments validated, the
     public attributes, the float32 gates the bodies use, and ``config`` (the op by value,
     as its torch custom op carries it)."""
@@ -103,8 +114,7 @@ class _PreSettings:
             float(alpha_pre), float(alpha_post), float(alpha_res), int(sinkhorn_repeat),
             float(sinkhorn_eps), self.target or "",
         )  # fmt: skip
-        self._relaunches: dict[tuple, Any] = {}  # torch layouts -> their _mhc relauncher
-        torch_ops.register_if_torch_imported()
+        self._start()
 
     def __repr__(self) -> str:
         return (
@@ -196,7 +206,7 @@ class MHCPreFwdOp(_PreSettings):
     __call__ = forward
 
 
-class MHCPostFwdOp:
+class MHCPostFwdOp(_MHCOp):
     """The post-layer half of mHC: mix the layer output back into the ``n``-stream residual.
 
     Args:
@@ -226,8 +236,7 @@ class MHCPostFwdOp:
 
     def __init__(self, *, target: str | None = None) -> None:
         self.target = check_target(target)
-        self._relaunches: dict[tuple, Any] = {}  # torch layouts -> launch
-        torch_ops.register_if_torch_imported()
+        self._start()
 
     def forward(self, x_layer_out: Array, h_post: Array, x_res: Array) -> Array:
         """``x_out`` for the layer output, the post gates and the residual; see the class."""
@@ -372,7 +381,7 @@ class MHCPreBwdOp(_PreSettings):
     __call__ = forward
 
 
-class MHCPostBwdOp:
+class MHCPostBwdOp(_MHCOp):
     """The gradient of :class:`MHCPostFwdOp` (SPEC section 8).
 
     Args:
@@ -416,8 +425,7 @@ class MHCPostBwdOp:
 
     def __init__(self, *, target: str | None = None) -> None:
         self.target = check_target(target)
-        self._relaunches: dict[tuple, Any] = {}  # torch layouts -> launch
-        torch_ops.register_if_torch_imported()
+        self._start()
 
     def forward(
         self, x_layer_out: Array, h_post: Array, x_res: Array, grad_x_out: Array

@@ -1,0 +1,190 @@
+"""Every op and the Q/K component survive ``copy.copy``, ``copy.deepcopy`` and pickling (a
+model cloned for EMA or a reference policy, ``torch.save``, worker processes): the copy has
+the original's arguments, computes the same bits, and holds launch records and a device
+error flag of its own, so neither sees the other's launches or device errors."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import textwrap
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from _cases import PLACES, assert_runs_in_own_process, to_place
+from _oracle import to_host
+
+from tileops_cupy.rope import (
+    Llama31,
+    LongRoPEBwdOp,
+    RoPE,
+    RoPEBwdOp,
+    RoPEFwdOp,
+    RoPENeoxPositionIdsFwdOp,
+    YaRN,
+    YaRNFwdOp,
+)
+from tileops_cupy.sequence_modeling import MHCPostBwdOp, MHCPostFwdOp, MHCPreBwdOp, MHCPreFwdOp
+
+HEAD_DIM, HEADS, KV_HEADS, TOKENS = 64, 4, 2, 6
+N, C_X, BATCH = 4, 32, 3
+Q = N * N + 2 * N
+
+COPIES: dict[str, Callable[[Any], Any]] = {
+    "copy": copy.copy,
+    "deepcopy": copy.deepcopy,
+    "pickle": lambda op: pickle.loads(pickle.dumps(op)),
+}
+
+
+def _rows(rng, *shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def _component_prefill(rope: RoPE, place: str, rng) -> tuple:
+    q, k = _rows(rng, 2, TOKENS, HEADS * HEAD_DIM), _rows(rng, 2, TOKENS, KV_HEADS * HEAD_DIM)
+    q, k = to_place(q, place), to_place(k, place)
+    rope.prefill(q, k, 3)
+    return q, k
+
+
+def _component_positions(rope: RoPE, place: str, rng, norm: bool = False) -> tuple:
+    shape = (3, TOKENS) if rope.mrope_section else (TOKENS,)
+    positions = to_place(rng.integers(0, 100, shape), place)
+    q, k = _rows(rng, TOKENS, HEADS * HEAD_DIM), _rows(rng, TOKENS, KV_HEADS * HEAD_DIM)
+    q, k = to_place(q, place), to_place(k, place)
+    weight = to_place(_rows(rng, HEAD_DIM), place) if norm else None
+    rope.forward(q, k, positions=positions, q_norm_weight=weight, k_norm_weight=weight)
+    return q, k
+
+
+def _pre_inputs(rng, place):
+    phi = _rows(rng, N * C_X, Q) / 16
+    return tuple(to_place(a, place) for a in (phi, _rows(rng, BATCH, N * C_X), _rows(rng, Q)))
+
+
+# name -> (make the op, run it on fresh data of a place: what it returns or wrote)
+CASES: dict[str, tuple[Callable[[], Any], Callable[[Any, str, Any], tuple]]] = {
+    "RoPEFwdOp": (
+        lambda: RoPEFwdOp(rope_layout="interleaved", input_layout="2d", rotary_dim=32),
+        lambda op, place, rng: (op(to_place(_rows(rng, 2, TOKENS, HEADS, HEAD_DIM), place)),),
+    ),
+    "RoPEBwdOp": (
+        lambda: RoPEBwdOp(base=500.0),
+        lambda op, place, rng: (op(to_place(_rows(rng, TOKENS, HEAD_DIM), place)),),
+    ),
+    "YaRNFwdOp": (
+        lambda: YaRNFwdOp(scale=4.0),
+        lambda op, place, rng: (op(to_place(_rows(rng, TOKENS, HEAD_DIM), place)),),
+    ),
+    "LongRoPEBwdOp": (
+        lambda: LongRoPEBwdOp(rescale_factors=np.linspace(1, 4, HEAD_DIM // 2)),
+        lambda op, place, rng: (op(to_place(_rows(rng, TOKENS, HEAD_DIM), place)),),
+    ),
+    "RoPENeoxPositionIdsFwdOp": (
+        lambda: RoPENeoxPositionIdsFwdOp(max_position=100, rotary_dim=16),
+        lambda op, place, rng: (
+            op(
+                to_place(_rows(rng, TOKENS, HEADS, HEAD_DIM), place),
+                to_place(rng.integers(0, 100, TOKENS), place),
+            ),
+        ),
+    ),
+    "RoPE": (
+        lambda: RoPE(HEAD_DIM, HEADS, KV_HEADS, scheme=Llama31(), max_position=100),
+        _component_prefill,
+    ),
+    "RoPE-mrope": (
+        lambda: RoPE(HEAD_DIM, HEADS, KV_HEADS, scheme=YaRN(), mrope_section=(8, 12, 12)),
+        _component_positions,
+    ),
+    "RoPE-qk-norm": (
+        lambda: RoPE(HEAD_DIM, HEADS, KV_HEADS, rope_layout="interleaved", norm_eps=1e-5),
+        lambda op, place, rng: _component_positions(op, place, rng, norm=True),
+    ),
+    "MHCPreFwdOp": (
+        lambda: MHCPreFwdOp(0.8, 1.2, 1.0, 20, 0.01),
+        lambda op, place, rng: op(*_pre_inputs(rng, place)),
+    ),
+    "MHCPreBwdOp": (
+        lambda: MHCPreBwdOp(0.8, 1.2, 1.0, 5),
+        lambda op, place, rng: op(
+            *_pre_inputs(rng, place),
+            *(to_place(_rows(rng, *shape), place) for shape in ((BATCH, N * C_X), (BATCH, C_X))),
+            to_place(_rows(rng, BATCH, N), place),
+        ),
+    ),
+    "MHCPostFwdOp": (
+        lambda: MHCPostFwdOp(),
+        lambda op, place, rng: (
+            op(*(to_place(_rows(rng, BATCH, w), place) for w in (C_X, N, N * C_X))),
+        ),
+    ),
+    "MHCPostBwdOp": (
+        lambda: MHCPostBwdOp(),
+        lambda op, place, rng: op(
+            *(to_place(_rows(rng, BATCH, w), place) for w in (C_X, N, N * C_X, N * C_X))
+        ),
+    ),
+}
+
+
+def _assert_same_bits(got: tuple, want: tuple, what: str) -> None:
+    for g, w in zip(got, want, strict=True):
+        assert np.array_equal(to_host(g), to_host(w), equal_nan=True), what
+
+
+@pytest.mark.parametrize("place", PLACES)
+@pytest.mark.parametrize("how", list(COPIES))
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_copy_computes_what_the_original_does(name, how, place):
+    make, run = CASES[name]
+    op = make()
+    run(op, place, np.random.default_rng(0))  # records its launch on the GPU
+    twin = COPIES[how](op)
+    assert type(twin) is type(op) and twin is not op
+    assert repr(twin) == repr(op)
+    assert twin._relaunches == {}, "a copy records its own launches"
+    if hasattr(op, "_flag"):  # (RoPE ops: device errors of device positions)
+        assert twin._flag is not op._flag, "a copy raises its own device errors"
+    for seed in (1, 2):  # the twin's first call plans its own launch; the second replays it
+        _assert_same_bits(
+            run(twin, place, np.random.default_rng(seed)),
+            run(op, place, np.random.default_rng(seed)),
+            f"{name} after {how}",
+        )
+
+
+def test_a_copy_keeps_what_a_subclass_adds():
+    class Layer(RoPE):
+        def __init__(self, *args, scale: float, **keywords):
+            super().__init__(*args, **keywords)
+            self.scale = scale
+
+    layer = Layer(HEAD_DIM, HEADS, scale=0.5)
+    twin = copy.deepcopy(layer)
+    assert type(twin) is Layer and twin.scale == 0.5 and twin.table is layer.table
+
+
+_UNPICKLE_ELSEWHERE = textwrap.dedent(
+    """
+    import pickle, sys
+    import numpy as np
+    rope, q, k, want_q, want_k = pickle.loads(open(sys.argv[1], "rb").read())
+    rope.prefill(q, k, 7)
+    assert np.array_equal(q, want_q) and np.array_equal(k, want_k)
+    print("rotated like the original")
+    """
+)
+
+
+def test_a_pickled_component_runs_in_another_process(tmp_path):
+    rng = np.random.default_rng(3)
+    rope = RoPE(HEAD_DIM, HEADS, KV_HEADS, scheme=Llama31(), max_position=1000)
+    q, k = _rows(rng, 1, TOKENS, HEADS * HEAD_DIM), _rows(rng, 1, TOKENS, KV_HEADS * HEAD_DIM)
+    want_q, want_k = rope.prefill(q.copy(), k.copy(), 7)
+    path = tmp_path / "rope.pickle"
+    path.write_bytes(pickle.dumps((rope, q, k, want_q, want_k)))
+    assert_runs_in_own_process(_UNPICKLE_ELSEWHERE, str(path))
