@@ -1,11 +1,17 @@
-"""Every op and the Q/K component survive ``copy.copy``, ``copy.deepcopy`` and pickling (a
-model cloned for EMA or a reference policy, ``torch.save``, worker processes): the copy has
-the original's arguments, computes the same bits, and holds launch records and a device
-error flag of its own, so neither sees the other's launches or device errors."""
+"""How long the package's objects live, and what they carry with them.
+
+- Every op and the Q/K component survive ``copy.copy``, ``copy.deepcopy`` and pickling (a
+  model cloned for EMA or a reference policy, ``torch.save``, worker processes): the copy
+  has the original's arguments, computes the same bits, and holds launch records and a
+  device error flag of its own, so neither sees the other's launches or device errors.
+- Objects made per call (``apply_rope(q, k, RoPE(...))`` in a forward, an mHC op rebuilt
+  every step from learned alphas) leave nothing behind: the torch custom ops run the
+  caller's own object while it lives, and keep a bounded number of rebuilt twins."""
 
 from __future__ import annotations
 
 import copy
+import gc
 import pickle
 import textwrap
 from collections.abc import Callable
@@ -16,6 +22,7 @@ import pytest
 from _cases import PLACES, assert_runs_in_own_process, to_place
 from _oracle import to_host
 
+from tileops_cupy import _rotate, rope, sequence_modeling
 from tileops_cupy.rope import (
     Llama31,
     LongRoPEBwdOp,
@@ -25,6 +32,7 @@ from tileops_cupy.rope import (
     RoPENeoxPositionIdsFwdOp,
     YaRN,
     YaRNFwdOp,
+    apply_rope,
 )
 from tileops_cupy.sequence_modeling import MHCPostBwdOp, MHCPostFwdOp, MHCPreBwdOp, MHCPreFwdOp
 
@@ -188,3 +196,52 @@ def test_a_pickled_component_runs_in_another_process(tmp_path):
     path = tmp_path / "rope.pickle"
     path.write_bytes(pickle.dumps((rope, q, k, want_q, want_k)))
     assert_runs_in_own_process(_UNPICKLE_ELSEWHERE, str(path))
+
+
+# --------------------------------------------------------------------------- objects made per call
+
+
+def test_the_custom_ops_run_the_callers_own_object():
+    op, component = RoPENeoxPositionIdsFwdOp(max_position=8), RoPE(HEAD_DIM, HEADS, KV_HEADS)
+    assert rope.seed_op(op.config) is op and rope.component(component.config) is component
+    configs = (op.config, component.config)
+    del op, component
+    gc.collect()  # a configuration that outlives its object (an exported graph) gets a twin
+    twins = rope.seed_op(configs[0]), rope.component(configs[1])
+    assert [twin.config for twin in twins] == list(configs)
+
+
+def test_objects_made_per_call_leave_nothing_behind():
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(4)
+    x = torch.tensor(_rows(rng, TOKENS, HEADS * HEAD_DIM), dtype=torch.float64, requires_grad=True)
+    phi, b = (torch.tensor(a) for a in _pre_inputs(rng, "cpu")[::2])
+    mhc_x = torch.tensor(_rows(rng, BATCH, N * C_X), requires_grad=True)
+
+    def step(i: int) -> None:
+        ids = torch.arange(TOKENS) % 8
+        RoPENeoxPositionIdsFwdOp(max_position=8)(
+            x.view(TOKENS, HEADS, HEAD_DIM), ids
+        ).sum().backward()
+        q, _ = apply_rope(x, None, RoPE(HEAD_DIM, HEADS), positions=ids)
+        q.sum().backward()
+        alpha = 1.0 + i / 1000  # learned by the caller: a new op every step
+        sum(o.sum() for o in MHCPreFwdOp(alpha, alpha, alpha, 3)(phi, mhc_x, b)).backward()
+
+    for i in range(3 * rope._TWINS):
+        step(i)
+    gc.collect()
+    # what stays: at most the kept twins (each with its flag), whatever the number of steps;
+    # a backward that runs after its temporary object is gone runs on a twin
+    assert rope._seed_op.cache_info().currsize <= rope._TWINS
+    assert rope._component.cache_info().currsize <= rope._TWINS  # (backward: the object is gone)
+    assert sequence_modeling._rebuilt.cache_info().currsize <= 256
+    assert len(_rotate._flags) <= 2 * rope._TWINS + 16  # (seed and component twins)
+    assert len(rope._owners) <= 2 * rope._TWINS + 16
+
+
+def test_flag_keys_are_never_reused():
+    first, _ = _rotate.error_flag()
+    gc.collect()  # nothing holds that flag any more
+    second, _ = _rotate.error_flag()
+    assert second > first

@@ -13,7 +13,9 @@ module only checks what the kernels need of the memory layout.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -283,18 +285,27 @@ class ErrorFlag:
 
 
 _ANY_FLAG = ErrorFlag()  # for launches whose positions were validated on the host
-_flags: dict[int, ErrorFlag] = {}
+# Each flag lives as long as an op holds it (the registry holds none), so objects made per
+# call leave nothing behind. Keys are never reused: a configuration that outlives its op
+# (a traced or exported graph) names its own flag, never a later op's. (The host-mapped
+# cells of a dropped flag stay allocated: a kernel or a captured graph may still write them.)
+_flags: weakref.WeakValueDictionary[int, ErrorFlag] = weakref.WeakValueDictionary()
+_flag_keys = itertools.count()
 _flags_lock = threading.Lock()
 
 
 def error_flag(key: int | None = None) -> tuple[int, ErrorFlag]:
     """``(key, flag)``: a new flag and its key when ``key`` is None, else the flag of
-    ``key``. An op keeps its flag's key in the configuration its torch custom op carries,
-    so the twin rebuilt behind the dispatcher raises the caller's own flag."""
+    ``key`` (a new one under that key if no op holds it any more). An op keeps its flag's
+    key in the configuration its torch custom op carries, so the op behind the dispatcher
+    raises the caller's own flag."""
     with _flags_lock:
         if key is None:
-            key = len(_flags)
-        return key, _flags.setdefault(key, ErrorFlag())
+            key = next(_flag_keys)
+        flag = _flags.get(key)
+        if flag is None:
+            flag = _flags[key] = ErrorFlag()
+        return key, flag
 
 
 def rotate(

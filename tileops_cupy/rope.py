@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import weakref
 from typing import Any
 
 import numpy as np
@@ -148,6 +149,7 @@ class _RotaryOp(ProcessLocal):
             *scheme_args(self.scheme), self.rotary_dim or 0, self.rope_layout == "neox",
             self._inverse, self.input_layout, self.max_position or 0, self.target or "", flag,
         )  # fmt: skip
+        _owners.setdefault(flag, self)
         torch_ops.register_if_torch_imported()
 
     def _rows(self, operand: Operand, name: str) -> HeadRows:
@@ -586,7 +588,7 @@ class RoPE(ProcessLocal):
         >>> _ = rope.prefill(q, k, 5, q_norm_weight=w, k_norm_weight=w)
     """
 
-    _process_state = frozenset({"table", "_flag", "config", "_relaunches"})
+    _process_state = frozenset({"table", "_flag", "_flag_key", "config", "_relaunches"})
 
     def __init__(
         self,
@@ -749,14 +751,18 @@ class RoPE(ProcessLocal):
 
     def _adopt_flag(self, flag: int | None) -> None:
         """Use the device flag ``flag`` (a new one if None) and set :attr:`config`, the
-        component by value as its torch custom ops carry it (the flag by key)."""
-        flag, self._flag = error_flag(flag)
+        component by value as its torch custom ops carry it (the flag by key). A twin that
+        takes its caller's flag gives up the one it was built with."""
+        if _owners.get(getattr(self, "_flag_key", None)) is self:
+            del _owners[self._flag_key]
+        self._flag_key, self._flag = error_flag(flag)
         self.config = _component_config(
             scheme_args(self.scheme), self.rotary_dim, self.rope_layout == "neox",
             self.head_dim, self.num_heads, self.num_kv_heads, self.max_position or 0,
-            self.target or "", flag, self.mrope_section or (), self.mrope_interleaved,
-            self.norm_eps, self.norm_weight_offset,
+            self.target or "", self._flag_key, self.mrope_section or (),
+            self.mrope_interleaved, self.norm_eps, self.norm_weight_offset,
         )  # fmt: skip
+        _owners.setdefault(self._flag_key, self)
 
     def _flagged_message(self) -> str:
         return (
@@ -1308,7 +1314,8 @@ def _packed_heads(name: str, tensor: Any, head_size: int) -> int:
     )
 
 
-_CACHE_FLAG, _ = error_flag()  # one device error flag for every cos_sin_cache call
+# one device error flag for every cos_sin_cache call, held here: its twins come and go
+_CACHE_FLAG, _CACHE_ERRORS = error_flag()
 _STANDARD_ARGS = scheme_args(Standard())
 
 
@@ -1338,8 +1345,23 @@ def _split_position(position: Any) -> tuple[Any, Any]:
 
 # --------------------------------------------------------------------------- rebuilt by value
 
+# The torch custom ops carry an op by value (its configuration, its device error flag by
+# key). Behind the dispatcher they run the caller's own object while it lives (found by its
+# flag's key), so that objects made per call (``apply_rope(q, k, RoPE(...))`` in a forward)
+# leave nothing behind; a configuration that outlives its object (a traced or exported
+# graph) runs on a twin rebuilt from it, of which the _TWINS most recently used are kept.
+_owners: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+_TWINS = 256
 
-@functools.cache
+
+def _live_owner(config: tuple, flag: int) -> Any:
+    """The living op or component that holds device error flag ``flag`` and has exactly
+    ``config``, or None."""
+    owner = _owners.get(flag)
+    return owner if owner is not None and owner.config == config else None
+
+
+@functools.lru_cache(maxsize=_TWINS)
 def _seed_op(config: tuple) -> _RotaryOp:
     scheme, numbers, rotary_dim, neox, inverse, input_layout, max_position, target, flag = config
     if max_position:
@@ -1355,8 +1377,11 @@ def _seed_op(config: tuple) -> _RotaryOp:
 
 
 def seed_op(config: tuple) -> _RotaryOp:
-    """The seed op a torch custom op's configuration describes (built once)."""
-    return _seed_op((config[0], tuple(config[1]), *config[2:]))
+    """The seed op a torch custom op's configuration describes: the caller's own while it
+    lives, else a rebuilt twin."""
+    config = (config[0], tuple(config[1]), *config[2:])  # (the schema's float[] is a list)
+    owner = _live_owner(config, config[-1])
+    return owner if owner is not None else _seed_op(config)
 
 
 def _component_config(
@@ -1382,7 +1407,7 @@ def _component_config(
     )  # fmt: skip
 
 
-@functools.cache
+@functools.lru_cache(maxsize=_TWINS)
 def _component(config: tuple) -> RoPE:
     (
         scheme, numbers, rotary_dim, neox, head_dim, heads, kv_heads, max_position, target,
@@ -1400,6 +1425,9 @@ def _component(config: tuple) -> RoPE:
 
 
 def component(config: tuple) -> RoPE:
-    """The component a torch custom op's configuration describes (built once)."""
+    """The component a torch custom op's configuration describes: the caller's own while
+    it lives, else a rebuilt twin (every cos_sin_cache call: one per configuration)."""
     section = tuple(config[10])  # lists (the schema's int[]) are not hashable
-    return _component((config[0], tuple(config[1]), *config[2:10], section, *config[11:]))
+    config = (config[0], tuple(config[1]), *config[2:10], section, *config[11:])
+    owner = _live_owner(config, config[9])
+    return owner if owner is not None else _component(config)

@@ -478,7 +478,7 @@ class MHCPostBwdOp(_MHCOp):
     __repr__ = MHCPostFwdOp.__repr__
 
 
-@functools.cache
+@functools.lru_cache(maxsize=256)  # (alphas learned by the caller: a new op every step)
 def _rebuilt(name: str, config: tuple) -> Any:
     *numbers, target = config
     return globals()[name](*numbers, target=target or None)
@@ -486,7 +486,8 @@ def _rebuilt(name: str, config: tuple) -> Any:
 
 def rebuilt_op(name: str, config: tuple) -> Any:
     """The op ``name`` (MHCPreFwdOp, MHCPostBwdOp, ...) that a torch custom op's
-    configuration describes: its numbers, then its target ("" for None). Built once."""
+    configuration describes: its numbers, then its target ("" for None). Built once (the
+    256 most recently used are kept)."""
     return _rebuilt(name, tuple(config))
 
 
