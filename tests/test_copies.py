@@ -10,10 +10,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import ctypes
 import gc
 import pickle
 import textwrap
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -245,3 +248,43 @@ def test_flag_keys_are_never_reused():
     gc.collect()  # nothing holds that flag any more
     second, _ = _rotate.error_flag()
     assert second > first
+
+
+class _FakeRuntime:
+    """The two CuPy calls a flag cell needs, on host memory: hostAlloc counted per device."""
+
+    hostAllocMapped, hostAllocPortable = 2, 1
+
+    def __init__(self) -> None:
+        self.pages: list[Any] = []  # (kept alive: cells point into them)
+        self.device = None
+        self.allocations: dict[int, int] = {}
+
+    def hostAlloc(self, nbytes: int, flags: int) -> int:  # noqa: N802 (CuPy's name)
+        assert flags == self.hostAllocMapped | self.hostAllocPortable
+        page = (ctypes.c_byte * nbytes)(*([7] * nbytes))  # garbage, as fresh memory may hold
+        self.pages.append(page)
+        self.allocations[self.device] = self.allocations.get(self.device, 0) + 1
+        return ctypes.addressof(page)
+
+
+def test_flag_cells_of_objects_made_per_call_share_mapped_pages(monkeypatch):
+    runtime = _FakeRuntime()
+
+    @contextlib.contextmanager
+    def device(index):
+        runtime.device = index
+        yield
+
+    fake_cupy = types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime, Device=device))
+    monkeypatch.setattr(_rotate, "cupy", lambda: fake_cupy)
+    monkeypatch.setattr(_rotate, "_free_cells", {})
+    flags = [_rotate.ErrorFlag() for _ in range(2 * _rotate._CELLS_A_PAGE + 1)]
+    pointers = {device: [flag.pointer(device) for flag in flags] for device in (0, 1)}
+    assert runtime.allocations == {0: 3, 1: 3}, "one mapped page per 1024 cells and device"
+    every = pointers[0] + pointers[1]
+    assert len(set(every)) == len(every), "no cell handed out twice"
+    assert all(ctypes.c_int32.from_address(p).value == 0 for p in every), "cells start at 0"
+    assert not any(flag.take() for flag in flags)
+    ctypes.c_int32.from_address(pointers[1][5]).value = 1  # a kernel on device 1 meets an error
+    assert [flag.take() for flag in flags].count(True) == 1 and not flags[5].take()

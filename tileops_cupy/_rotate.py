@@ -244,13 +244,8 @@ class ErrorFlag:
         return build_once(self._pointers, self._lock, device, lambda: self._map(device))
 
     def _map(self, device: int) -> int:
-        runtime = cupy().cuda.runtime
-        with cupy().cuda.Device(device):
-            flags = runtime.hostAllocMapped | runtime.hostAllocPortable
-            pointer = runtime.hostAlloc(4, flags)  # lives as long as the process
-        cell = ctypes.c_int32.from_address(pointer)
-        cell.value = 0
-        self._cells += (cell,)
+        pointer = _mapped_cell(device)
+        self._cells += (ctypes.c_int32.from_address(pointer),)
         return pointer
 
     def take(self) -> bool:
@@ -282,6 +277,28 @@ class ErrorFlag:
             finally:
                 runtime.setDevice(previous)
         self.raise_if_set(message)
+
+
+_CELLS_A_PAGE = 1024  # flag cells one host-mapped allocation holds (4 KiB)
+_free_cells: dict[int, list[int]] = {}  # device -> cells not handed out yet
+_cells_lock = threading.Lock()
+
+
+def _mapped_cell(device: int) -> int:
+    """The address of a zeroed int32 in host-mapped memory that kernels on ``device`` may
+    write, cut from a page allocated once per _CELLS_A_PAGE cells: an object made per call
+    costs neither a cudaHostAlloc (slow, and serialising) nor a pinned page of its own.
+    Never freed or handed out twice: a running kernel or a captured graph may write it."""
+    with _cells_lock:
+        cells = _free_cells.setdefault(device, [])
+        if not cells:
+            runtime = cupy().cuda.runtime
+            with cupy().cuda.Device(device):
+                flags = runtime.hostAllocMapped | runtime.hostAllocPortable
+                page = runtime.hostAlloc(4 * _CELLS_A_PAGE, flags)
+            ctypes.memset(page, 0, 4 * _CELLS_A_PAGE)
+            cells.extend(page + 4 * i for i in reversed(range(_CELLS_A_PAGE)))
+        return cells.pop()
 
 
 _ANY_FLAG = ErrorFlag()  # for launches whose positions were validated on the host
