@@ -6,7 +6,9 @@
   device error flag of its own, so neither sees the other's launches or device errors.
 - Objects made per call (``apply_rope(q, k, RoPE(...))`` in a forward, an mHC op rebuilt
   every step from learned alphas) leave nothing behind: the torch custom ops run the
-  caller's own object while it lives, and keep a bounded number of rebuilt twins."""
+  caller's own object while it lives, and keep a bounded number of rebuilt twins.
+- An op called with a new layout every call (varying batch and sequence lengths) keeps a
+  bounded number of recorded launches."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from _cases import PLACES, assert_runs_in_own_process, to_place
 from _oracle import to_host
 
 from tileops_cupy import _rotate, rope, sequence_modeling
+from tileops_cupy._cache import LaunchRecords
 from tileops_cupy.rope import (
     Llama31,
     LongRoPEBwdOp,
@@ -288,3 +291,36 @@ def test_flag_cells_of_objects_made_per_call_share_mapped_pages(monkeypatch):
     assert not any(flag.take() for flag in flags)
     ctypes.c_int32.from_address(pointers[1][5]).value = 1  # a kernel on device 1 meets an error
     assert [flag.take() for flag in flags].count(True) == 1 and not flags[5].take()
+
+
+def test_launch_records_forget_the_oldest_layout():
+    records = LaunchRecords()
+    for layout in range(LaunchRecords.KEPT + 40):
+        records[layout] = f"launch {layout}"
+    assert len(records) == LaunchRecords.KEPT
+    assert (
+        min(records) == 40
+        and records[LaunchRecords.KEPT + 39] == f"launch {LaunchRecords.KEPT + 39}"
+    )
+    records[100] = "again"  # a layout it holds: nothing forgotten
+    assert len(records) == LaunchRecords.KEPT and min(records) == 40
+    for name, (make, _) in CASES.items():
+        assert type(make()._relaunches) is LaunchRecords, name
+
+
+@pytest.mark.gpu
+def test_gpu_ops_keep_a_bounded_number_of_launches():
+    """A trainer or server whose shapes change call after call: every layout right (the
+    host path's float32 result, to the contract's float32 bound at these magnitudes), at
+    most KEPT launches remembered per op."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(5)
+    rope_op, post = RoPEFwdOp(), MHCPostFwdOp()
+    for tokens in range(1, LaunchRecords.KEPT + 30):
+        x = _rows(rng, tokens, HEAD_DIM)
+        got = rope_op(torch.from_numpy(x).cuda())
+        np.testing.assert_allclose(got.cpu().numpy(), rope_op(x), rtol=0, atol=1e-5)
+        layer, gates, res = (_rows(rng, tokens, w) for w in (C_X, N, N * C_X))
+        got = post(*(torch.from_numpy(a).cuda() for a in (layer, gates, res)))
+        np.testing.assert_allclose(got.cpu().numpy(), post(layer, gates, res), rtol=0, atol=1e-5)
+    assert len(rope_op._relaunches) == len(post._relaunches) == LaunchRecords.KEPT

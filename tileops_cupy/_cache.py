@@ -1,8 +1,10 @@
-"""Thread-safe build-once maps (compiled modules, shared tables, device flags), and what an
-op keeps of them when it is copied or pickled (:class:`ProcessLocal`)."""
+"""Thread-safe build-once maps (compiled modules, shared tables, device flags), an op's
+launch records (:class:`LaunchRecords`), and what an op keeps of them when it is copied or
+pickled (:class:`ProcessLocal`)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Hashable
 from typing import Any, ClassVar
@@ -19,6 +21,24 @@ def build_once(cache: dict, lock: threading.Lock, key: Hashable, build: Callable
             if value is None:
                 value = cache[key] = build()
     return value
+
+
+class LaunchRecords(dict):
+    """An op's recorded launches by the layout of its arguments (see the ops' direct
+    paths), the oldest forgotten once it holds :attr:`KEPT`: a server or a trainer whose
+    batch and sequence lengths change call after call would otherwise keep one launch (for
+    mHC also a few bytes of device memory) per layout for as long as the op lives. A
+    forgotten layout is validated and planned again at its next call. Lookups are a plain
+    dict's; only a new record pays for the bound."""
+
+    KEPT = 256
+
+    def __setitem__(self, key: Hashable, value: Any) -> None:
+        if len(self) >= self.KEPT and key not in self:
+            # (dicts keep insertion order: the oldest; another thread may forget it first)
+            with contextlib.suppress(KeyError, RuntimeError, StopIteration):
+                del self[next(iter(self))]
+        super().__setitem__(key, value)
 
 
 class ProcessLocal:

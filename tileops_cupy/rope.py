@@ -39,7 +39,7 @@ from ._arrays import (
     to_caller,
     upload,
 )
-from ._cache import ProcessLocal
+from ._cache import LaunchRecords, ProcessLocal
 from ._rotate import (
     ROPE_PARAMS,
     CosSinCache,
@@ -142,7 +142,7 @@ class _RotaryOp(ProcessLocal):
         """This process's state (see :class:`ProcessLocal`); ``flag``: the key of the device
         error flag to use (a new flag if None)."""
         self._tables: dict[int, Any] = {}
-        self._relaunches: dict[tuple, Any] = {}  # torch CUDA layout -> its first call's launch
+        self._relaunches = LaunchRecords()  # torch CUDA layout -> its first call's launch
         flag, self._flag = error_flag(flag)  # device-side position errors of this op
         # the op by value: what its torch custom op carries (its flag by key)
         self.config = (
@@ -637,7 +637,7 @@ class RoPE(ProcessLocal):
         rotary_dim), a new device error flag, no recorded launches."""
         self.table = shared_table(self.scheme, self.rotary_dim)
         self._adopt_flag(None)
-        self._relaunches: dict[tuple, Any] = {}  # see _direct
+        self._relaunches = LaunchRecords()  # see _direct
         torch_ops.register_if_torch_imported()
 
     # ---- public calls: all in place, all one launch for q and k

@@ -49,7 +49,7 @@ from ._arrays import (
     select_place,
     to_caller,
 )
-from ._cache import ProcessLocal
+from ._cache import LaunchRecords, ProcessLocal
 from ._mhc_host import (
     SinkhornGates,
 )
@@ -71,7 +71,7 @@ class _MHCOp(ProcessLocal):
     _process_state = frozenset({"_relaunches"})
 
     def _start(self) -> None:
-        self._relaunches: dict[tuple, Any] = {}  # torch layouts -> their recorded launch
+        self._relaunches = LaunchRecords()  # torch layouts -> their recorded launch
         torch_ops.register_if_torch_imported()
 
 
