@@ -970,7 +970,8 @@ def test_gpu_out_of_range_device_positions_surface_at_the_next_call(rng, positio
     require("cuda", "torch")
     max_position, head_dim = 4096, DEVICE_HEAD_DIM
     rope = RoPE(head_dim, NUM_HEADS, NUM_KV_HEADS, max_position=max_position)
-    bystander = RoPE(head_dim, NUM_HEADS, NUM_KV_HEADS, max_position=max_position)
+    # (components built alike share their configuration's flag: this one is built otherwise)
+    bystander = RoPE(head_dim, NUM_HEADS, NUM_KV_HEADS, max_position=2 * max_position)
     values = [5, max_position, -3, max_position - 1, 2**31 - 1]
     clamped = [5, max_position - 1, 0, max_position - 1, max_position - 1]
     if positions_dtype == "int64":
@@ -988,7 +989,7 @@ def test_gpu_out_of_range_device_positions_surface_at_the_next_call(rng, positio
     assert_rotated(q, q64, positions, frequencies, "float32", what="q")
     assert_rotated(k, k64, positions, frequencies, "float32", what="k")
 
-    # another component's flag is its own
+    # a component of another configuration has a flag of its own
     q2, k2, _, _ = _qk(rng, "cuda", batch, 1, "float32")
     bystander.decode(q2, k2, 9)
     torch.cuda.synchronize()

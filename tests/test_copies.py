@@ -2,11 +2,13 @@
 
 - Every op and the Q/K component survive ``copy.copy``, ``copy.deepcopy`` and pickling (a
   model cloned for EMA or a reference policy, ``torch.save``, worker processes): the copy
-  has the original's arguments, computes the same bits, and holds launch records and a
-  device error flag of its own, so neither sees the other's launches or device errors.
+  has the original's arguments, computes the same bits and records launches of its own.
+- Ops built alike share one configuration, device error flag included: a function that
+  ``torch.compile`` traced for one layer serves every layer built alike, without a
+  recompile per layer; the flag's key is the same in every process.
 - Objects made per call (``apply_rope(q, k, RoPE(...))`` in a forward, an mHC op rebuilt
-  every step from learned alphas) leave nothing behind: the torch custom ops run the
-  caller's own object while it lives, and keep a bounded number of rebuilt twins.
+  every step from learned alphas) leave nothing behind: behind the dispatcher they run on
+  their configuration's twin, of which a bounded number are kept.
 - An op called with a new layout every call (varying batch and sequence lengths) keeps a
   bounded number of recorded launches."""
 
@@ -16,7 +18,10 @@ import contextlib
 import copy
 import ctypes
 import gc
+import os
 import pickle
+import subprocess
+import sys
 import textwrap
 import types
 from collections.abc import Callable
@@ -24,7 +29,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _cases import PLACES, assert_runs_in_own_process, to_place
+from _cases import PLACES, REPO, assert_runs_in_own_process, to_place
 from _oracle import to_host
 
 from tileops_cupy import _rotate, rope, sequence_modeling
@@ -162,7 +167,7 @@ def test_a_copy_computes_what_the_original_does(name, how, place):
     assert repr(twin) == repr(op)
     assert twin._relaunches == {}, "a copy records its own launches"
     if hasattr(op, "_flag"):  # (RoPE ops: device errors of device positions)
-        assert twin._flag is not op._flag, "a copy raises its own device errors"
+        assert twin._flag is op._flag and twin.config == op.config, "built alike"
     for seed in (1, 2):  # the twin's first call plans its own launch; the second replays it
         _assert_same_bits(
             run(twin, place, np.random.default_rng(seed)),
@@ -207,14 +212,53 @@ def test_a_pickled_component_runs_in_another_process(tmp_path):
 # --------------------------------------------------------------------------- objects made per call
 
 
-def test_the_custom_ops_run_the_callers_own_object():
-    op, component = RoPENeoxPositionIdsFwdOp(max_position=8), RoPE(HEAD_DIM, HEADS, KV_HEADS)
-    assert rope.seed_op(op.config) is op and rope.component(component.config) is component
-    configs = (op.config, component.config)
-    del op, component
-    gc.collect()  # a configuration that outlives its object (an exported graph) gets a twin
-    twins = rope.seed_op(configs[0]), rope.component(configs[1])
-    assert [twin.config for twin in twins] == list(configs)
+def test_layers_built_alike_compile_once():
+    torch = pytest.importorskip("torch")
+    from torch._dynamo.testing import CompileCounter
+
+    class Layer(torch.nn.Module):
+        def __init__(self, **rope_arguments):
+            super().__init__()
+            self.project = torch.nn.Linear(HEAD_DIM, (HEADS + KV_HEADS) * HEAD_DIM)
+            self.rope = RoPE(HEAD_DIM, HEADS, KV_HEADS, max_position=64, **rope_arguments)
+            self.seed = RoPEBwdOp(input_layout="2d", rotary_dim=32)
+
+        def forward(self, x):
+            qk = self.project(x)
+            q, k = apply_rope(qk[..., : HEADS * HEAD_DIM], qk[..., HEADS * HEAD_DIM :], self.rope)
+            return q.sum() + k.sum() + self.seed(q.unflatten(-1, (HEADS, HEAD_DIM))).sum()
+
+    counter = CompileCounter()
+    run = torch.compile(lambda layer, x: layer(x), backend=counter, fullgraph=True)
+    x = torch.randn(2, TOKENS, HEAD_DIM)
+    layers = [Layer() for _ in range(10)]  # past Dynamo's recompile limit (8)
+    for layer in layers:
+        torch.testing.assert_close(run(layer, x), layer(x))
+    assert counter.frame_count == 1, "one graph for every layer built alike"
+    assert len({layer.rope._flag for layer in layers}) == 1
+    run(Layer(scheme=YaRN()), x)  # built otherwise: a configuration (and a flag) of its own
+    assert counter.frame_count == 2
+
+
+_FLAG_KEY_ELSEWHERE = textwrap.dedent(
+    """
+    import sys
+    from tileops_cupy.rope import RoPE, RoPENeoxPositionIdsFwdOp
+    print(RoPE(64, 4, 2).config[9], RoPENeoxPositionIdsFwdOp(max_position=8).config[-1])
+    """
+)
+
+
+def test_flag_keys_are_the_same_in_every_process():
+    keys = (RoPE(64, 4, 2).config[9], RoPENeoxPositionIdsFwdOp(max_position=8).config[-1])
+    assert keys[0] != keys[1] and RoPE(64, 4, 1).config[9] != keys[0]
+    for seed in ("0", "1"):  # str hashes differ between these processes; the keys do not
+        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(REPO)}
+        printed = subprocess.run(
+            [sys.executable, "-c", _FLAG_KEY_ELSEWHERE], env=env, capture_output=True,
+            text=True, check=True,
+        ).stdout.split()  # fmt: skip
+        assert tuple(map(int, printed)) == keys
 
 
 def test_objects_made_per_call_leave_nothing_behind():
@@ -234,23 +278,20 @@ def test_objects_made_per_call_leave_nothing_behind():
         alpha = 1.0 + i / 1000  # learned by the caller: a new op every step
         sum(o.sum() for o in MHCPreFwdOp(alpha, alpha, alpha, 3)(phi, mhc_x, b)).backward()
 
+    twin_caches = (rope._seed_op, rope._component, sequence_modeling._rebuilt)
+    for cache in twin_caches:
+        cache.cache_clear()
+    gc.collect()
+    flags = len(_rotate._flags)
     for i in range(3 * rope._TWINS):
         step(i)
     gc.collect()
-    # what stays: at most the kept twins (each with its flag), whatever the number of steps;
-    # a backward that runs after its temporary object is gone runs on a twin
-    assert rope._seed_op.cache_info().currsize <= rope._TWINS
-    assert rope._component.cache_info().currsize <= rope._TWINS  # (backward: the object is gone)
-    assert sequence_modeling._rebuilt.cache_info().currsize <= 256
-    assert len(_rotate._flags) <= 2 * rope._TWINS + 16  # (seed and component twins)
-    assert len(rope._owners) <= 2 * rope._TWINS + 16
-
-
-def test_flag_keys_are_never_reused():
-    first, _ = _rotate.error_flag()
-    gc.collect()  # nothing holds that flag any more
-    second, _ = _rotate.error_flag()
-    assert second > first
+    # what stays: one twin and one flag per configuration, whatever the number of steps
+    seed_twins, component_twins, mhc_twins = (c.cache_info().currsize for c in twin_caches)
+    assert seed_twins == 2  # (the op's forward, and its backward)
+    assert component_twins == 1
+    assert mhc_twins <= 256  # (a new alpha every step: the newest kept)
+    assert len(_rotate._flags) <= flags + 3
 
 
 class _FakeRuntime:

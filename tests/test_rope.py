@@ -406,7 +406,7 @@ def test_position_ids_out_of_range_raise(rng, framework, id_dtype):
 def test_out_of_range_ids_raise_on_device_and_later_calls_work(rng, framework, id_dtype):
     """Device ids are bounded by the kernel without a sync: a bad id is clamped (no table is
     read out of bounds), flagged, and reported at this op's ``check()`` or next call, which
-    then rotates nothing; another op's calls are unaffected."""
+    then rotates nothing; an op of another configuration is unaffected."""
     max_position = 1000
     op = RoPENeoxPositionIdsFwdOp(max_position, rotary_dim=32)
     other = RoPENeoxPositionIdsBwdOp(max_position)
@@ -424,7 +424,7 @@ def test_out_of_range_ids_raise_on_device_and_later_calls_work(rng, framework, i
         clamped = ids_host.copy()
         clamped[row] = 0 if bad < 0 else max_position - 1
         assert_matches_oracle(y, host.astype(np.float64), clamped[:, None], freqs, "float16")
-        # another op's flag is its own
+        # an op of another configuration has a flag of its own
         good_host = random_position_ids(rng, 64, max_position, id_dtype)
         good = to_place(good_host, "cuda", framework)
         assert_matches_oracle(other(x, good), host.astype(np.float64), good_host[:, None],

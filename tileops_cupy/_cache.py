@@ -43,11 +43,11 @@ class LaunchRecords(dict):
 
 class ProcessLocal:
     """An op whose state splits in two: its arguments, and what it holds for this process
-    alone (handles to shared tables, the launches it recorded, its device error flag and
-    the ``config`` that names that flag), made by ``_start()``. A copy or a pickle carries
-    the arguments and makes the rest anew, so ``copy.deepcopy`` of a model, ``torch.save``
-    and multiprocessing work, and a copy never shares launch records or a flag with its
-    original (nor holds locks or device pointers of another process)."""
+    alone (handles to shared tables and to its configuration's device error flag, the
+    ``config`` that names that flag, the launches it recorded), made by ``_start()``. A copy
+    or a pickle carries the arguments and makes the rest anew, so ``copy.deepcopy`` of a
+    model, ``torch.save`` and multiprocessing work, and a copy never shares launch records
+    with its original (nor holds locks or device pointers of another process)."""
 
     _process_state: ClassVar[frozenset[str]]  # the attributes _start() makes
 

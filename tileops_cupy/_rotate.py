@@ -13,7 +13,7 @@ module only checks what the kernels need of the memory layout.
 from __future__ import annotations
 
 import ctypes
-import itertools
+import hashlib
 import threading
 import weakref
 from collections.abc import Callable
@@ -28,7 +28,10 @@ from ._arrays import ITEMSIZE, Operand, cupy, stream_handle
 from ._cache import build_once
 from ._tables import RotaryTable
 
-__all__ = ["HeadRows", "Positions", "CosSinCache", "RowNorm", "rotate", "ErrorFlag", "error_flag"]
+__all__ = [
+    "HeadRows", "Positions", "CosSinCache", "RowNorm", "rotate", "ErrorFlag", "error_flag",
+    "configuration_flag",
+]  # fmt: skip
 
 SHIPPED_ROTARY_DIMS = (64, 128)  # compiled with rotary_dim as a constant; others use 0 (runtime)
 # Measured on an H200 (bf16/fp32, B8 S4096 H32 D128): 128 threads and 4 heads per thread
@@ -303,26 +306,32 @@ def _mapped_cell(device: int) -> int:
 
 _ANY_FLAG = ErrorFlag()  # for launches whose positions were validated on the host
 # Each flag lives as long as an op holds it (the registry holds none), so objects made per
-# call leave nothing behind. Keys are never reused: a configuration that outlives its op
-# (a traced or exported graph) names its own flag, never a later op's. (The host-mapped
-# cells of a dropped flag stay allocated: a kernel or a captured graph may still write them.)
+# call leave nothing behind. (The host-mapped cells of a dropped flag stay allocated: a
+# kernel or a captured graph may still write them.)
 _flags: weakref.WeakValueDictionary[int, ErrorFlag] = weakref.WeakValueDictionary()
-_flag_keys = itertools.count()
 _flags_lock = threading.Lock()
 
 
-def error_flag(key: int | None = None) -> tuple[int, ErrorFlag]:
-    """``(key, flag)``: a new flag and its key when ``key`` is None, else the flag of
-    ``key`` (a new one under that key if no op holds it any more). An op keeps its flag's
-    key in the configuration its torch custom op carries, so the op behind the dispatcher
-    raises the caller's own flag."""
+def error_flag(key: int) -> tuple[int, ErrorFlag]:
+    """``(key, flag)``: the flag of ``key``, a new one if no op holds it. An op keeps its
+    flag's key in the configuration its torch custom op carries, so the op behind the
+    dispatcher raises the caller's flag."""
     with _flags_lock:
-        if key is None:
-            key = next(_flag_keys)
         flag = _flags.get(key)
         if flag is None:
             flag = _flags[key] = ErrorFlag()
         return key, flag
+
+
+def configuration_flag(configuration: tuple) -> tuple[int, ErrorFlag]:
+    """:func:`error_flag` of the key of ``configuration`` (an op's arguments by value): ops
+    built alike share one flag, and its key is a digest of the configuration, the same in
+    every process. So layers built alike carry equal configurations, and ``torch.compile``
+    traces one graph for them all instead of one per layer (a per-op key made every layer a
+    recompile), and a graph cached or exported by one process names the same flag in the
+    next. A device error then surfaces at the next call of any op of that configuration."""
+    digest = hashlib.blake2b(repr(configuration).encode(), digest_size=8).digest()
+    return error_flag(int.from_bytes(digest, "little") >> 1)  # (an int64 of the schema)
 
 
 def rotate(

@@ -30,8 +30,9 @@ NAMESPACE = "tileops_cupy"
 #   component:  scheme, scheme_args, rotary_dim, neox, head_dim, num_heads,
 #               num_kv_heads, max_position (0 = none), target ("" = none), flag,
 #               mrope_section ([] = none), mrope_interleaved, norm_eps, norm_weight_offset
-# where flag keys the op's device error flag (_rotate.error_flag), so the op rebuilt
-# behind the dispatcher raises its caller's flag. The component's calls take a position as
+# where flag keys the op's device error flag (_rotate.configuration_flag: one per
+# configuration, so layers built alike trace to one graph), so the op rebuilt behind the
+# dispatcher raises its caller's flag. The component's calls take a position as
 # offsets (a [B] tensor) or offset (an int), or per-token positions ([B, T] or [N], with
 # offset 0; [3, ...] under MRoPE), optionally a caller's cos_sin_cache in place of the
 # scheme's table, and the fused QK-RMSNorm's weights (None without the norm).

@@ -21,7 +21,6 @@ import dataclasses
 import functools
 import inspect
 import math
-import weakref
 from typing import Any
 
 import numpy as np
@@ -46,6 +45,7 @@ from ._rotate import (
     HeadRows,
     Positions,
     RowNorm,
+    configuration_flag,
     error_flag,
     rotate,
 )
@@ -140,16 +140,16 @@ class _RotaryOp(ProcessLocal):
 
     def _start(self, flag: int | None = None) -> None:
         """This process's state (see :class:`ProcessLocal`); ``flag``: the key of the device
-        error flag to use (a new flag if None)."""
+        error flag to use (None: the one of this op's configuration)."""
         self._tables: dict[int, Any] = {}
         self._relaunches = LaunchRecords()  # torch CUDA layout -> its first call's launch
-        flag, self._flag = error_flag(flag)  # device-side position errors of this op
-        # the op by value: what its torch custom op carries (its flag by key)
-        self.config = (
+        # the op by value: what its torch custom op carries (its device error flag by key)
+        arguments = (
             *scheme_args(self.scheme), self.rotary_dim or 0, self.rope_layout == "neox",
-            self._inverse, self.input_layout, self.max_position or 0, self.target or "", flag,
+            self._inverse, self.input_layout, self.max_position or 0, self.target or "",
         )  # fmt: skip
-        _owners.setdefault(flag, self)
+        flag, self._flag = configuration_flag(arguments) if flag is None else error_flag(flag)
+        self.config = (*arguments, flag)
         torch_ops.register_if_torch_imported()
 
     def _rows(self, operand: Operand, name: str) -> HeadRows:
@@ -402,8 +402,9 @@ class RoPENeoxPositionIdsFwdOp(_RotaryOp):
     (int64 ids are compared as int64). Device ids are not read on the host, since that
     would need a sync: the kernel clamps an out-of-range id (no table is ever read out of
     bounds) and raises a device flag, which surfaces as ValueError at this op's next call
-    (once the faulty kernel has finished) or at :meth:`check`, which synchronises. So a
-    call with device ids never waits for the device and can be captured in a CUDA graph.
+    (once the faulty kernel has finished; or at the next call of any op built alike, which
+    shares the flag) or at :meth:`check`, which synchronises. So a call with device ids
+    never waits for the device and can be captured in a CUDA graph.
 
     Example::
 
@@ -564,8 +565,9 @@ class RoPE(ProcessLocal):
     Ints and host tensors are validated before the launch. A device tensor is not (that
     would need a sync): the kernel clamps an out-of-range position so no table is read
     out of bounds, raises a device flag, and the flag surfaces as ValueError at this
-    component's next call (once the faulty kernel has finished) or at :meth:`check`, which
-    synchronises. This keeps calls with device tensors free of host syncs and of
+    component's next call (once the faulty kernel has finished; or at the next call of any
+    component built alike, every layer's say, which share the flag) or at :meth:`check`,
+    which synchronises. This keeps calls with device tensors free of host syncs and of
     allocations (a non-contiguous positions tensor is copied once, by its framework), so
     a CUDA graph can capture them and replay them with new positions written into the
     same tensor.
@@ -588,7 +590,7 @@ class RoPE(ProcessLocal):
         >>> _ = rope.prefill(q, k, 5, q_norm_weight=w, k_norm_weight=w)
     """
 
-    _process_state = frozenset({"table", "_flag", "_flag_key", "config", "_relaunches"})
+    _process_state = frozenset({"table", "_flag", "config", "_relaunches"})
 
     def __init__(
         self,
@@ -750,19 +752,22 @@ class RoPE(ProcessLocal):
     # ---- the one path
 
     def _adopt_flag(self, flag: int | None) -> None:
-        """Use the device flag ``flag`` (a new one if None) and set :attr:`config`, the
-        component by value as its torch custom ops carry it (the flag by key). A twin that
-        takes its caller's flag gives up the one it was built with."""
-        if _owners.get(getattr(self, "_flag_key", None)) is self:
-            del _owners[self._flag_key]
-        self._flag_key, self._flag = error_flag(flag)
-        self.config = _component_config(
-            scheme_args(self.scheme), self.rotary_dim, self.rope_layout == "neox",
-            self.head_dim, self.num_heads, self.num_kv_heads, self.max_position or 0,
-            self.target or "", self._flag_key, self.mrope_section or (),
-            self.mrope_interleaved, self.norm_eps, self.norm_weight_offset,
-        )  # fmt: skip
-        _owners.setdefault(self._flag_key, self)
+        """Use the device error flag of key ``flag`` (None: the one of this component's
+        configuration, which every component built alike shares) and set :attr:`config`,
+        the component by value as its torch custom ops carry it (the flag by key)."""
+
+        def configuration(key: int | None) -> tuple:
+            return _component_config(
+                scheme_args(self.scheme), self.rotary_dim, self.rope_layout == "neox",
+                self.head_dim, self.num_heads, self.num_kv_heads, self.max_position or 0,
+                self.target or "", key, self.mrope_section or (), self.mrope_interleaved,
+                self.norm_eps, self.norm_weight_offset,
+            )  # fmt: skip
+
+        flag, self._flag = (
+            configuration_flag(configuration(None)) if flag is None else error_flag(flag)
+        )
+        self.config = configuration(flag)
 
     def _flagged_message(self) -> str:
         return (
@@ -1315,7 +1320,7 @@ def _packed_heads(name: str, tensor: Any, head_size: int) -> int:
 
 
 # one device error flag for every cos_sin_cache call, held here: its twins come and go
-_CACHE_FLAG, _CACHE_ERRORS = error_flag()
+_CACHE_FLAG, _CACHE_ERRORS = configuration_flag(("apply_rope_with_cos_sin_cache",))
 _STANDARD_ARGS = scheme_args(Standard())
 
 
@@ -1345,20 +1350,10 @@ def _split_position(position: Any) -> tuple[Any, Any]:
 
 # --------------------------------------------------------------------------- rebuilt by value
 
-# The torch custom ops carry an op by value (its configuration, its device error flag by
-# key). Behind the dispatcher they run the caller's own object while it lives (found by its
-# flag's key), so that objects made per call (``apply_rope(q, k, RoPE(...))`` in a forward)
-# leave nothing behind; a configuration that outlives its object (a traced or exported
-# graph) runs on a twin rebuilt from it, of which the _TWINS most recently used are kept.
-_owners: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+# The torch custom ops carry an op by value; behind the dispatcher each configuration runs
+# on a twin rebuilt from it, of which the _TWINS most recently used are kept (objects made
+# per call share their configuration's twin: they leave nothing behind).
 _TWINS = 256
-
-
-def _live_owner(config: tuple, flag: int) -> Any:
-    """The living op or component that holds device error flag ``flag`` and has exactly
-    ``config``, or None."""
-    owner = _owners.get(flag)
-    return owner if owner is not None and owner.config == config else None
 
 
 @functools.lru_cache(maxsize=_TWINS)
@@ -1377,11 +1372,8 @@ def _seed_op(config: tuple) -> _RotaryOp:
 
 
 def seed_op(config: tuple) -> _RotaryOp:
-    """The seed op a torch custom op's configuration describes: the caller's own while it
-    lives, else a rebuilt twin."""
-    config = (config[0], tuple(config[1]), *config[2:])  # (the schema's float[] is a list)
-    owner = _live_owner(config, config[-1])
-    return owner if owner is not None else _seed_op(config)
+    """The seed op a torch custom op's configuration describes (its twin)."""
+    return _seed_op((config[0], tuple(config[1]), *config[2:]))  # (the schema's float[]: a list)
 
 
 def _component_config(
@@ -1425,9 +1417,7 @@ def _component(config: tuple) -> RoPE:
 
 
 def component(config: tuple) -> RoPE:
-    """The component a torch custom op's configuration describes: the caller's own while
-    it lives, else a rebuilt twin (every cos_sin_cache call: one per configuration)."""
+    """The component a torch custom op's configuration describes (its twin; every
+    cos_sin_cache call's, one per configuration)."""
     section = tuple(config[10])  # lists (the schema's int[]) are not hashable
-    config = (config[0], tuple(config[1]), *config[2:10], section, *config[11:])
-    owner = _live_owner(config, config[9])
-    return owner if owner is not None else _component(config)
+    return _component((config[0], tuple(config[1]), *config[2:10], section, *config[11:]))
