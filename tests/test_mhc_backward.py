@@ -545,6 +545,44 @@ def test_training_step_chain(rng, place):
     assert_pre_grads_match(ref, grads, "float32")
 
 
+def _phi_scaled(phi, alphas, n: int):
+    """phi with its three column blocks scaled by (alpha_pre, alpha_post, alpha_res)."""
+    scale = torch.cat([alphas[0].expand(n), alphas[1].expand(n), alphas[2].expand(n * n)])
+    return phi * scale
+
+
+@pytest.mark.parametrize("place", PLACES)
+def test_alphas_learned_through_phi(rng, place):
+    """The README's way to learn the alphas: folded into phi's columns (``alpha*h`` is
+    ``x @ (phi*scale)``), the op built with 1.0. The outputs are those of the op built
+    with the alphas; the alphas' gradients, through torch, are its grad_alpha; and a
+    function compiled once serves every value of the alphas, without a recompile."""
+    from torch._dynamo.testing import CompileCounter
+
+    case = random_pre_case(rng, 4, 64, 6, dtype="float32")
+    phi, x, b = (torch.from_numpy(a).to(place) for a in (case.phi, case.x, case.b))
+    alphas = torch.tensor(case.alphas, device=place, requires_grad=True)
+    folded = MHCPreFwdOp(1.0, 1.0, 1.0, case.repeat, case.eps)
+    outputs = folded(_phi_scaled(phi, alphas, 4), x, b)
+    built_with_alphas = MHCPreFwdOp(*case.alphas, case.repeat, case.eps)(phi, x, b)
+    for got, want in zip(outputs, built_with_alphas, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    upstream = [torch.randn_like(output) for output in outputs]
+    torch.autograd.backward(outputs, upstream)
+    *_, grad_alpha = MHCPreBwdOp(*case.alphas, case.repeat, case.eps)(phi, x, b, *upstream)
+    scale = grad_alpha.abs().max().item()
+    torch.testing.assert_close(alphas.grad, grad_alpha, rtol=0, atol=1e-4 * scale)
+
+    counter = CompileCounter()
+    step = torch.compile(
+        lambda alphas: folded(_phi_scaled(phi, alphas, 4), x, b)[1].sum(),
+        backend=counter, fullgraph=True,
+    )  # fmt: skip
+    for value in (0.5, 1.5, 2.5):
+        step(torch.full((3,), value, device=place, requires_grad=True)).backward()
+    assert counter.frame_count == 1
+
+
 # --------------------------------------------------------------------------- validation
 
 

@@ -130,7 +130,9 @@ class MHCPreFwdOp(_PreSettings):
     Args:
         alpha_pre: scale of the projection that makes the pre-layer gates ``h_pre``.
         alpha_post: scale of the projection that makes the post-layer gates ``h_post``.
-        alpha_res: scale of the logits of the residual mixing matrix.
+        alpha_res: scale of the logits of the residual mixing matrix. (To learn the
+            alphas, scale phi's three column blocks by them and pass 1.0: ``alpha * h`` is
+            ``x @ (alpha * phi)``, and torch differentiates the scaling; see the README.)
         sinkhorn_repeat: Sinkhorn iterations (each a row then a column normalisation), >= 0.
         sinkhorn_eps: added to every Sinkhorn row and column sum before dividing, >= 0.
         target: None or ``BUILTIN`` to run where the data lives, "cuda" or "cpu" to insist.
