@@ -636,7 +636,7 @@ class RoPE(ProcessLocal):
 
     def _start(self) -> None:
         """This process's state (see :class:`ProcessLocal`): the shared table of (scheme,
-        rotary_dim), a new device error flag, no recorded launches."""
+        rotary_dim), its configuration's device error flag, no recorded launches."""
         self.table = shared_table(self.scheme, self.rotary_dim)
         self._adopt_flag(None)
         self._relaunches = LaunchRecords()  # see _direct

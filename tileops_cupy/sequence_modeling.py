@@ -480,7 +480,7 @@ class MHCPostBwdOp(_MHCOp):
     __repr__ = MHCPostFwdOp.__repr__
 
 
-@functools.lru_cache(maxsize=256)  # (alphas learned by the caller: a new op every step)
+@functools.lru_cache(maxsize=256)  # (configurations may change every step: alphas as numbers)
 def _rebuilt(name: str, config: tuple) -> Any:
     *numbers, target = config
     return globals()[name](*numbers, target=target or None)
