@@ -62,20 +62,20 @@ def _rows(rng, *shape):
     return rng.standard_normal(shape).astype(np.float32)
 
 
-def _component_prefill(rope: RoPE, place: str, rng) -> tuple:
+def _component_prefill(component: RoPE, place: str, rng) -> tuple:
     q, k = _rows(rng, 2, TOKENS, HEADS * HEAD_DIM), _rows(rng, 2, TOKENS, KV_HEADS * HEAD_DIM)
     q, k = to_place(q, place), to_place(k, place)
-    rope.prefill(q, k, 3)
+    component.prefill(q, k, 3)
     return q, k
 
 
-def _component_positions(rope: RoPE, place: str, rng, norm: bool = False) -> tuple:
-    shape = (3, TOKENS) if rope.mrope_section else (TOKENS,)
+def _component_positions(component: RoPE, place: str, rng, norm: bool = False) -> tuple:
+    shape = (3, TOKENS) if component.mrope_section else (TOKENS,)
     positions = to_place(rng.integers(0, 100, shape), place)
     q, k = _rows(rng, TOKENS, HEADS * HEAD_DIM), _rows(rng, TOKENS, KV_HEADS * HEAD_DIM)
     q, k = to_place(q, place), to_place(k, place)
     weight = to_place(_rows(rng, HEAD_DIM), place) if norm else None
-    rope.forward(q, k, positions=positions, q_norm_weight=weight, k_norm_weight=weight)
+    component.forward(q, k, positions=positions, q_norm_weight=weight, k_norm_weight=weight)
     return q, k
 
 
