@@ -20,6 +20,7 @@ from _oracle import SEQUENCE_OP_IDS, SEQUENCE_OPS, random_position_ids, random_t
 
 from tileops_cupy.rope import (
     RoPE,
+    RoPEFwdOp,
     RoPENeoxPositionIdsBwdOp,
     RoPENeoxPositionIdsFwdOp,
     Standard,
@@ -395,6 +396,21 @@ def test_export_traces_the_ops(rng):
     )
     for actual, expected in zip(exported.module()(x, qkv), Block()(x, qkv), strict=True):
         _assert_same(actual, expected)
+
+
+def test_vmap_runs_the_ops_slice_by_slice(rng):
+    """``torch.vmap`` (a functorch transform, whose batched tensors have no storage) takes
+    the dispatcher, where torch's batching fallback runs the ops once per slice: the same
+    bits as a loop, where the direct path used to fail reading a data pointer."""
+    op, pre = RoPEFwdOp(input_layout="2d"), MHCPreFwdOp(1.0, 0.8, 1.2, 5)
+    x = random_tensor(rng, (3, 2, 5, 2, HEAD_DIM), "cpu")
+    phi, b, xs = (  # (mHC's phi and b are float32)
+        random_tensor(rng, shape, "cpu").float() for shape in ((4 * 16, 24), (24,), (3, 2, 64))
+    )
+    batched = torch.vmap(op)(x), torch.vmap(lambda t: pre(phi, t, b))(xs)
+    assert torch.equal(batched[0], torch.stack([op(t) for t in x]))
+    for i, output in enumerate(batched[1]):
+        assert torch.equal(output, torch.stack([pre(phi, t, b)[i] for t in xs]))
 
 
 @pytest.mark.parametrize("entry", ("RoPE", "apply_rope_with_cos_sin_cache", "MHCPreFwdOp"))

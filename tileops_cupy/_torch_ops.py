@@ -113,7 +113,7 @@ def _torch_bound() -> bool:
 def classify(*args: Any) -> Any:
     """How a call on ``args`` runs: :data:`DISPATCH` when the torch dispatcher must see it
     (some argument is a torch tensor and autograd must record the call, or a tracer such as
-    Dynamo, export, a dispatch mode or a tensor subclass watches it); otherwise
+    Dynamo, export, a dispatch mode, a tensor subclass or ``torch.vmap`` watches it); otherwise
     :func:`layouts` of the arguments, for the direct path. One pass: this runs every call."""
     if not _torch_bound():
         return (None,) * len(args), [0] * len(args)
@@ -156,7 +156,13 @@ def _layouts(args: tuple, grad: bool | None) -> Any:
             if grad and arg.requires_grad:
                 ensure_registered()
                 return DISPATCH
-            pointer = arg.data_ptr()
+            try:
+                pointer = arg.data_ptr()
+            except RuntimeError:  # no storage: a functorch wrapper (torch.vmap's batched tensor)
+                if grad is None:
+                    raise
+                ensure_registered()
+                return DISPATCH  # (torch's batching fallback runs the op slice by slice)
             strides = arg.is_contiguous() or arg.stride()
             keys.append((arg.shape, strides, arg.dtype, arg.device, pointer & 15))
             pointers.append(pointer)
