@@ -393,13 +393,12 @@ def test_one_dimensional_rescale_factors_still_work(rng):
 
 
 def test_meta_tensor_is_named():
+    """Memory on meta is nothing a body can read: named where it would be described. (The
+    ops themselves answer meta tensors with meta tensors, through their fake
+    implementations: test_torch.py.)"""
     meta = torch.empty(4, 16, device="meta")
     with pytest.raises(ValueError, match=r"^x is a torch tensor on meta; expected cpu or cuda"):
         as_operand(meta, "x")
-    with pytest.raises(ValueError, match=r"^x is a torch tensor on meta"):
-        RoPEFwdOp()(meta)
-    with pytest.raises(ValueError, match=r"^q is a torch tensor on meta"):
-        _rope().forward(torch.empty(B, T, Q_WIDTH, device="meta"), None)
 
 
 def _packed_field(rng, shape):

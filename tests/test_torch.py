@@ -413,6 +413,28 @@ def test_vmap_runs_the_ops_slice_by_slice(rng):
         assert torch.equal(output, torch.stack([pre(phi, t, b)[i] for t in xs]))
 
 
+def test_meta_tensors_take_the_fake_implementations(rng):
+    """Shape inference on the meta device (a model's forward run with no memory behind its
+    tensors): every op answers with meta tensors of the shapes its CPU call gives."""
+    rope = RoPE(HEAD_DIM, HEADS, KV_HEADS)
+    calls = {
+        "seed": (RoPEFwdOp(input_layout="2d"), ((2, 5, 3, HEAD_DIM),)),
+        "apply_rope": (
+            lambda q, k: apply_rope(q, k, rope, 4),
+            ((2, 5, HEADS * HEAD_DIM), (2, 5, KV_HEADS * HEAD_DIM)),
+        ),
+        "mhc pre": (MHCPreFwdOp(1.0, 1.0, 1.0, 5), ((4 * 16, 24), (3, 4 * 16), (24,))),
+        "mhc post": (MHCPostFwdOp(), ((3, 16), (3, 4), (3, 4 * 16))),
+    }
+    for name, (call, shapes) in calls.items():
+        on_cpu = call(*(random_tensor(rng, shape, "cpu").float() for shape in shapes))
+        on_meta = call(*(torch.empty(shape, device="meta") for shape in shapes))
+        on_cpu, on_meta = (o if isinstance(o, tuple) else (o,) for o in (on_cpu, on_meta))
+        assert [(o.device.type, o.shape, o.dtype) for o in on_meta] == [
+            ("meta", o.shape, o.dtype) for o in on_cpu
+        ], name
+
+
 @pytest.mark.parametrize("entry", ("RoPE", "apply_rope_with_cos_sin_cache", "MHCPreFwdOp"))
 def test_compiled_before_any_eager_call_does_not_recompile(entry):
     """In a fresh process, a function compiled (fullgraph, dynamic) before any eager call of

@@ -113,7 +113,8 @@ def _torch_bound() -> bool:
 def classify(*args: Any) -> Any:
     """How a call on ``args`` runs: :data:`DISPATCH` when the torch dispatcher must see it
     (some argument is a torch tensor and autograd must record the call, or a tracer such as
-    Dynamo, export, a dispatch mode, a tensor subclass or ``torch.vmap`` watches it); otherwise
+    Dynamo, export, a dispatch mode, a tensor subclass or ``torch.vmap`` watches it, or the
+    tensors are on meta, for their fake implementations); otherwise
     :func:`layouts` of the arguments, for the direct path. One pass: this runs every call."""
     if not _torch_bound():
         return (None,) * len(args), [0] * len(args)
@@ -163,6 +164,9 @@ def _layouts(args: tuple, grad: bool | None) -> Any:
                     raise
                 ensure_registered()
                 return DISPATCH  # (torch's batching fallback runs the op slice by slice)
+            if not pointer and grad is not None and arg.is_meta:  # shapes only: the fake impl
+                ensure_registered()
+                return DISPATCH
             strides = arg.is_contiguous() or arg.stride()
             keys.append((arg.shape, strides, arg.dtype, arg.device, pointer & 15))
             pointers.append(pointer)
