@@ -433,6 +433,10 @@ def test_meta_tensors_take_the_fake_implementations(rng):
         assert [(o.device.type, o.shape, o.dtype) for o in on_meta] == [
             ("meta", o.shape, o.dtype) for o in on_cpu
         ], name
+    # some on meta, some not: no shapes to infer, and no memory to compute on; named
+    meta_phi, x, b = torch.empty(64, 24, device="meta"), torch.zeros(3, 64), torch.zeros(24)
+    with pytest.raises(ValueError, match="^phi is a torch tensor on meta"):
+        MHCPreFwdOp(1.0, 1.0, 1.0, 5)(meta_phi, x, b)
 
 
 @pytest.mark.parametrize("entry", ("RoPE", "apply_rope_with_cos_sin_cache", "MHCPreFwdOp"))

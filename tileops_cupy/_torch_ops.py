@@ -114,7 +114,7 @@ def classify(*args: Any) -> Any:
     """How a call on ``args`` runs: :data:`DISPATCH` when the torch dispatcher must see it
     (some argument is a torch tensor and autograd must record the call, or a tracer such as
     Dynamo, export, a dispatch mode, a tensor subclass or ``torch.vmap`` watches it, or the
-    tensors are on meta, for their fake implementations); otherwise
+    tensors are all on meta, for their fake implementations); otherwise
     :func:`layouts` of the arguments, for the direct path. One pass: this runs every call."""
     if not _torch_bound():
         return (None,) * len(args), [0] * len(args)
@@ -151,6 +151,7 @@ def _layouts(args: tuple, grad: bool | None) -> Any:
     subclass (:func:`classify`)."""
     tensor = _Tensor
     keys, pointers = [], []
+    on_meta = 0  # tensors on the meta device
     for arg in args:
         kind = type(arg)
         if kind is tensor or kind is _Parameter:
@@ -164,9 +165,8 @@ def _layouts(args: tuple, grad: bool | None) -> Any:
                     raise
                 ensure_registered()
                 return DISPATCH  # (torch's batching fallback runs the op slice by slice)
-            if not pointer and grad is not None and arg.is_meta:  # shapes only: the fake impl
-                ensure_registered()
-                return DISPATCH
+            if not pointer and arg.is_meta:  # (tested only at address 0: meta, or empty)
+                on_meta += 1
             strides = arg.is_contiguous() or arg.stride()
             keys.append((arg.shape, strides, arg.dtype, arg.device, pointer & 15))
             pointers.append(pointer)
@@ -179,6 +179,9 @@ def _layouts(args: tuple, grad: bool | None) -> Any:
         else:
             keys.append(None)
             pointers.append(0)
+    if on_meta and grad is not None and on_meta == sum(isinstance(a, tensor) for a in args):
+        ensure_registered()  # every tensor on meta: shapes alone, from the fake implementations
+        return DISPATCH  # (some on meta, some not: the direct path names the one on meta)
     return tuple(keys), pointers
 
 
