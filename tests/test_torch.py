@@ -413,6 +413,27 @@ def test_vmap_runs_the_ops_slice_by_slice(rng):
         assert torch.equal(output, torch.stack([pre(phi, t, b)[i] for t in xs]))
 
 
+def test_the_profiler_shows_each_call_as_its_op(rng):
+    """While the torch profiler records, calls take the dispatcher, so a trace names each
+    op (and the kernels it launched sit under it); the results are the direct path's."""
+    op, rope, post = RoPEFwdOp(), RoPE(HEAD_DIM, HEADS, KV_HEADS), MHCPostFwdOp()
+    x = random_tensor(rng, (5, HEAD_DIM), "cpu")
+    q = random_tensor(rng, (1, 3, HEADS * HEAD_DIM), "cpu")
+    k = random_tensor(rng, (1, 3, KV_HEADS * HEAD_DIM), "cpu")
+    streams = [random_tensor(rng, shape, "cpu").float() for shape in ((3, 16), (3, 4), (3, 64))]
+
+    def calls():
+        return op(x), *rope.prefill(q.clone(), k.clone(), 2), post(*streams)
+
+    direct = calls()
+    with torch.profiler.profile() as profile:
+        recorded = calls()
+    names = {event.name for event in profile.events()}
+    assert {"tileops_cupy::rope", "tileops_cupy::rope_qk_", "tileops_cupy::mhc_post"} <= names
+    for got, want in zip(recorded, direct, strict=True):
+        assert torch.equal(got, want)
+
+
 def test_meta_tensors_take_the_fake_implementations(rng):
     """Shape inference on the meta device (a model's forward run with no memory behind its
     tensors): every op answers with meta tensors of the shapes its CPU call gives."""

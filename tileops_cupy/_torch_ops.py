@@ -83,6 +83,7 @@ _Tensor: Any = None
 _Parameter: Any = None
 _is_compiling: Any = None
 _dispatch_depth: Any = None
+_profiling: Any = None
 _grad_enabled: Any = None
 _increment_version: Any = None
 _raw_stream: Any = None
@@ -91,9 +92,10 @@ _contiguous_format: Any = None
 
 
 def _bind(torch: Any) -> None:
-    global _Tensor, _Parameter, _is_compiling, _dispatch_depth, _grad_enabled
+    global _Tensor, _Parameter, _is_compiling, _dispatch_depth, _profiling, _grad_enabled
     global _increment_version, _raw_stream, _empty_like, _contiguous_format
     _is_compiling, _dispatch_depth = torch.compiler.is_compiling, torch._C._len_torch_dispatch_stack
+    _profiling = torch._C._autograd._profiler_enabled
     _grad_enabled, _increment_version = torch.is_grad_enabled, torch._C._increment_version
     _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # CUDA builds only
     _empty_like, _contiguous_format = torch.empty_like, torch.contiguous_format
@@ -114,11 +116,13 @@ def classify(*args: Any) -> Any:
     """How a call on ``args`` runs: :data:`DISPATCH` when the torch dispatcher must see it
     (some argument is a torch tensor and autograd must record the call, or a tracer such as
     Dynamo, export, a dispatch mode, a tensor subclass or ``torch.vmap`` watches it, or the
-    tensors are all on meta, for their fake implementations); otherwise
-    :func:`layouts` of the arguments, for the direct path. One pass: this runs every call."""
+    torch profiler records, which then shows each call as its op, or the tensors are all
+    on meta, for their fake implementations); otherwise :func:`layouts` of the arguments,
+    for the direct path. One pass: this runs every call."""
     if not _torch_bound():
         return (None,) * len(args), [0] * len(args)
-    if (_is_compiling() or _dispatch_depth()) and any(isinstance(arg, _Tensor) for arg in args):
+    watched = _is_compiling() or _dispatch_depth() or _profiling()
+    if watched and any(isinstance(arg, _Tensor) for arg in args):
         ensure_registered()
         return DISPATCH
     return _layouts(args, _grad_enabled())
