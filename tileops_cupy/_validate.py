@@ -115,11 +115,10 @@ def check_host_positions(name: str, positions: np.ndarray, limit: int) -> None:
         )
 
 
-def check_position_ids(name: str, obj: Any, shape: tuple[int, ...], layout: str) -> Operand:
-    """``obj`` as an Operand of per-token positions: int32 or int64 (read natively, never
+def check_position_ids(name: str, ids: Operand, shape: tuple[int, ...], layout: str) -> Operand:
+    """``ids``, per-token positions, checked: int32 or int64 (read natively, never
     narrowed) of ``shape`` (``layout`` names it, e.g. "[B, T]"). Values are the caller's to
     check: on the host with :func:`check_host_positions`, on a device by the kernel."""
-    ids = as_operand(obj, name)
     if ids.dtype not in ("int32", "int64"):
         raise TypeError(f"{name} must be an int32 or int64 tensor, got {ids.dtype}")
     if ids.shape != tuple(shape):

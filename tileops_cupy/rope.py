@@ -921,8 +921,8 @@ class RoPE(ProcessLocal):
     def _positions(self, value, name, rows: HeadRows, place, ids=None, packed=False, limit=None):
         """Positions for a call: ints and host tensors checked here, device tensors bounded
         by the kernel (by ``limit``: max_position, or 2**24 without one). ``ids``: per-token
-        positions of shape [B, T] (or [N] for ``packed`` rows; a leading 3 under MRoPE),
-        with ``value`` 0."""
+        positions (an Operand) of shape [B, T] (or [N] for ``packed`` rows; a leading 3
+        under MRoPE), with ``value`` 0."""
         batch, seq = rows.shape[:2]
         limit = limit or self.max_position or MAX_POSITIONS
         if ids is not None:
@@ -998,8 +998,8 @@ class RoPE(ProcessLocal):
             )
         # positions of one token dim ([N], or [3, N] under MRoPE): packed q and k; the
         # cos_sin_cache calls take packed tokens only, as FlashInfer's (query [N, ...])
-        ids_dims = 0 if ids is None else as_operand(ids, "positions").ndim
-        token_dims = ids_dims - (self.mrope_section is not None)
+        ids = None if ids is None else as_operand(ids, "positions")  # (described once)
+        token_dims = (0 if ids is None else ids.ndim) - (self.mrope_section is not None)
         packed = ids is not None and token_dims == 1
         if cache is not None and ids is None:
             raise ValueError("a cos_sin_cache call takes per-token positions")
