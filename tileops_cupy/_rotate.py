@@ -323,15 +323,18 @@ def error_flag(key: int) -> tuple[int, ErrorFlag]:
         return key, flag
 
 
-def configuration_flag(configuration: tuple) -> tuple[int, ErrorFlag]:
-    """:func:`error_flag` of the key of ``configuration`` (an op's arguments by value): ops
-    built alike share one flag, and its key is a digest of the configuration, the same in
-    every process. So layers built alike carry equal configurations, and ``torch.compile``
-    traces one graph for them all instead of one per layer (a per-op key made every layer a
-    recompile), and a graph cached or exported by one process names the same flag in the
-    next. A device error then surfaces at the next call of any op of that configuration."""
-    digest = hashlib.blake2b(repr(configuration).encode(), digest_size=8).digest()
-    return error_flag(int.from_bytes(digest, "little") >> 1)  # (an int64 of the schema)
+def configuration_flag(configuration: tuple, key: int | None = None) -> tuple[int, ErrorFlag]:
+    """:func:`error_flag` of ``key``, or (None) of the key of ``configuration`` (an op's
+    arguments by value): ops built alike share one flag, and its key is a digest of the
+    configuration, the same in every process. So layers built alike carry equal
+    configurations, and ``torch.compile`` traces one graph for them all instead of one per
+    layer (a per-op key made every layer a recompile), and a graph cached or exported by
+    one process names the same flag in the next. A device error then surfaces at the next
+    call of any op of that configuration."""
+    if key is None:
+        digest = hashlib.blake2b(repr(configuration).encode(), digest_size=8).digest()
+        key = int.from_bytes(digest, "little") >> 1  # (an int64 of the schema)
+    return error_flag(key)
 
 
 def rotate(

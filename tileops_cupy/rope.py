@@ -46,7 +46,6 @@ from ._rotate import (
     Positions,
     RowNorm,
     configuration_flag,
-    error_flag,
     rotate,
 )
 from ._tables import shared_table, table_bytes, table_cache_info
@@ -148,7 +147,7 @@ class _RotaryOp(ProcessLocal):
             *scheme_args(self.scheme), self.rotary_dim or 0, self.rope_layout == "neox",
             self._inverse, self.input_layout, self.max_position or 0, self.target or "",
         )  # fmt: skip
-        flag, self._flag = configuration_flag(arguments) if flag is None else error_flag(flag)
+        flag, self._flag = configuration_flag(arguments, flag)
         self.config = (*arguments, flag)
         torch_ops.register_if_torch_imported()
 
@@ -764,9 +763,7 @@ class RoPE(ProcessLocal):
                 self.norm_eps, self.norm_weight_offset,
             )  # fmt: skip
 
-        flag, self._flag = (
-            configuration_flag(configuration(None)) if flag is None else error_flag(flag)
-        )
+        flag, self._flag = configuration_flag(configuration(None), flag)
         self.config = configuration(flag)
 
     def _flagged_message(self) -> str:
