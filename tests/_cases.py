@@ -151,14 +151,16 @@ def assert_graph_replays_like_eager(
 
 def assert_runs_in_own_process(
     script: str, *argv: str, env: Mapping[str, str] | None = None
-) -> None:
+) -> str:
     """Run ``script`` (Python source) with ``argv`` in a fresh interpreter that imports the
-    package from this checkout, and assert it exits 0 (its output in the failure message).
-    CUDA-graph captures run this way: a failed capture poisons its process's CUDA context,
-    which would hide the tests after it. ``env``: variables to set on top of this process's."""
+    package from this checkout, assert it exits 0 (its output in the failure message), and
+    return what it printed. CUDA-graph captures run this way: a failed capture poisons its
+    process's CUDA context, which would hide the tests after it. ``env``: variables to set
+    on top of this process's."""
     env = {**os.environ, **(env or {}), "PYTHONPATH": str(REPO)}
     result = subprocess.run(
         [sys.executable, "-c", script, *argv],
         env=env, cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout

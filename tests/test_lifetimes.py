@@ -18,10 +18,7 @@ import contextlib
 import copy
 import ctypes
 import gc
-import os
 import pickle
-import subprocess
-import sys
 import textwrap
 import types
 from collections.abc import Callable
@@ -29,7 +26,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from _cases import PLACES, REPO, assert_runs_in_own_process, to_place
+from _cases import PLACES, assert_runs_in_own_process, to_place
 from _oracle import to_host
 
 from tileops_cupy import _rotate, rope, sequence_modeling
@@ -253,12 +250,8 @@ def test_flag_keys_are_the_same_in_every_process():
     keys = (RoPE(64, 4, 2).config[9], RoPENeoxPositionIdsFwdOp(max_position=8).config[-1])
     assert keys[0] != keys[1] and RoPE(64, 4, 1).config[9] != keys[0]
     for seed in ("0", "1"):  # str hashes differ between these processes; the keys do not
-        env = {**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(REPO)}
-        printed = subprocess.run(
-            [sys.executable, "-c", _FLAG_KEY_ELSEWHERE], env=env, capture_output=True,
-            text=True, check=True,
-        ).stdout.split()  # fmt: skip
-        assert tuple(map(int, printed)) == keys
+        printed = assert_runs_in_own_process(_FLAG_KEY_ELSEWHERE, env={"PYTHONHASHSEED": seed})
+        assert tuple(map(int, printed.split())) == keys
 
 
 def test_objects_made_per_call_leave_nothing_behind():
