@@ -28,6 +28,7 @@ from tileops_cupy.rope import (
     apply_rope,
 )
 from tileops_cupy.schemes import Llama31, LongRoPE, Standard, YaRN, scheme_args, scheme_from_args
+from tileops_cupy.sequence_modeling import MHCPreFwdOp
 
 HEAD_DIM, NUM_HEADS, NUM_KV_HEADS = 16, 4, 2
 B, T = 2, 3
@@ -399,6 +400,37 @@ def test_meta_tensor_is_named():
     meta = torch.empty(4, 16, device="meta")
     with pytest.raises(ValueError, match=r"^x is a torch tensor on meta; expected cpu or cuda"):
         as_operand(meta, "x")
+
+
+SPARSE_AND_NESTED = {
+    "sparse_coo": lambda t: t.to_sparse(),
+    "sparse_csr": lambda t: t.to_sparse_csr(),
+    "nested": lambda t: torch.nested.nested_tensor(list(t)),
+}
+
+
+@pytest.mark.parametrize("layout", list(SPARSE_AND_NESTED))
+@pytest.mark.parametrize("grad", (False, True))
+def test_sparse_and_nested_tensors_are_named(rng, layout, grad):
+    """A sparse or nested tensor has no one pointer and strides: each op's call names it
+    (the seed op's x, apply_rope's k, mHC pre's x), with or without autograd watching,
+    instead of failing inside torch ("Cannot access data pointer ...")."""
+
+    def dense(*shape):
+        return torch.from_numpy(rng.standard_normal(shape)).float()
+
+    def odd(*shape):  # (a nested tensor of rows: one per leading index)
+        return SPARSE_AND_NESTED[layout](dense(*shape)).requires_grad_(grad)
+
+    calls = {
+        "x": lambda: RoPEFwdOp()(odd(4, HEAD_DIM)),
+        "k": lambda: apply_rope(dense(1, T, Q_WIDTH), odd(T, K_WIDTH), _rope()),
+        "x ": lambda: MHCPreFwdOp(1.0, 1.0, 1.0, 2)(dense(2 * 8, 8), odd(3, 2 * 8), dense(8)),
+    }
+    for name, call in calls.items():
+        expected = f"^{name.strip()} must be a dense \\(strided\\) torch tensor, got a {layout}"
+        with pytest.raises(TypeError, match=expected):
+            call()
 
 
 def _packed_field(rng, shape):

@@ -16,7 +16,13 @@ import pytest
 import torch
 from _cases import PLACES, assert_runs_in_own_process
 from _compile import backends, compile_counting
-from _oracle import SEQUENCE_OP_IDS, SEQUENCE_OPS, random_position_ids, random_tensor
+from _oracle import (
+    SEQUENCE_OP_IDS,
+    SEQUENCE_OPS,
+    assert_gradcheck,
+    random_position_ids,
+    random_tensor,
+)
 
 from tileops_cupy.rope import (
     RoPE,
@@ -65,8 +71,8 @@ def test_seed_op_gradients(rng, case, layout, place):
     if place == "cpu":
         small = random_tensor(rng, GRADCHECK_SHAPES[layout], place, requires_grad=True)
         for op in (fwd, bwd):
-            assert torch.autograd.gradcheck(op, (small,))
-            assert torch.autograd.gradgradcheck(op, (small,))
+            assert_gradcheck(op, (small,))
+            assert torch.autograd.gradgradcheck(op, (small,), check_fwd_over_rev=True)
 
 
 @pytest.mark.parametrize("place", PLACES)
@@ -83,7 +89,7 @@ def test_position_ids_op_gradients(rng, place, ids_dtype):
     _assert_same(x.grad, bwd(grad, ids))
     if place == "cpu":
         x64 = x.detach().requires_grad_()
-        assert torch.autograd.gradcheck(lambda t: fwd(t, ids), (x64,))
+        assert_gradcheck(lambda t: fwd(t, ids), (x64,))
 
 
 @pytest.mark.parametrize("place", PLACES)
@@ -101,7 +107,7 @@ def test_apply_rope_gradients(rng, place, offsets):
     _assert_same(k.grad, expected[1])
     if place == "cpu":
         inputs = (q.detach().requires_grad_(), k.detach().requires_grad_())
-        assert torch.autograd.gradcheck(lambda a, b: apply_rope(a, b, rope, position), inputs)
+        assert_gradcheck(lambda a, b: apply_rope(a, b, rope, position), inputs)
 
 
 # --------------------------------------------------------------------------- in-place rules
@@ -239,6 +245,9 @@ def test_mhc_second_order_gradients_raise(rng):
     grads = torch.autograd.grad(out.square().sum(), post_leaves, create_graph=True)
     with pytest.raises(RuntimeError, match="MHCPostBwdOp .* through MHCPostFwdOp"):
         torch.autograd.grad(grads[1].sum(), post_leaves)
+
+    with pytest.raises(RuntimeError, match=second_order):  # also under torch.func
+        torch.func.grad(lambda x: torch.func.grad(loss, argnums=1)(phi, x, b).sum())(x)
 
     upstream = [torch.ones(s) for s in ((3, 16), (3, 8), (3, 2))]
     direct = MHCPreBwdOp(0.8, 1.1, 0.9, 3)(*leaves, *upstream)
@@ -411,6 +420,102 @@ def test_vmap_runs_the_ops_slice_by_slice(rng):
     assert torch.equal(batched[0], torch.stack([op(t) for t in x]))
     for i, output in enumerate(batched[1]):
         assert torch.equal(output, torch.stack([pre(phi, t, b)[i] for t in xs]))
+
+
+def _autograd_gradients(function, inputs):
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    function(*leaves).backward()
+    return [leaf.grad for leaf in leaves]
+
+
+def test_func_transforms_take_the_same_gradients_as_autograd(rng):
+    """``torch.func.grad`` (and ``vmap`` of it, per-sample gradients) through every kind of
+    op: the seed op, ``apply_rope`` with the fused norm, the component in place on a
+    non-leaf, and mHC pre -> layer -> post. torch's custom-op autograd raises under these
+    transforms; the ops' autograd.Functions give autograd's gradients, bit for bit."""
+    op = RoPEFwdOp(input_layout="2d")
+    rope = RoPE(HEAD_DIM, HEADS, KV_HEADS, scheme=YaRN(scale=4.0), rotary_dim=8)
+    pre, post = MHCPreFwdOp(0.8, 1.1, 0.9, 6), MHCPostFwdOp()
+    q = random_tensor(rng, (2, 3, HEADS * HEAD_DIM), "cpu")
+    k = random_tensor(rng, (2, 3, KV_HEADS * HEAD_DIM), "cpu")
+    weight = random_tensor(rng, (HEAD_DIM,), "cpu")
+
+    def rotated_in_place(q, k):
+        q, k = q * 1, k * 1  # non-leaves: the rotation is recorded
+        rope.prefill(q, k, 11)
+        return (q.square().sum() + k.cos().sum()) / 7
+
+    def mhc_block(phi, x, b):
+        x_res, x_layer, h_post = pre(phi, x, b)
+        return post(x_layer * 2, h_post, x_res).square().sum()
+
+    losses = {
+        "seed op": (lambda x: op(x).square().sum(), (random_tensor(rng, SHAPES["2d"], "cpu"),)),
+        "apply_rope with the norm": (
+            lambda q, k, w: (
+                apply_rope(q, k, rope, 5, q_norm_weight=w, k_norm_weight=w)[0].sin().sum()
+            ),
+            (q, k, weight),
+        ),
+        "in place": (rotated_in_place, (q, k)),
+        "mHC": (mhc_block, _mhc_inputs(rng, "cpu", n=4, c_x=8, batch=5)),
+    }
+    for name, (loss, inputs) in losses.items():
+        argnums = tuple(range(len(inputs)))
+        transformed = torch.func.grad(loss, argnums=argnums)(*inputs)
+        for got, want in zip(transformed, _autograd_gradients(loss, inputs), strict=True):
+            assert torch.equal(got, want), name
+
+    phi, x, b = losses["mHC"][1]
+
+    def row_loss(row):
+        return mhc_block(phi, row[None], b)
+
+    looped = [_autograd_gradients(row_loss, (row,))[0] for row in x]
+    assert torch.equal(torch.func.vmap(torch.func.grad(row_loss))(x), torch.stack(looped))
+
+
+def test_forward_mode_gives_every_tangent_or_says_it_cannot(rng):
+    """Forward-mode AD (``torch.func.jvp``, dual tensors): a RoPE op's tangent is the same
+    op applied to the input's tangent (it is linear), mHC post's is its bilinear
+    derivative; mHC pre and the backward ops have none and raise an error that names the op.
+    The tangents were once silently dropped (the outputs came back without them)."""
+    import torch.autograd.forward_ad as forward_ad
+
+    op = RoPEFwdOp(input_layout="2d")
+    x, tangent = (random_tensor(rng, SHAPES["2d"], "cpu") for _ in range(2))
+    _, jvp = torch.func.jvp(op, (x,), (tangent,))
+    assert torch.equal(jvp, op(tangent))
+    with forward_ad.dual_level():
+        dual = op(forward_ad.make_dual(x, tangent))
+        assert torch.equal(forward_ad.unpack_dual(dual).tangent, op(tangent))
+
+    post = MHCPostFwdOp()
+    streams = [random_tensor(rng, shape, "cpu").float() for shape in ((3, 8), (3, 2), (3, 16))]
+    tangents = [random_tensor(rng, t.shape, "cpu").float() for t in streams]
+    _, jvp = torch.func.jvp(post, tuple(streams), tuple(tangents))
+    (layer, gates, _), (layer_t, gates_t, res_t) = (
+        [t.double() for t in ts] for ts in (streams, tangents)
+    )
+    terms = (
+        (gates_t[:, :, None] * layer[:, None]).flatten(1),
+        (gates[:, :, None] * layer_t[:, None]).flatten(1),
+        res_t,
+    )
+    bound = sum(term.abs() for term in terms).max().item()  # 3 float32 roundings at most
+    torch.testing.assert_close(jvp.double(), sum(terms), rtol=0, atol=2**-21 * bound)
+
+    phi, x, b = _mhc_inputs(rng, "cpu", n=2, c_x=8, batch=3)
+    pre = MHCPreFwdOp(1.0, 1.0, 1.0, 3)
+    with pytest.raises(RuntimeError, match="MHCPreFwdOp has no forward-mode derivative"):
+        torch.func.jvp(lambda x: pre(phi, x, b), (x,), (x,))
+    no_derivative = pytest.raises(RuntimeError, match="MHCPreFwdOp has no forward-mode derivative")
+    with no_derivative, forward_ad.dual_level():
+        pre(phi, forward_ad.make_dual(x, x), b)
+    upstream = [torch.ones(s) for s in ((3, 16), (3, 8), (3, 2))]
+    backward = MHCPreBwdOp(1.0, 1.0, 1.0, 3)
+    with pytest.raises(RuntimeError, match="MHCPreBwdOp has no forward-mode derivative"):
+        torch.func.jvp(lambda x: backward(phi, x, b, *upstream)[1], (x,), (x,))
 
 
 def test_the_profiler_shows_each_call_as_its_op(rng):

@@ -104,6 +104,9 @@ _torch_dtypes: dict[str, Any] = {}  # our name -> torch.dtype
 
 
 def _from_torch(obj: Any, name: str = "tensor") -> Operand:
+    if obj.is_nested or obj.layout is not _torch().strided:  # (no one pointer and strides)
+        layout = "nested" if obj.is_nested else str(obj.layout).removeprefix("torch.")
+        raise TypeError(f"{name} must be a dense (strided) torch tensor, got a {layout} tensor")
     dtype = _torch_dtype_names.get(obj.dtype)
     if dtype is None:
         dtype = _torch_dtype_names[obj.dtype] = str(obj.dtype).removeprefix("torch.")

@@ -11,6 +11,10 @@ Otherwise the public op calls its direct path, which costs a fraction of a dispa
 round trip; in-place calls then bump the version counters themselves, as the dispatcher
 would, so autograd still sees every write.
 
+Under a ``torch.func`` transform or forward-mode AD, which torch's custom-op autograd does
+not serve, a call goes through its op's ``torch.autograd.Function`` instead (the same
+backward, a forward-mode derivative, a generated vmap rule; :func:`transformed`).
+
 Each custom op carries its op's configuration by value (scheme name and numbers, layout,
 rotary_dim, ...), so a traced or exported graph holds no Python object; its
 implementation is the op's own direct path, rebuilt from that configuration once.
@@ -89,13 +93,18 @@ _increment_version: Any = None
 _raw_stream: Any = None
 _empty_like: Any = None
 _contiguous_format: Any = None
+_functorch_active: Any = None
+_forward_ad: Any = None
 
 
 def _bind(torch: Any) -> None:
     global _Tensor, _Parameter, _is_compiling, _dispatch_depth, _profiling, _grad_enabled
     global _increment_version, _raw_stream, _empty_like, _contiguous_format
+    global _functorch_active, _forward_ad
     _is_compiling, _dispatch_depth = torch.compiler.is_compiling, torch._C._len_torch_dispatch_stack
     _profiling = torch._C._autograd._profiler_enabled
+    _functorch_active = torch._C._are_functorch_transforms_active
+    _forward_ad = torch.autograd.forward_ad  # (its _current_level: -1 outside a dual_level)
     _grad_enabled, _increment_version = torch.is_grad_enabled, torch._C._increment_version
     _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # CUDA builds only
     _empty_like, _contiguous_format = torch.empty_like, torch.contiguous_format
@@ -115,13 +124,17 @@ def _torch_bound() -> bool:
 def classify(*args: Any) -> Any:
     """How a call on ``args`` runs: :data:`DISPATCH` when the torch dispatcher must see it
     (some argument is a torch tensor and autograd must record the call, or a tracer such as
-    Dynamo, export, a dispatch mode, a tensor subclass or ``torch.vmap`` watches it, or the
-    torch profiler records, which then shows each call as its op, or the tensors are all
-    on meta, for their fake implementations); otherwise :func:`layouts` of the arguments,
-    for the direct path. One pass: this runs every call."""
+    Dynamo, export, a dispatch mode or a tensor subclass watches it, or a ``torch.func``
+    transform or forward-mode AD is active (:func:`transformed`), or the torch profiler
+    records, which then shows each call as its op, or the tensors are all on meta, for
+    their fake implementations); otherwise :func:`layouts` of the arguments, for the direct
+    path. One pass: this runs every call."""
     if not _torch_bound():
         return (None,) * len(args), [0] * len(args)
-    watched = _is_compiling() or _dispatch_depth() or _profiling()
+    watched = (
+        _is_compiling() or _dispatch_depth() or _profiling() or _functorch_active()
+        or _forward_ad._current_level >= 0
+    )  # fmt: skip
     if watched and any(isinstance(arg, _Tensor) for arg in args):
         ensure_registered()
         return DISPATCH
@@ -133,13 +146,23 @@ def is_compiling() -> bool:
     return _torch_bound() and _is_compiling()
 
 
+def transformed() -> bool:
+    """True while a ``torch.func`` transform (grad, vjp, jacrev, jvp, vmap, ...) or
+    forward-mode AD (``torch.autograd.forward_ad.dual_level``) is active. torch's custom-op
+    autograd serves neither (the transforms raise in it; dual tensors' tangents are
+    dropped), so calls then take the op's ``torch.autograd.Function`` (:func:`_call`), which
+    has a ``setup_context``, a vmap rule and a forward-mode derivative."""
+    return _torch_bound() and (_functorch_active() or _forward_ad._current_level >= 0)
+
+
 def layouts(*args: Any) -> tuple[tuple, list[int]]:
     """``(keys, addresses)``: per argument, the layout key of a plain torch tensor (shape,
-    True if contiguous else its strides, dtype, device, address mod 16; None for anything
-    else) and its address (0). Contiguity stands for the strides because it costs a third of
-    reading them on every call; two contiguous tensors of one shape differ at most in the
-    strides of dimensions of size 1 (or of an empty tensor), which address no element but
-    the first, so a launch planned for one serves the other.
+    True if contiguous else its strides, dtype, device, address mod 16; a key equal to no
+    other for a sparse or nested tensor; None for anything else) and its address (0).
+    Contiguity stands for the strides because it costs a third of reading them on every
+    call; two contiguous tensors of one shape differ at most in the strides of dimensions
+    of size 1 (or of an empty tensor), which address no element but the first, so a launch
+    planned for one serves the other.
 
     An op remembers, per keys of its arguments, the launch its first call made; a later
     call with equal keys was validated and planned by that call and only patches the
@@ -159,20 +182,19 @@ def _layouts(args: tuple, grad: bool | None) -> Any:
     for arg in args:
         kind = type(arg)
         if kind is tensor or kind is _Parameter:
-            if grad and arg.requires_grad:
-                ensure_registered()
-                return DISPATCH
             try:
                 pointer = arg.data_ptr()
-            except RuntimeError:  # no storage: a functorch wrapper (torch.vmap's batched tensor)
-                if grad is None:
-                    raise
-                ensure_registered()
-                return DISPATCH  # (torch's batching fallback runs the op slice by slice)
+                strides = arg.is_contiguous() or arg.stride()
+                key = (arg.shape, strides, arg.dtype, arg.device, pointer & 15)
+            except RuntimeError:  # not one block of strided memory (sparse, nested): a key
+                pointer, key = 0, object()  # equal to none, so validation names the argument
+            else:  # (and the direct path, which does, not the dispatcher: torch has no kernel)
+                if grad and arg.requires_grad:
+                    ensure_registered()
+                    return DISPATCH
             if not pointer and arg.is_meta:  # (tested only at address 0: meta, or empty)
                 on_meta += 1
-            strides = arg.is_contiguous() or arg.stride()
-            keys.append((arg.shape, strides, arg.dtype, arg.device, pointer & 15))
+            keys.append(key)
             pointers.append(pointer)
         elif arg is None or kind is int:  # (isinstance on torch.Tensor is slow for these)
             keys.append(None)
@@ -246,46 +268,48 @@ def register_if_torch_imported() -> None:
 # --------------------------------------------------------------------------- the calls
 
 
-def rope(config: tuple, x: Any, position_ids: Any) -> Any:
+def _call(name: str, *arguments: Any) -> Any:
+    """The custom op ``name`` on ``arguments``; under a ``torch.func`` transform or
+    forward-mode AD (:func:`transformed`), through its ``torch.autograd.Function``."""
+    if transformed():
+        return _FUNCTIONS[name].apply(*arguments)
     import torch
 
-    return torch.ops.tileops_cupy.rope(x, position_ids, *config)
+    return getattr(torch.ops.tileops_cupy, name)(*arguments)
+
+
+def rope(config: tuple, x: Any, position_ids: Any) -> Any:
+    return _call("rope", x, position_ids, *config)
 
 
 def rope_qk(config: tuple, *arguments: Any, in_place: bool = False) -> Any:
     """The component's op on ``(q, k, offsets, offset, positions, cos_sin_cache, inverse,
     decode, q_norm_weight, k_norm_weight)``: rotated copies of q and k (``rope_qk``), or the
-    rotation in place (``rope_qk_``)."""
-    import torch
+    rotation in place (``rope_qk_``, which autograd and the transforms never see: the
+    caller records in-place calls as a rotated copy and ``copy_``)."""
+    if in_place:
+        import torch
 
-    op = torch.ops.tileops_cupy.rope_qk_ if in_place else torch.ops.tileops_cupy.rope_qk
-    return op(*arguments, *config)
+        return torch.ops.tileops_cupy.rope_qk_(*arguments, *config)
+    return _call("rope_qk", *arguments, *config)
 
 
 def mhc_pre(config: tuple, phi: Any, x: Any, b: Any) -> Any:
-    import torch
-
-    return torch.ops.tileops_cupy.mhc_pre(phi, x, b, *config)
+    return _call("mhc_pre", phi, x, b, *config)
 
 
 def mhc_post(target: str, x_layer_out: Any, h_post: Any, x_res: Any) -> Any:
-    import torch
-
-    return torch.ops.tileops_cupy.mhc_post(x_layer_out, h_post, x_res, target)
+    return _call("mhc_post", x_layer_out, h_post, x_res, target)
 
 
 def mhc_pre_bwd(config: tuple, *tensors: Any) -> Any:
-    import torch
-
-    return torch.ops.tileops_cupy.mhc_pre_bwd(*tensors, *config)
+    return _call("mhc_pre_bwd", *tensors, *config)
 
 
 def mhc_post_bwd(target: str, *tensors: Any) -> Any:
     """``(grad_x_layer_out, grad_h_post, grad_x_res)``: the op computes the first two;
     grad_x_res is grad_x_out itself (a custom op may not return its input)."""
-    import torch
-
-    grad_layer, grad_gates = torch.ops.tileops_cupy.mhc_post_bwd(*tensors, target)
+    grad_layer, grad_gates = _call("mhc_post_bwd", *tensors, target)
     return grad_layer, grad_gates, tensors[-1]
 
 
@@ -369,14 +393,20 @@ def _rms_norm_backward(x, weight, grad, head_dim, eps, offset):
     import torch
 
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-    rows = x.to(compute).unflatten(-1, (-1, head_dim))
-    grad_rows = grad.to(compute).unflatten(-1, (-1, head_dim))
+    rows = _head_rows(x.to(compute), head_dim)
+    grad_rows = _head_rows(grad.to(compute), head_dim)
     inverse_rms = torch.rsqrt(rows.square().mean(-1, keepdim=True) + eps)
     normed = rows * inverse_rms
     weighted = grad_rows * (weight.to(compute) + offset)
     grad_x = inverse_rms * (weighted - normed * (weighted * normed).mean(-1, keepdim=True))
     grad_weight = (grad_rows * normed).reshape(-1, head_dim).sum(0)
-    return grad_x.flatten(-2).to(x.dtype), grad_weight.to(weight.dtype)
+    return grad_x.reshape(x.shape).to(x.dtype), grad_weight.to(weight.dtype)
+
+
+def _head_rows(x, head_dim):
+    """``x`` (``[..., heads*head_dim]`` or ``[..., heads, head_dim]``) as ``[..., heads,
+    head_dim]`` rows (reshape, which every vmap has a rule for, unlike unflatten)."""
+    return x.reshape(*x.shape[:-1], x.shape[-1] // head_dim, head_dim)
 
 
 def _rope_qk__impl(
@@ -497,27 +527,140 @@ def _no_second_order(op_name: str, forward_name: str) -> tuple:
     return backward, setup_context
 
 
+# --------------------------------------------------------------------------- forward mode
+# The tangents of the ops' outputs, for their autograd.Functions (under transformed()). The
+# RoPE ops are linear in the data, so a tangent rotates as the data does (after the fused
+# norm's derivative, when there is one); mHC post is bilinear; mHC pre (Sinkhorn) and the
+# backward ops have no forward-mode derivative and say so.
+
+
+def _rope_jvp(ctx, x_tangent, *_):
+    return rope(ctx.config, x_tangent, ctx.position_ids)
+
+
+def _rope_qk_jvp(ctx, q_tangent, k_tangent, *tangents):
+    # (tensors without a tangent come as zeros; k None comes as None)
+    if ctx.normed:
+        q, k, q_weight, k_weight = ctx.saved_tensors  # (kept by save_for_forward)
+        q_weight_tangent, k_weight_tangent = tangents[6:8]
+        head_dim, eps, offset = ctx.config[4], *ctx.config[-2:]
+        norm = (head_dim, eps, offset)
+        q_tangent = _rms_norm_jvp(q, q_weight, q_tangent, q_weight_tangent, *norm)
+        if ctx.has_k:
+            k_tangent = _rms_norm_jvp(k, k_weight, k_tangent, k_weight_tangent, *norm)
+    return rope_qk(
+        ctx.config, q_tangent, k_tangent, ctx.offsets, ctx.offset, ctx.positions, ctx.cache,
+        ctx.inverse, False, None, None,
+    )  # fmt: skip
+
+
+def _rms_norm_jvp(x, weight, x_tangent, weight_tangent, head_dim, eps, offset):
+    """The tangent of ``n = x / sqrt(mean(x**2) + eps) * (weight + offset)`` per head row
+    (:func:`_rms_norm_backward`'s forward) for tangents of x and weight, in x's dtype."""
+    import torch
+
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    rows = _head_rows(x.to(compute), head_dim)
+    rows_tangent = _head_rows(x_tangent.to(compute), head_dim)
+    inverse_rms = torch.rsqrt(rows.square().mean(-1, keepdim=True) + eps)
+    normed = rows * inverse_rms
+    normed_tangent = inverse_rms * (rows_tangent - normed * (normed * rows_tangent).mean(-1, True))
+    tangent = normed_tangent * (weight.to(compute) + offset) + normed * weight_tangent.to(compute)
+    return tangent.reshape(x.shape).to(x.dtype)
+
+
+def _mhc_post_jvp(ctx, layer_tangent, gates_tangent, res_tangent, _target):
+    # x_out = h_post (x) x_layer_out + x_res
+    import torch
+
+    layer, gates, res = ctx.saved_tensors  # (kept by save_for_forward)
+    tangent = mhc_post(ctx.target, layer_tangent, gates, res_tangent)
+    return tangent + mhc_post(ctx.target, layer, gates_tangent, torch.zeros_like(res))
+
+
+def _no_forward_mode(op_name: str) -> Any:
+    def jvp(ctx, *tangents):
+        raise RuntimeError(
+            f"{op_name} has no forward-mode derivative (torch.func.jvp, torch.func.jacfwd, "
+            "torch.autograd.forward_ad); take its gradients in reverse mode (backward(), "
+            "torch.autograd.grad, torch.func.grad, vjp or jacrev)"
+        )
+
+    return jvp
+
+
 # --------------------------------------------------------------------------- registration
 
+# name: (implementation, fake, mutated arguments, (backward, setup_context) or None,
+#        (jvp, the inputs its setup_context keeps for it) or None)
 _IMPLEMENTATIONS = {
-    "rope": (_rope_impl, _rope_fake, (), (_rope_backward, _rope_setup)),
-    "rope_qk": (_rope_qk_impl, _rope_qk_fake, (), (_rope_qk_backward, _rope_qk_setup)),
-    "rope_qk_": (_rope_qk__impl, _rope_qk__fake, ("q", "k"), None),
-    "mhc_pre": (_mhc_pre_impl, _mhc_pre_fake, (), (_mhc_pre_backward, _mhc_pre_setup)),
-    "mhc_post": (_mhc_post_impl, _mhc_post_fake, (), (_mhc_post_backward, _mhc_post_setup)),
+    "rope": (_rope_impl, _rope_fake, (), (_rope_backward, _rope_setup), (_rope_jvp, ())),
+    "rope_qk": (
+        _rope_qk_impl,
+        _rope_qk_fake,
+        (),
+        (_rope_qk_backward, _rope_qk_setup),
+        (_rope_qk_jvp, (0, 1, 8, 9)),  # q, k and the norm weights
+    ),
+    "rope_qk_": (_rope_qk__impl, _rope_qk__fake, ("q", "k"), None, None),
+    "mhc_pre": (
+        _mhc_pre_impl,
+        _mhc_pre_fake,
+        (),
+        (_mhc_pre_backward, _mhc_pre_setup),
+        (_no_forward_mode("MHCPreFwdOp"), ()),
+    ),
+    "mhc_post": (
+        _mhc_post_impl,
+        _mhc_post_fake,
+        (),
+        (_mhc_post_backward, _mhc_post_setup),
+        (_mhc_post_jvp, (0, 1, 2)),
+    ),
     "mhc_pre_bwd": (
         _mhc_pre_bwd_impl,
         _mhc_pre_bwd_fake,
         (),
         _no_second_order("MHCPreBwdOp", "MHCPreFwdOp"),
+        (_no_forward_mode("MHCPreBwdOp"), ()),
     ),
     "mhc_post_bwd": (
         _mhc_post_bwd_impl,
         _mhc_post_bwd_fake,
         (),
         _no_second_order("MHCPostBwdOp", "MHCPostFwdOp"),
+        (_no_forward_mode("MHCPostBwdOp"), ()),
     ),
 }
+
+# name: the op as a torch.autograd.Function, for calls under torch.func transforms and
+# forward-mode AD (_call); filled by ensure_registered
+_FUNCTIONS: dict[str, Any] = {}
+
+
+def _autograd_function(name: str, op: Any, autograd: tuple, forward_mode: tuple) -> Any:
+    """The custom op ``op`` as a ``torch.autograd.Function``: the same backward and context
+    as its registered autograd formula, a forward-mode derivative, and a vmap rule torch
+    generates (its forward under vmap is the op's batching fallback)."""
+    import torch
+
+    backward, setup, (jvp, kept_for_jvp) = *autograd, forward_mode
+
+    def setup_context(ctx, inputs, output):
+        setup(ctx, inputs, output)
+        ctx.save_for_forward(*(inputs[i] for i in kept_for_jvp))
+
+    return type(
+        f"{name}_function",
+        (torch.autograd.Function,),
+        {
+            "generate_vmap_rule": True,
+            "forward": staticmethod(lambda *arguments: op(*arguments)),
+            "setup_context": staticmethod(setup_context),
+            "backward": staticmethod(backward),
+            "jvp": staticmethod(jvp),
+        },
+    )
 
 
 def ensure_registered() -> None:
@@ -530,7 +673,7 @@ def ensure_registered() -> None:
             return
         import torch
 
-        for name, (impl, fake, mutates, autograd) in _IMPLEMENTATIONS.items():
+        for name, (impl, fake, mutates, autograd, forward_mode) in _IMPLEMENTATIONS.items():
             op = torch.library.custom_op(
                 f"{NAMESPACE}::{name}", impl, mutates_args=mutates, schema=SCHEMAS[name]
             )
@@ -538,6 +681,8 @@ def ensure_registered() -> None:
             if autograd is not None:
                 backward, setup_context = autograd
                 op.register_autograd(backward, setup_context=setup_context)
+                overload = getattr(torch.ops.tileops_cupy, name)
+                _FUNCTIONS[name] = _autograd_function(name, overload, autograd, forward_mode)
         _registered = True
 
 

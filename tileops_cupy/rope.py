@@ -1152,7 +1152,7 @@ def _in_place_call(
         )  # fmt: skip
         return
     offsets, offset = _split_position(position)
-    if not torch_ops.requires_grad(q, k, *weights):
+    if not torch_ops.requires_grad(q, k, *weights) and not torch_ops.transformed():
         arguments = (q, k, offsets, offset, ids, cache, inverse, decode, *weights)
         torch_ops.rope_qk(config, *arguments, in_place=True)
         return
@@ -1167,7 +1167,8 @@ def _in_place_call(
                 f"place (autograd forbids it); use {copy} for a rotated copy, or rotate "
                 "under torch.no_grad()"
             )
-    if not torch_ops.is_compiling():  # (a traced graph has no memory to compare)
+    if not torch_ops.is_compiling() and not torch_ops.transformed():
+        # (a traced graph, or a torch.func transform's wrapper, has no memory to compare)
         operands = {q_name: as_operand(q, q_name)}
         if k is not None:
             operands[k_name] = as_operand(k, k_name)
