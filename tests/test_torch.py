@@ -407,10 +407,47 @@ def test_export_traces_the_ops(rng):
         _assert_same(actual, expected)
 
 
+_LOAD_EXPORTED = """
+import sys
+import torch
+import tileops_cupy  # (after torch: registers the ops; nothing else of the package is built)
+program = torch.export.load(sys.argv[1])
+inputs, expected = torch.load(sys.argv[2])
+for actual, want in zip(program.module()(*inputs), expected, strict=True):
+    assert torch.equal(actual, want)
+print(sorted(name for name in sys.modules if name.startswith("tileops_cupy.")))
+"""
+
+
+def test_exported_program_loads_where_the_package_is_imported(rng, tmp_path):
+    """A saved ``torch.export`` program runs in a fresh process that imported torch, then
+    ``tileops_cupy`` (which registers the custom ops when torch came first), and gives the
+    exporting process's bits."""
+    rope = RoPE(HEAD_DIM, HEADS, KV_HEADS)
+    pre = MHCPreFwdOp(1.0, 0.8, 1.2, 5)
+
+    class Block(torch.nn.Module):
+        def forward(self, phi, x, b, q):
+            q_rot, _ = apply_rope(q, None, rope, 3)
+            return (*pre(phi, x, b), q_rot)
+
+    inputs = (  # (mHC's phi, x and b are float32)
+        *(random_tensor(rng, shape, "cpu").float() for shape in ((4 * 16, 24), (3, 64), (24,))),
+        random_tensor(rng, (1, 4, HEADS * HEAD_DIM), "cpu"),
+    )
+    torch.export.save(torch.export.export(Block(), inputs), tmp_path / "block.pt2")
+    torch.save((inputs, Block()(*inputs)), tmp_path / "data.pt")
+    loaded = assert_runs_in_own_process(
+        _LOAD_EXPORTED, str(tmp_path / "block.pt2"), str(tmp_path / "data.pt")
+    )
+    assert "tileops_cupy._torch_ops" in loaded
+
+
 def test_vmap_runs_the_ops_slice_by_slice(rng):
     """``torch.vmap`` (a functorch transform, whose batched tensors have no storage) takes
-    the dispatcher, where torch's batching fallback runs the ops once per slice: the same
-    bits as a loop, where the direct path used to fail reading a data pointer."""
+    the op's autograd.Function, whose generated vmap rule runs torch's batching fallback,
+    once per slice: the same bits as a loop, where the direct path used to fail reading a
+    data pointer."""
     op, pre = RoPEFwdOp(input_layout="2d"), MHCPreFwdOp(1.0, 0.8, 1.2, 5)
     x = random_tensor(rng, (3, 2, 5, 2, HEAD_DIM), "cpu")
     phi, b, xs = (  # (mHC's phi and b are float32)

@@ -7,12 +7,16 @@ Submodules: :mod:`tileops_cupy.rope` (the RoPE ops and the in-place Q/K componen
 CUDA array first arrives.
 """
 
+import sys
 from importlib import import_module
 
 from ._arrays import BUILTIN, cuda_available
 
 __version__ = "0.1.0"
 __all__ = ["BUILTIN", "cuda_available", "rope", "schemes", "sequence_modeling", "__version__"]
+
+if "torch" in sys.modules:  # torch first: its custom ops registered now (10 ms), so that
+    import_module(f"{__name__}._torch_ops")  # torch.export.load finds them in any process
 
 
 def __getattr__(name: str):
