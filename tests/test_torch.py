@@ -443,6 +443,32 @@ def test_exported_program_loads_where_the_package_is_imported(rng, tmp_path):
     assert "tileops_cupy._torch_ops" in loaded
 
 
+def test_jit_trace_records_the_ops(rng):
+    """``torch.jit.trace`` (and the TorchScript-based ONNX export on top of it) records each
+    op as its custom op, so the traced function recomputes on new inputs. The direct path
+    used to run unseen: the trace kept an ``aten::empty`` where the output was made and
+    returned uninitialised memory for every new input."""
+    op, rope = RoPEFwdOp(input_layout="2d"), RoPE(HEAD_DIM, HEADS, KV_HEADS)
+    pre, post = MHCPreFwdOp(1.0, 0.9, 1.1, 4), MHCPostFwdOp()
+
+    def block(x, q, phi, x_streams, b):
+        q = q * 1
+        rope.prefill(q, None, 3)
+        x_res, x_layer, h_post = pre(phi, x_streams, b)
+        return op(x), q, post(x_layer, h_post, x_res)
+
+    def inputs():
+        shapes = ((2, 3, 2, HEAD_DIM), (1, 4, HEADS * HEAD_DIM), (4 * 16, 24), (3, 64), (24,))
+        return [random_tensor(rng, shape, "cpu").float() for shape in shapes]
+
+    traced = torch.jit.trace(block, tuple(inputs()))  # (deprecated by torch, still used)
+    names = {node.kind() for node in traced.graph.nodes()}
+    assert {"tileops_cupy::rope", "tileops_cupy::rope_qk_", "tileops_cupy::mhc_pre"} <= names
+    fresh = inputs()
+    for got, want in zip(traced(*fresh), block(*fresh), strict=True):
+        assert torch.equal(got, want)
+
+
 def test_vmap_runs_the_ops_slice_by_slice(rng):
     """``torch.vmap`` (a functorch transform, whose batched tensors have no storage) takes
     the op's autograd.Function, whose generated vmap rule runs torch's batching fallback,

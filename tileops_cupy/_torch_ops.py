@@ -95,14 +95,15 @@ _empty_like: Any = None
 _contiguous_format: Any = None
 _functorch_active: Any = None
 _forward_ad: Any = None
+_jit_tracing: Any = None
 
 
 def _bind(torch: Any) -> None:
     global _Tensor, _Parameter, _is_compiling, _dispatch_depth, _profiling, _grad_enabled
     global _increment_version, _raw_stream, _empty_like, _contiguous_format
-    global _functorch_active, _forward_ad
+    global _functorch_active, _forward_ad, _jit_tracing
     _is_compiling, _dispatch_depth = torch.compiler.is_compiling, torch._C._len_torch_dispatch_stack
-    _profiling = torch._C._autograd._profiler_enabled
+    _profiling, _jit_tracing = torch._C._autograd._profiler_enabled, torch._C._is_tracing
     _functorch_active = torch._C._are_functorch_transforms_active
     _forward_ad = torch.autograd.forward_ad  # (its _current_level: -1 outside a dual_level)
     _grad_enabled, _increment_version = torch.is_grad_enabled, torch._C._increment_version
@@ -124,7 +125,8 @@ def _torch_bound() -> bool:
 def classify(*args: Any) -> Any:
     """How a call on ``args`` runs: :data:`DISPATCH` when the torch dispatcher must see it
     (some argument is a torch tensor and autograd must record the call, or a tracer such as
-    Dynamo, export, a dispatch mode or a tensor subclass watches it, or a ``torch.func``
+    Dynamo, export, ``torch.jit.trace`` (which would record the direct path's output as a
+    constant), a dispatch mode or a tensor subclass watches it, or a ``torch.func``
     transform or forward-mode AD is active (:func:`transformed`), or the torch profiler
     records, which then shows each call as its op, or the tensors are all on meta, for
     their fake implementations); otherwise :func:`layouts` of the arguments, for the direct
@@ -132,8 +134,8 @@ def classify(*args: Any) -> Any:
     if not _torch_bound():
         return (None,) * len(args), [0] * len(args)
     watched = (
-        _is_compiling() or _dispatch_depth() or _profiling() or _functorch_active()
-        or _forward_ad._current_level >= 0
+        _is_compiling() or _dispatch_depth() or _profiling() or _jit_tracing()
+        or _functorch_active() or _forward_ad._current_level >= 0
     )  # fmt: skip
     if watched and any(isinstance(arg, _Tensor) for arg in args):
         ensure_registered()
