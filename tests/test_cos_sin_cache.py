@@ -172,6 +172,38 @@ def test_cos_sin_cache_gradients(rng, is_neox, place):
 
 
 @pytest.mark.parametrize("place", PLACES)
+@pytest.mark.parametrize("call", ("copy", "inplace"))
+@pytest.mark.parametrize("mode", ("reverse", "forward"))
+def test_a_cache_that_would_take_a_gradient_is_refused(rng, call, mode, place):
+    """No gradient flows to the cache, so one that requires grad (or carries a forward-mode
+    tangent) is refused before any write, instead of its gradient silently staying None.
+    Under torch.no_grad() (or detached) the same cache rotates."""
+    import torch.autograd.forward_ad as forward_ad
+
+    cache, _ = _cache(rng, HEAD_SIZE, place)
+    positions = torch.from_numpy(rng.integers(0, MAX_POSITION, N)).to(place)
+    query = random_tensor(rng, (N, HEADS * HEAD_SIZE), place)
+    before = query.clone()
+    rotate = (
+        apply_rope_with_cos_sin_cache if call == "copy" else apply_rope_with_cos_sin_cache_inplace
+    )
+    refused = pytest.raises(
+        ValueError, match="^cos_sin_cache requires grad .* pass cos_sin_cache.detach"
+    )
+    if mode == "reverse":
+        learned = cache.clone().requires_grad_()
+        with refused:
+            rotate(positions, query, None, HEAD_SIZE, learned)
+        with torch.no_grad():
+            rotate(positions, query.clone(), None, HEAD_SIZE, learned)
+    else:
+        with forward_ad.dual_level(), refused:
+            dual = forward_ad.make_dual(cache, torch.ones_like(cache))
+            rotate(positions, query, None, HEAD_SIZE, dual)
+    assert torch.equal(query, before)
+
+
+@pytest.mark.parametrize("place", PLACES)
 def test_cos_sin_cache_in_place_under_autograd_is_recorded(rng, place):
     cache, _ = _cache(rng, HEAD_SIZE, place)
     positions = torch.from_numpy(rng.integers(0, MAX_POSITION, N)).to(place)

@@ -242,6 +242,16 @@ def requires_grad(*tensors: Any) -> bool:
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
+def differentiated(tensor: Any) -> bool:
+    """True when autograd (grad mode on, ``tensor`` requires grad) or forward-mode AD (a
+    tangent on ``tensor``) would carry a derivative with this torch ``tensor``."""
+    if not isinstance(tensor, _Tensor):
+        return False
+    if tensor.requires_grad and _grad_enabled():
+        return True
+    return _forward_ad._current_level >= 0 and _forward_ad.unpack_dual(tensor).tangent is not None
+
+
 def bump_torch_versions(tensors: tuple) -> None:
     """:func:`bump_versions` for tensors known to be plain torch tensors."""
     _increment_version(tensors)

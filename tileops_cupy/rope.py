@@ -1152,6 +1152,7 @@ def _in_place_call(
         )  # fmt: skip
         return
     offsets, offset = _split_position(position)
+    _refuse_differentiated_cache(cache)
     if not torch_ops.requires_grad(q, k, *weights) and not torch_ops.transformed():
         arguments = (q, k, offsets, offset, ids, cache, inverse, decode, *weights)
         torch_ops.rope_qk(config, *arguments, in_place=True)
@@ -1243,7 +1244,8 @@ def apply_rope_with_cos_sin_cache(
         is_neox: pairs ``(j, j + rotary_dim/2)`` (True) or ``(2j, 2j+1)`` (False).
 
     Any framework; on torch tensors that require grad the results carry a ``grad_fn`` (the
-    transpose rotation at the same positions; no gradient flows to the cache).
+    transpose rotation at the same positions). No gradient flows to the cache: one that
+    requires grad (or carries a forward-mode tangent) is refused with ValueError.
 
     Example::
 
@@ -1258,6 +1260,7 @@ def apply_rope_with_cos_sin_cache(
     config = _cache_config(query, key, head_size, cos_sin_cache, is_neox)
     if torch_ops.classify(query, key, positions, cos_sin_cache) is not torch_ops.DISPATCH:
         return component(config).rotated(query, key, 0, ids=positions, cache=cos_sin_cache)
+    _refuse_differentiated_cache(cos_sin_cache)
     arguments = (query, key, None, 0, positions, cos_sin_cache, False, False, None, None)
     q_rot, k_rot = torch_ops.rope_qk(config, *arguments)
     return q_rot, None if key is None else k_rot
@@ -1320,6 +1323,18 @@ def _packed_heads(name: str, tensor: Any, head_size: int) -> int:
 # one device error flag for every cos_sin_cache call, held here: its twins come and go
 _CACHE_FLAG, _CACHE_ERRORS = configuration_flag(("apply_rope_with_cos_sin_cache",))
 _STANDARD_ARGS = scheme_args(Standard())
+
+
+def _refuse_differentiated_cache(cache: Any) -> None:
+    """The cos_sin_cache calls differentiate query and key only: a cache that requires grad
+    (or carries a tangent) is refused, before any write, rather than left without its
+    gradient."""
+    if cache is not None and torch_ops.differentiated(cache):
+        raise ValueError(
+            "cos_sin_cache requires grad (or carries a forward-mode tangent), but no gradient "
+            "flows to it (the rotation is differentiated with respect to query and key only); "
+            "pass cos_sin_cache.detach()"
+        )
 
 
 def _argument_names(cache: Any) -> tuple[str, str]:
