@@ -581,6 +581,34 @@ def test_forward_mode_gives_every_tangent_or_says_it_cannot(rng):
         torch.func.jvp(lambda x: backward(phi, x, b, *upstream)[1], (x,), (x,))
 
 
+def test_in_place_under_forward_mode_rotates_the_tangent_and_checks_memory(rng):
+    """The component in place on dual tensors: recorded as a rotated copy and ``copy_``, so
+    the tangent rotates with the data; q and k that overlap are refused before any write,
+    as without forward mode (the memory check is skipped only for torch.func's wrappers,
+    which have none to compare)."""
+    import torch.autograd.forward_ad as forward_ad
+
+    rope = RoPE(HEAD_DIM, 2, 2)
+    data, tangent = (random_tensor(rng, (1, 3, 4 * HEAD_DIM), "cpu") for _ in range(2))
+    expected = data.clone(), tangent.clone()
+    for rows in expected:
+        rope.prefill(rows[..., : 2 * HEAD_DIM], rows[..., 2 * HEAD_DIM :], 5)
+    with forward_ad.dual_level():  # (the tangent is written in place too)
+        dual = forward_ad.make_dual(data.clone(), tangent.clone())
+        q, k = dual[..., : 2 * HEAD_DIM], dual[..., 2 * HEAD_DIM :]
+        rope.prefill(q, k, 5)
+        rotated = forward_ad.unpack_dual(dual)
+    assert torch.equal(rotated.primal, expected[0])
+    assert torch.equal(rotated.tangent, expected[1])
+
+    with forward_ad.dual_level():
+        dual = forward_ad.make_dual(data.clone(), tangent)
+        overlapping = dual[..., : 2 * HEAD_DIM], dual[..., HEAD_DIM : 3 * HEAD_DIM]
+        with pytest.raises(ValueError, match="^q and k overlap in memory"):
+            rope.prefill(*overlapping, 5)
+        assert torch.equal(forward_ad.unpack_dual(dual).primal, data)
+
+
 def test_the_profiler_shows_each_call_as_its_op(rng):
     """While the torch profiler records, calls take the dispatcher, so a trace names each
     op (and the kernels it launched sit under it); the results are the direct path's."""

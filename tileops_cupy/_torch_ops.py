@@ -157,6 +157,15 @@ def transformed() -> bool:
     return _torch_bound() and (_functorch_active() or _forward_ad._current_level >= 0)
 
 
+def functorch_wrapped(*tensors: Any) -> bool:
+    """True when any of the (torch or None) ``tensors`` is a ``torch.func`` transform's
+    wrapper, whose memory cannot be described (a vmap's batched tensor has none)."""
+    import torch
+
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    return any(tensor is not None and wrapped(tensor) for tensor in tensors)
+
+
 def layouts(*args: Any) -> tuple[tuple, list[int]]:
     """``(keys, addresses)``: per argument, the layout key of a plain torch tensor (shape,
     True if contiguous else its strides, dtype, device, address mod 16; a key equal to no

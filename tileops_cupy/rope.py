@@ -1168,7 +1168,7 @@ def _in_place_call(
                 f"place (autograd forbids it); use {copy} for a rotated copy, or rotate "
                 "under torch.no_grad()"
             )
-    if not torch_ops.is_compiling() and not torch_ops.transformed():
+    if not torch_ops.is_compiling() and not torch_ops.functorch_wrapped(q, k):
         # (a traced graph, or a torch.func transform's wrapper, has no memory to compare)
         operands = {q_name: as_operand(q, q_name)}
         if k is not None:
