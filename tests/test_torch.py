@@ -419,6 +419,71 @@ print(sorted(name for name in sys.modules if name.startswith("tileops_cupy.")))
 """
 
 
+def _opcheck_cases(rng, place):
+    """name: (custom op, its arguments) of each registered op, as the public ops call them
+    (inputs that require grad where autograd would record the call)."""
+    ops = torch.ops.tileops_cupy
+    seed, ids_op = RoPEFwdOp(input_layout="2d"), RoPENeoxPositionIdsFwdOp(max_position=100)
+    rope = RoPE(HEAD_DIM, 2, 1, rotary_dim=8, norm_weight_offset=1.0)
+    pre = MHCPreFwdOp(1.0, 0.9, 1.1, 4)
+
+    def data(*shape, grad=False):
+        return random_tensor(rng, shape, place).float().requires_grad_(grad)
+
+    ids = torch.tensor([1, 5, 9, 2, 0], device=place)
+    q, k = data(1, 3, 2 * HEAD_DIM, grad=True), data(1, 3, HEAD_DIM, grad=True)
+    norms = data(HEAD_DIM, grad=True), data(HEAD_DIM, grad=True)
+    call = (None, 3, None, None, False, False)  # offsets, offset, positions, cache, ...
+    return {
+        "rope": (ops.rope.default, (data(2, 3, 2, HEAD_DIM, grad=True), None, *seed.config)),
+        "rope ids": (ops.rope.default, (data(5, 2, HEAD_DIM, grad=True), ids, *ids_op.config)),
+        "rope_qk": (ops.rope_qk.default, (q, k, *call, None, None, *rope.config)),
+        "rope_qk norm": (ops.rope_qk.default, (q, k, *call, *norms, *rope.config)),
+        "rope_qk_": (
+            ops.rope_qk_.default,
+            (q.detach().clone(), k.detach().clone(), *call, None, None, *rope.config),
+        ),
+        "mhc_pre": (
+            ops.mhc_pre.default,
+            (data(64, 24, grad=True), data(3, 64, grad=True), data(24, grad=True), *pre.config),
+        ),
+        "mhc_post": (
+            ops.mhc_post.default,
+            (data(3, 16, grad=True), data(3, 4, grad=True), data(3, 64, grad=True), ""),
+        ),
+        "mhc_pre_bwd": (
+            ops.mhc_pre_bwd.default,
+            (
+                data(64, 24),
+                data(3, 64),
+                data(24),
+                data(3, 64),
+                data(3, 16),
+                data(3, 4),
+                *pre.config,
+            ),
+        ),
+        "mhc_post_bwd": (
+            ops.mhc_post_bwd.default,
+            (data(3, 16), data(3, 4), data(3, 64), data(3, 64), ""),
+        ),
+    }
+
+
+_OPCHECK_NAMES = list(_opcheck_cases(np.random.default_rng(0), "cpu"))
+
+
+@pytest.mark.parametrize("place", PLACES)
+@pytest.mark.parametrize("name", _OPCHECK_NAMES)
+def test_custom_ops_pass_torch_opcheck(rng, name, place):
+    """``torch.library.opcheck``, torch's conformance test of a custom op: the schema
+    (mutations declared), the fake implementation against the real one (shapes, strides,
+    dtypes), the autograd registration, and AOT dispatch (what torch.compile runs)."""
+    op, arguments = _opcheck_cases(rng, place)[name]
+    results = torch.library.opcheck(op, arguments)
+    assert all(result == "SUCCESS" for result in results.values()), results
+
+
 def test_exported_program_loads_where_the_package_is_imported(rng, tmp_path):
     """A saved ``torch.export`` program runs in a fresh process that imported torch, then
     ``tileops_cupy`` (which registers the custom ops when torch came first), and gives the
