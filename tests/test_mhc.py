@@ -566,25 +566,25 @@ def _pre_inputs(n=2, c_x=8, batch=3):
 
 
 @pytest.mark.parametrize(
-    "mutate, message",
+    "mutate, error, message",
     [
-        (lambda phi, x, b: (phi[None], x, b), "phi must be 2-D"),
-        (lambda phi, x, b: (phi, x[0], b), "x must be 2-D"),
-        (lambda phi, x, b: (phi, x, b[None]), "b must be 1-D"),
-        (lambda phi, x, b: (phi.astype(np.float64), x, b), "phi must be float32"),
-        (lambda phi, x, b: (phi, x, b.astype(np.float16)), "b must be float32"),
-        (lambda phi, x, b: (phi, x.astype(np.float64), b), "x must be bfloat16"),
-        (lambda phi, x, b: (phi, x.astype(np.int32), b), "x must be bfloat16"),
-        (lambda phi, x, b: (phi[:, :7], x, b[:7]), "phi must have n\\*n\\+2n columns"),
-        (lambda phi, x, b: (phi[:, :0], x, b[:0]), "phi must have n\\*n\\+2n columns"),
-        (lambda phi, x, b: (phi, x[:, :15], b), "x width must equal phi rows"),
-        (lambda phi, x, b: (phi[:15], x[:, :15], b), "positive multiple of n = 2"),
-        (lambda phi, x, b: (phi[:0], x[:, :0], b), "positive multiple of n = 2"),
-        (lambda phi, x, b: (phi, x, b[:7]), "b must have phi's width 8"),
+        (lambda phi, x, b: (phi[None], x, b), ValueError, "phi must be 2-D"),
+        (lambda phi, x, b: (phi, x[0], b), ValueError, "x must be 2-D"),
+        (lambda phi, x, b: (phi, x, b[None]), ValueError, "b must be 1-D"),
+        (lambda phi, x, b: (phi.astype(np.float64), x, b), TypeError, "phi must be float32"),
+        (lambda phi, x, b: (phi, x, b.astype(np.float16)), TypeError, "b must be float32"),
+        (lambda phi, x, b: (phi, x.astype(np.float64), b), TypeError, "x must be bfloat16"),
+        (lambda phi, x, b: (phi, x.astype(np.int32), b), TypeError, "x must be bfloat16"),
+        (lambda phi, x, b: (phi[:, :7], x, b[:7]), ValueError, "phi must have n\\*n\\+2n columns"),
+        (lambda phi, x, b: (phi[:, :0], x, b[:0]), ValueError, "phi must have n\\*n\\+2n columns"),
+        (lambda phi, x, b: (phi, x[:, :15], b), ValueError, "x width must equal phi rows"),
+        (lambda phi, x, b: (phi[:15], x[:, :15], b), ValueError, "positive multiple of n = 2"),
+        (lambda phi, x, b: (phi[:0], x[:, :0], b), ValueError, "positive multiple of n = 2"),
+        (lambda phi, x, b: (phi, x, b[:7]), ValueError, "b must have phi's width 8"),
     ],
 )
-def test_pre_validation(mutate, message):
-    with pytest.raises(ValueError, match=message):
+def test_pre_validation(mutate, error, message):
+    with pytest.raises(error, match=message):
         MHCPreFwdOp(1, 1, 1, 20)(*mutate(*_pre_inputs()))
 
 
@@ -616,22 +616,34 @@ def _post_inputs(n=2, c_x=8, batch=3, dtype=np.float32):
 
 
 @pytest.mark.parametrize(
-    "mutate, message",
+    "mutate, error, message",
     [
-        (lambda layer, h, res: (layer[None], h, res), "x_layer_out must be 2-D"),
-        (lambda layer, h, res: (layer, h[0], res), "h_post must be 2-D"),
-        (lambda layer, h, res: (layer, h, res[0]), "x_res must be 2-D"),
-        (lambda layer, h, res: (layer.astype(np.int8), h, res), "x_layer_out must be bfloat16"),
-        (lambda layer, h, res: (layer, h.astype(np.float16), res), "h_post must be float32"),
-        (lambda layer, h, res: (layer, h, res.astype(np.float16)), "x_res must have x_layer_out"),
-        (lambda layer, h, res: (layer[:2], h, res), "same batch, got 2, 3 and 3"),
-        (lambda layer, h, res: (layer, h[:2], res), "same batch, got 3, 2 and 3"),
-        (lambda layer, h, res: (layer, h, res[:, :15]), "x_res width must be n\\*c_x"),
-        (lambda layer, h, res: (layer, h[:, :0], res), "at least one stream"),
+        (lambda layer, h, res: (layer[None], h, res), ValueError, "x_layer_out must be 2-D"),
+        (lambda layer, h, res: (layer, h[0], res), ValueError, "h_post must be 2-D"),
+        (lambda layer, h, res: (layer, h, res[0]), ValueError, "x_res must be 2-D"),
+        (
+            lambda layer, h, res: (layer.astype(np.int8), h, res),
+            TypeError,
+            "x_layer_out must be bfloat16",
+        ),
+        (
+            lambda layer, h, res: (layer, h.astype(np.float16), res),
+            TypeError,
+            "h_post must be float32",
+        ),
+        (
+            lambda layer, h, res: (layer, h, res.astype(np.float16)),
+            TypeError,
+            "x_res must have x_layer_out",
+        ),
+        (lambda layer, h, res: (layer[:2], h, res), ValueError, "same batch, got 2, 3 and 3"),
+        (lambda layer, h, res: (layer, h[:2], res), ValueError, "same batch, got 3, 2 and 3"),
+        (lambda layer, h, res: (layer, h, res[:, :15]), ValueError, "x_res width must be n\\*c_x"),
+        (lambda layer, h, res: (layer, h[:, :0], res), ValueError, "at least one stream"),
     ],
 )
-def test_post_validation(mutate, message):
-    with pytest.raises(ValueError, match=message):
+def test_post_validation(mutate, error, message):
+    with pytest.raises(error, match=message):
         MHCPostFwdOp()(*mutate(*_post_inputs()))
 
 

@@ -219,8 +219,10 @@ def check_ndim(operand: Operand, name: str, ndim: int, layout: str) -> None:
 
 
 def check_dtype(operand: Operand, name: str, allowed: tuple[str, ...]) -> None:
+    """TypeError naming ``name`` unless ``operand`` has one of the ``allowed`` dtypes (a
+    dtype error is a TypeError throughout the package, as for the RoPE ops)."""
     if operand.dtype not in allowed:
-        raise ValueError(f"{name} must be {' or '.join(allowed)}, got {operand.dtype}")
+        raise TypeError(f"{name} must be {' or '.join(allowed)}, got {operand.dtype}")
 
 
 def check_in_place(operands: dict[str, Operand]) -> None:

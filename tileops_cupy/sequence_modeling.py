@@ -154,12 +154,12 @@ class MHCPreFwdOp(_PreSettings):
     shared memory: n <= 6).
 
     Raises:
-        ValueError: a non-2-D ``phi``/``x`` or non-1-D ``b``; a dtype other than the above;
-            a phi width that is not ``n*n + 2n``; phi rows != x width; a width not divisible
-            by n (or zero); ``len(b)`` != phi width; inputs on different devices; a
-            ``target`` other than where the data lives; n > 8 on CUDA (float32 x on a
-            device with too little shared memory a block for n: n > 6 on sm_80).
-        TypeError: an argument that is not an array.
+        ValueError: a non-2-D ``phi``/``x`` or non-1-D ``b``; a phi width that is not
+            ``n*n + 2n``; phi rows != x width; a width not divisible by n (or zero);
+            ``len(b)`` != phi width; inputs on different devices; a ``target`` other than
+            where the data lives; n > 8 on CUDA (float32 x on a device with too little
+            shared memory a block for n: n > 6 on sm_80).
+        TypeError: an argument that is not an array; a dtype other than the above.
 
     Example (CUDA, torch)::
 
@@ -226,10 +226,10 @@ class MHCPostFwdOp(_MHCOp):
     is contiguous; otherwise copied once.
 
     Raises:
-        ValueError: a non-2-D input; dtypes other than the above or differing between
-            ``x_layer_out`` and ``x_res``; batch sizes that differ; ``x_res`` width != n*c_x;
+        ValueError: a non-2-D input; batch sizes that differ; ``x_res`` width != n*c_x;
             inputs on different devices; a ``target`` other than where the data lives.
-        TypeError: an argument that is not an array.
+        TypeError: an argument that is not an array; dtypes other than the above or
+            differing between ``x_layer_out`` and ``x_res``.
 
     Example (CUDA, torch)::
 
@@ -301,9 +301,10 @@ class MHCPreBwdOp(_PreSettings):
     give the same bits. An empty batch gives zero grad_phi, grad_b and grad_alpha.
 
     Raises:
-        ValueError: whatever :class:`MHCPreFwdOp` refuses; an upstream gradient whose
-            ndim, shape or dtype is not that of the forward output it belongs to.
-        TypeError: an argument that is not an array.
+        ValueError: whatever :class:`MHCPreFwdOp` refuses so; an upstream gradient whose
+            ndim or shape is not that of the forward output it belongs to.
+        TypeError: whatever :class:`MHCPreFwdOp` refuses so; an upstream gradient whose
+            dtype is not that of its forward output.
         RuntimeError: a backward through this op's outputs (a second-order gradient of
             :class:`MHCPreFwdOp`, after ``create_graph=True``): it is once differentiable.
 
@@ -402,9 +403,10 @@ class MHCPostBwdOp(_MHCOp):
     way): nothing is copied. ``x_res`` only sets the shapes.
 
     Raises:
-        ValueError: whatever :class:`MHCPostFwdOp` refuses; a ``grad_x_out`` whose ndim,
-            shape or dtype is not that of ``x_res``.
-        TypeError: an argument that is not an array.
+        ValueError: whatever :class:`MHCPostFwdOp` refuses so; a ``grad_x_out`` whose ndim
+            or shape is not that of ``x_res``.
+        TypeError: whatever :class:`MHCPostFwdOp` refuses so; a ``grad_x_out`` whose dtype
+            is not that of ``x_res``.
         RuntimeError: a backward through this op's outputs (a second-order gradient of
             :class:`MHCPostFwdOp`): it is once differentiable.
 
@@ -502,7 +504,8 @@ def streams_of(q: int) -> int:
 
 
 def _check_pre(phi: Operand, x: Operand, b: Operand) -> tuple[int, int]:
-    """(n, c_x), or ValueError naming the argument, what was expected and what came."""
+    """(n, c_x), or ValueError (TypeError for a dtype) naming the argument, what was
+    expected and what came."""
     check_ndim(phi, "phi", 2, "[n*c_x, n*n+2n]")
     check_ndim(x, "x", 2, "[batch, n*c_x]")
     check_ndim(b, "b", 1, "[n*n+2n]")
@@ -534,7 +537,7 @@ def _check_post(layer: Operand, gates: Operand, res: Operand) -> None:
     check_dtype(layer, "x_layer_out", X_DTYPES)
     check_dtype(gates, "h_post", ("float32",))
     if res.dtype != layer.dtype:
-        raise ValueError(f"x_res must have x_layer_out's dtype ({layer.dtype}), got {res.dtype}")
+        raise TypeError(f"x_res must have x_layer_out's dtype ({layer.dtype}), got {res.dtype}")
     batch, c_x = layer.shape
     if gates.shape[0] != batch or res.shape[0] != batch:
         raise ValueError(
@@ -555,10 +558,11 @@ def _check_upstream(
     grad: Operand, name: str, shape: tuple[int, ...], dtype: str, output: str
 ) -> None:
     """An upstream gradient has exactly the shape and dtype of the forward ``output`` it
-    belongs to; ValueError naming it, what was expected and what came."""
+    belongs to; ValueError (TypeError for the dtype) naming it, what was expected and what
+    came."""
     layout = "[" + ", ".join(str(size) for size in shape) + "]"
     check_ndim(grad, name, len(shape), f"{layout} like {output}")
     if grad.dtype != dtype:
-        raise ValueError(f"{name} must be {dtype} like {output}, got {grad.dtype}")
+        raise TypeError(f"{name} must be {dtype} like {output}, got {grad.dtype}")
     if tuple(grad.shape) != tuple(shape):
         raise ValueError(f"{name} must have {output}'s shape {layout}, got {list(grad.shape)}")
