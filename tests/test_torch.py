@@ -556,7 +556,8 @@ def _autograd_gradients(function, inputs):
     return [leaf.grad for leaf in leaves]
 
 
-def test_func_transforms_take_the_same_gradients_as_autograd(rng):
+@pytest.mark.parametrize("place", PLACES)
+def test_func_transforms_take_the_same_gradients_as_autograd(rng, place):
     """``torch.func.grad`` (and ``vmap`` of it, per-sample gradients) through every kind of
     op: the seed op, ``apply_rope`` with the fused norm, the component in place on a
     non-leaf, and mHC pre -> layer -> post. torch's custom-op autograd raises under these
@@ -564,9 +565,9 @@ def test_func_transforms_take_the_same_gradients_as_autograd(rng):
     op = RoPEFwdOp(input_layout="2d")
     rope = RoPE(HEAD_DIM, HEADS, KV_HEADS, scheme=YaRN(scale=4.0), rotary_dim=8)
     pre, post = MHCPreFwdOp(0.8, 1.1, 0.9, 6), MHCPostFwdOp()
-    q = random_tensor(rng, (2, 3, HEADS * HEAD_DIM), "cpu")
-    k = random_tensor(rng, (2, 3, KV_HEADS * HEAD_DIM), "cpu")
-    weight = random_tensor(rng, (HEAD_DIM,), "cpu")
+    q = random_tensor(rng, (2, 3, HEADS * HEAD_DIM), place)
+    k = random_tensor(rng, (2, 3, KV_HEADS * HEAD_DIM), place)
+    weight = random_tensor(rng, (HEAD_DIM,), place)
 
     def rotated_in_place(q, k):
         q, k = q * 1, k * 1  # non-leaves: the rotation is recorded
@@ -578,7 +579,7 @@ def test_func_transforms_take_the_same_gradients_as_autograd(rng):
         return post(x_layer * 2, h_post, x_res).square().sum()
 
     losses = {
-        "seed op": (lambda x: op(x).square().sum(), (random_tensor(rng, SHAPES["2d"], "cpu"),)),
+        "seed op": (lambda x: op(x).square().sum(), (random_tensor(rng, SHAPES["2d"], place),)),
         "apply_rope with the norm": (
             lambda q, k, w: (
                 apply_rope(q, k, rope, 5, q_norm_weight=w, k_norm_weight=w)[0].sin().sum()
@@ -586,7 +587,7 @@ def test_func_transforms_take_the_same_gradients_as_autograd(rng):
             (q, k, weight),
         ),
         "in place": (rotated_in_place, (q, k)),
-        "mHC": (mhc_block, _mhc_inputs(rng, "cpu", n=4, c_x=8, batch=5)),
+        "mHC": (mhc_block, _mhc_inputs(rng, place, n=4, c_x=8, batch=5)),
     }
     for name, (loss, inputs) in losses.items():
         argnums = tuple(range(len(inputs)))
@@ -603,7 +604,8 @@ def test_func_transforms_take_the_same_gradients_as_autograd(rng):
     assert torch.equal(torch.func.vmap(torch.func.grad(row_loss))(x), torch.stack(looped))
 
 
-def test_forward_mode_gives_every_tangent_or_says_it_cannot(rng):
+@pytest.mark.parametrize("place", PLACES)
+def test_forward_mode_gives_every_tangent_or_says_it_cannot(rng, place):
     """Forward-mode AD (``torch.func.jvp``, dual tensors): a RoPE op's tangent is the same
     op applied to the input's tangent (it is linear), mHC post's is its bilinear
     derivative; mHC pre and the backward ops have none and raise an error that names the op.
@@ -611,7 +613,7 @@ def test_forward_mode_gives_every_tangent_or_says_it_cannot(rng):
     import torch.autograd.forward_ad as forward_ad
 
     op = RoPEFwdOp(input_layout="2d")
-    x, tangent = (random_tensor(rng, SHAPES["2d"], "cpu") for _ in range(2))
+    x, tangent = (random_tensor(rng, SHAPES["2d"], place) for _ in range(2))
     _, jvp = torch.func.jvp(op, (x,), (tangent,))
     assert torch.equal(jvp, op(tangent))
     with forward_ad.dual_level():
@@ -619,8 +621,8 @@ def test_forward_mode_gives_every_tangent_or_says_it_cannot(rng):
         assert torch.equal(forward_ad.unpack_dual(dual).tangent, op(tangent))
 
     post = MHCPostFwdOp()
-    streams = [random_tensor(rng, shape, "cpu").float() for shape in ((3, 8), (3, 2), (3, 16))]
-    tangents = [random_tensor(rng, t.shape, "cpu").float() for t in streams]
+    streams = [random_tensor(rng, shape, place).float() for shape in ((3, 8), (3, 2), (3, 16))]
+    tangents = [random_tensor(rng, t.shape, place).float() for t in streams]
     _, jvp = torch.func.jvp(post, tuple(streams), tuple(tangents))
     (layer, gates, _), (layer_t, gates_t, res_t) = (
         [t.double() for t in ts] for ts in (streams, tangents)
@@ -633,14 +635,14 @@ def test_forward_mode_gives_every_tangent_or_says_it_cannot(rng):
     bound = sum(term.abs() for term in terms).max().item()  # 3 float32 roundings at most
     torch.testing.assert_close(jvp.double(), sum(terms), rtol=0, atol=2**-21 * bound)
 
-    phi, x, b = _mhc_inputs(rng, "cpu", n=2, c_x=8, batch=3)
+    phi, x, b = _mhc_inputs(rng, place, n=2, c_x=8, batch=3)
     pre = MHCPreFwdOp(1.0, 1.0, 1.0, 3)
     with pytest.raises(RuntimeError, match="MHCPreFwdOp has no forward-mode derivative"):
         torch.func.jvp(lambda x: pre(phi, x, b), (x,), (x,))
     no_derivative = pytest.raises(RuntimeError, match="MHCPreFwdOp has no forward-mode derivative")
     with no_derivative, forward_ad.dual_level():
         pre(phi, forward_ad.make_dual(x, x), b)
-    upstream = [torch.ones(s) for s in ((3, 16), (3, 8), (3, 2))]
+    upstream = [torch.ones(s, device=place) for s in ((3, 16), (3, 8), (3, 2))]
     backward = MHCPreBwdOp(1.0, 1.0, 1.0, 3)
     with pytest.raises(RuntimeError, match="MHCPreBwdOp has no forward-mode derivative"):
         torch.func.jvp(lambda x: backward(phi, x, b, *upstream)[1], (x,), (x,))
