@@ -358,3 +358,28 @@ def test_gpu_ops_keep_a_bounded_number_of_launches():
         got = post(*(torch.from_numpy(a).cuda() for a in (layer, gates, res)))
         np.testing.assert_allclose(got.cpu().numpy(), post(layer, gates, res), rtol=0, atol=1e-5)
     assert len(rope_op._relaunches) == len(post._relaunches) == LaunchRecords.KEPT
+
+
+@pytest.mark.gpu
+def test_gpu_mhc_keeps_a_bounded_number_of_stream_workspaces():
+    """mHC pre's one-launch plan for small batches (mhc_pre_small, taken where c_x is not a
+    multiple of 8) keeps a zeroed workspace per stream; a server that makes streams as it
+    goes holds exactly KEPT of them once it used more, and every call on a new stream
+    matches the float64 oracle."""
+    cupy = pytest.importorskip("cupy")
+    from _mhc_oracle import assert_pre_matches, case_alphas, random_pre_case
+
+    from tileops_cupy import _mhc
+
+    rng = np.random.default_rng(6)
+    streams = []  # (kept alive, so that no stream's handle is reused)
+    for _ in range(LaunchRecords.KEPT + 20):
+        case = random_pre_case(rng, N, 36, BATCH, "float32", repeat=4)
+        op = MHCPreFwdOp(*case_alphas(case), case.repeat, case.eps)
+        streams.append(cupy.cuda.Stream(non_blocking=True))
+        with streams[-1]:
+            outputs = op(*(cupy.asarray(a) for a in (case.phi, case.x, case.b)))
+            outputs = [cupy.asnumpy(o, stream=streams[-1]) for o in outputs]
+        streams[-1].synchronize()
+        assert_pre_matches(case, outputs)
+    assert len(_mhc._workspaces) == LaunchRecords.KEPT

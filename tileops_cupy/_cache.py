@@ -29,7 +29,8 @@ class LaunchRecords(dict):
     batch and sequence lengths change call after call would otherwise keep one launch (for
     mHC also a few bytes of device memory) per layout for as long as the op lives. A
     forgotten layout is validated and planned again at its next call. Lookups are a plain
-    dict's; only a new record pays for the bound."""
+    dict's; only a new record pays for the bound. (mHC's per-stream workspaces are bounded
+    the same way.)"""
 
     KEPT = 256
 

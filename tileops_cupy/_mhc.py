@@ -34,6 +34,7 @@ from typing import Any
 from . import _cuda
 from . import _torch_ops as torch_ops
 from ._arrays import ITEMSIZE, Operand, as_cupy, contiguous, cupy, empty_like, stream_handle
+from ._cache import LaunchRecords
 from ._mhc_host import (
     SinkhornGates,
     mhc_post_backward_host,
@@ -713,8 +714,11 @@ def _remember(key: tuple, plan: _PrePlan) -> _PrePlan:
 
 
 # (device, stream, plan type) -> ((what keeps it alive, address), words): the scratch of
-# mhc_pre_small or mhc_bwd_fused, one per stream, its counters left zeroed by every launch
-_workspaces: dict[tuple[int, int, type], tuple[tuple[Any, int], int]] = {}
+# mhc_pre_small or mhc_bwd_fused, one per stream, its counters left zeroed by every launch.
+# Bounded as an op's launches are: a server that makes streams as it goes would otherwise
+# keep a workspace per stream it ever used. (A forgotten one is freed in its stream's
+# order, by torch's or CuPy's allocator; its stream's next call makes a new one.)
+_workspaces: dict[tuple[int, int, type], tuple[tuple[Any, int], int]] = LaunchRecords()
 
 
 class _Runtime:
