@@ -844,6 +844,23 @@ def test_inputs_on_two_devices(rng):
                           standard_frequencies(64), "float32")  # fmt: skip
 
 
+@pytest.mark.parametrize("transform", ("jit", "vmap", "grad"))
+def test_jax_tracers_are_named(transform):
+    """Inside jax.jit, jax.grad or jax.vmap the ops get tracers, not arrays: the error says
+    so and names the argument (it used to read as if the argument were not an array). JAX
+    is not a test dependency: this runs where it is installed (the device machine)."""
+    jax = pytest.importorskip("jax")
+    op = RoPEFwdOp()
+    x = jax.numpy.ones((4, 16), jax.numpy.float32)
+    calls = {
+        "jit": lambda: jax.jit(op)(x),
+        "vmap": lambda: jax.vmap(op)(x[None]),
+        "grad": lambda: jax.grad(lambda t: op(t).sum())(x),
+    }
+    with pytest.raises(TypeError, match=r"^x is a JAX tracer \(\w*Tracer\): the ops run on"):
+        calls[transform]()
+
+
 @GPU
 def test_jax_arrays(rng):
     jax = pytest.importorskip("jax")

@@ -163,6 +163,12 @@ def as_operand(obj: Any, name: str) -> Operand:
     if framework == "cupy" and hasattr(obj, "data"):
         return _from_cupy(obj)
     if not hasattr(obj, "__dlpack_device__"):
+        if framework == "jax" and "Tracer" in type(obj).__name__:
+            raise TypeError(
+                f"{name} is a JAX tracer ({type(obj).__name__}): the ops run on concrete "
+                "arrays, outside jax.jit, jax.grad and jax.vmap (call them on the arrays "
+                "those return, or through jax.pure_callback)"
+            )
         raise TypeError(
             f"{name} must be an array (torch, CuPy, NumPy, JAX or any DLPack tensor), "
             f"got {type(obj).__name__}"
