@@ -15,8 +15,10 @@ from ._arrays import BUILTIN, cuda_available
 __version__ = "0.1.0"
 __all__ = ["BUILTIN", "cuda_available", "rope", "schemes", "sequence_modeling", "__version__"]
 
-if "torch" in sys.modules:  # torch first: its custom ops registered now (10 ms), so that
-    import_module(f"{__name__}._torch_ops")  # torch.export.load finds them in any process
+# torch imported first: its custom ops registered now (10 ms), so that torch.export.load of a
+# saved program finds them in any process that imports the package
+if sys.modules.get("torch") is not None:
+    import_module(f"{__name__}._torch_ops")
 
 
 def __getattr__(name: str):
