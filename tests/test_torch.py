@@ -603,6 +603,13 @@ def test_func_transforms_take_the_same_gradients_as_autograd(rng, place):
     looped = [_autograd_gradients(row_loss, (row,))[0] for row in x]
     assert torch.equal(torch.func.vmap(torch.func.grad(row_loss))(x), torch.stack(looped))
 
+    def vmapped_loss(x):  # (the gradient transform outside, vmap inside)
+        return torch.func.vmap(op)(x).square().sum()
+
+    rows = random_tensor(rng, (3, *SHAPES["2d"]), place)
+    transformed = torch.func.grad(vmapped_loss)(rows)
+    assert torch.equal(transformed, _autograd_gradients(vmapped_loss, (rows,))[0])
+
 
 @pytest.mark.parametrize("place", PLACES)
 def test_forward_mode_gives_every_tangent_or_says_it_cannot(rng, place):
@@ -674,6 +681,31 @@ def test_in_place_under_forward_mode_rotates_the_tangent_and_checks_memory(rng):
         with pytest.raises(ValueError, match="^q and k overlap in memory"):
             rope.prefill(*overlapping, 5)
         assert torch.equal(forward_ad.unpack_dual(dual).primal, data)
+
+
+def test_functionalize_keeps_the_custom_ops(rng):
+    """``torch.func.functionalize`` (and ``make_fx`` over it, as graph tools trace) takes
+    the custom ops themselves, which torch functionalizes (it functionalizes no
+    autograd.Function): the results are eager's, and the in-place component becomes the
+    rotated copy and a copy."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    op, rope = RoPEFwdOp(input_layout="2d"), RoPE(HEAD_DIM, HEADS, KV_HEADS)
+
+    def rotated_in_place(q):
+        q = q * 1
+        rope.prefill(q, None, 3)
+        return q
+
+    x = random_tensor(rng, SHAPES["2d"], "cpu")
+    q = random_tensor(rng, (1, 4, HEADS * HEAD_DIM), "cpu")
+    assert torch.equal(torch.func.functionalize(op)(x), op(x))
+    assert torch.equal(torch.func.functionalize(rotated_in_place)(q), rotated_in_place(q))
+    graph = make_fx(torch.func.functionalize(rotated_in_place))(q)
+    targets = {str(node.target) for node in graph.graph.nodes if node.op == "call_function"}
+    assert {"tileops_cupy.rope_qk.default", "aten.copy.default"} <= targets
+    fresh = random_tensor(rng, q.shape, "cpu")
+    assert torch.equal(graph(fresh), rotated_in_place(fresh))
 
 
 def test_the_profiler_shows_each_call_as_its_op(rng):

@@ -11,9 +11,10 @@ Otherwise the public op calls its direct path, which costs a fraction of a dispa
 round trip; in-place calls then bump the version counters themselves, as the dispatcher
 would, so autograd still sees every write.
 
-Under a ``torch.func`` transform or forward-mode AD, which torch's custom-op autograd does
-not serve, a call goes through its op's ``torch.autograd.Function`` instead (the same
-backward, a forward-mode derivative, a generated vmap rule; :func:`transformed`).
+Under a differentiating ``torch.func`` transform or forward-mode AD, which torch's
+custom-op autograd does not serve, a call goes through its op's ``torch.autograd.Function``
+instead (the same backward, a forward-mode derivative, a generated vmap rule;
+:func:`differentiating`).
 
 Each custom op carries its op's configuration by value (scheme name and numbers, layout,
 rotary_dim, ...), so a traced or exported graph holds no Python object; its
@@ -94,6 +95,8 @@ _raw_stream: Any = None
 _empty_like: Any = None
 _contiguous_format: Any = None
 _functorch_active: Any = None
+_interpreter_stack: Any = None
+_differentiating_transforms: Any = None
 _forward_ad: Any = None
 _jit_tracing: Any = None
 
@@ -101,10 +104,14 @@ _jit_tracing: Any = None
 def _bind(torch: Any) -> None:
     global _Tensor, _Parameter, _is_compiling, _dispatch_depth, _profiling, _grad_enabled
     global _increment_version, _raw_stream, _empty_like, _contiguous_format
-    global _functorch_active, _forward_ad, _jit_tracing
+    global _functorch_active, _interpreter_stack, _differentiating_transforms, _forward_ad
+    global _jit_tracing
     _is_compiling, _dispatch_depth = torch.compiler.is_compiling, torch._C._len_torch_dispatch_stack
     _profiling, _jit_tracing = torch._C._autograd._profiler_enabled, torch._C._is_tracing
     _functorch_active = torch._C._are_functorch_transforms_active
+    _interpreter_stack = torch._C._functorch.get_interpreter_stack
+    transform = torch._C._functorch.TransformType
+    _differentiating_transforms = frozenset((transform.Grad, transform.Jvp))
     _forward_ad = torch.autograd.forward_ad  # (its _current_level: -1 outside a dual_level)
     _grad_enabled, _increment_version = torch.is_grad_enabled, torch._C._increment_version
     _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # CUDA builds only
@@ -149,12 +156,28 @@ def is_compiling() -> bool:
 
 
 def transformed() -> bool:
-    """True while a ``torch.func`` transform (grad, vjp, jacrev, jvp, vmap, ...) or
-    forward-mode AD (``torch.autograd.forward_ad.dual_level``) is active. torch's custom-op
-    autograd serves neither (the transforms raise in it; dual tensors' tangents are
-    dropped), so calls then take the op's ``torch.autograd.Function`` (:func:`_call`), which
-    has a ``setup_context``, a vmap rule and a forward-mode derivative."""
+    """True while a ``torch.func`` transform (grad, vjp, jacrev, jvp, vmap, functionalize,
+    ...) or forward-mode AD (``torch.autograd.forward_ad.dual_level``) is active: calls then
+    take the dispatcher (the transforms' tensors are wrappers), and in-place calls are
+    recorded as a rotated copy and ``copy_``, which every transform supports."""
     return _torch_bound() and (_functorch_active() or _forward_ad._current_level >= 0)
+
+
+def differentiating() -> bool:
+    """True while forward-mode AD or a ``torch.func`` transform that differentiates (grad,
+    vjp, jacrev, jvp, jacfwd, hessian; at any depth of the transform stack) is active.
+    torch's custom-op autograd serves neither (the transforms raise in it; dual tensors'
+    tangents are dropped), so calls then take the op's ``torch.autograd.Function``
+    (:func:`_call`), which has a ``setup_context``, a vmap rule and a forward-mode
+    derivative. The other transforms (vmap, functionalize) take the custom op itself: torch
+    functionalizes no autograd.Function."""
+    if not _torch_bound():
+        return False
+    if _forward_ad._current_level >= 0:
+        return True
+    return _functorch_active() and any(
+        layer.key() in _differentiating_transforms for layer in _interpreter_stack()
+    )
 
 
 def functorch_wrapped(*tensors: Any) -> bool:
@@ -290,9 +313,10 @@ def register_if_torch_imported() -> None:
 
 
 def _call(name: str, *arguments: Any) -> Any:
-    """The custom op ``name`` on ``arguments``; under a ``torch.func`` transform or
-    forward-mode AD (:func:`transformed`), through its ``torch.autograd.Function``."""
-    if transformed():
+    """The custom op ``name`` on ``arguments``; under a differentiating ``torch.func``
+    transform or forward-mode AD (:func:`differentiating`), through its
+    ``torch.autograd.Function``."""
+    if differentiating():
         return _FUNCTIONS[name].apply(*arguments)
     import torch
 
@@ -549,7 +573,7 @@ def _no_second_order(op_name: str, forward_name: str) -> tuple:
 
 
 # --------------------------------------------------------------------------- forward mode
-# The tangents of the ops' outputs, for their autograd.Functions (under transformed()). The
+# The tangents of the ops' outputs, for their autograd.Functions (differentiating()). The
 # RoPE ops are linear in the data, so a tangent rotates as the data does (after the fused
 # norm's derivative, when there is one); mHC post is bilinear; mHC pre (Sinkhorn) and the
 # backward ops have no forward-mode derivative and say so.
