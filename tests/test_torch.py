@@ -611,6 +611,38 @@ def test_func_transforms_take_the_same_gradients_as_autograd(rng, place):
     assert torch.equal(transformed, _autograd_gradients(vmapped_loss, (rows,))[0])
 
 
+def test_hessians_of_the_rope_ops(rng):
+    """``torch.func.hessian`` (forward mode over reverse mode, under vmap) of losses through
+    the seed op, apply_rope with k, and the fused norm equals autograd's double backward.
+    (Torch's generated vmap rules once failed on the configurations' lists: they now travel
+    as one opaque argument.) mHC is once differentiable: its hessian names the op."""
+    op = RoPEFwdOp(input_layout="2d")
+    rope = RoPE(HEAD_DIM, 2, 1, rotary_dim=8, norm_weight_offset=1.0)
+    weight = random_tensor(rng, (HEAD_DIM,), "cpu")
+    positions = torch.tensor([[3, 700]])
+
+    def rotated_pair(q):
+        return apply_rope(q, q[..., :HEAD_DIM] * 2, rope, positions=positions)
+
+    losses = {
+        "seed op": (lambda x: op(x).sin().sum(), (1, 2, 1, HEAD_DIM)),
+        "apply_rope with k": (lambda q: sum(t.sin().sum() for t in rotated_pair(q)), (1, 2, 32)),
+        "the fused norm": (
+            lambda q: apply_rope(q, None, rope, 5, q_norm_weight=weight)[0].sin().sum(),
+            (1, 2, 32),
+        ),
+    }
+    for name, (loss, shape) in losses.items():
+        x = random_tensor(rng, shape, "cpu")
+        expected = torch.autograd.functional.hessian(loss, x)
+        torch.testing.assert_close(torch.func.hessian(loss)(x), expected, rtol=0, atol=1e-12,
+                                   msg=name)  # fmt: skip
+    phi, x, b = _mhc_inputs(rng, "cpu", n=2, c_x=8, batch=2)
+    pre = MHCPreFwdOp(1.0, 1.0, 1.0, 3)
+    with pytest.raises(RuntimeError, match="MHCPreFwdOp has no forward-mode derivative"):
+        torch.func.hessian(lambda x: pre(phi, x, b)[1].sum())(x)
+
+
 @pytest.mark.parametrize("place", PLACES)
 def test_forward_mode_gives_every_tangent_or_says_it_cannot(rng, place):
     """Forward-mode AD (``torch.func.jvp``, dual tensors): a RoPE op's tangent is the same

@@ -312,19 +312,32 @@ def register_if_torch_imported() -> None:
 # --------------------------------------------------------------------------- the calls
 
 
-def _call(name: str, *arguments: Any) -> Any:
-    """The custom op ``name`` on ``arguments``; under a differentiating ``torch.func``
-    transform or forward-mode AD (:func:`differentiating`), through its
-    ``torch.autograd.Function``."""
+def _call(name: str, arguments: tuple, config: tuple) -> Any:
+    """The custom op ``name`` on the call's ``arguments`` then its ``config``; under a
+    differentiating ``torch.func`` transform or forward-mode AD (:func:`differentiating`),
+    through its ``torch.autograd.Function``, which takes the configuration as one opaque
+    :class:`_Configuration`."""
     if differentiating():
-        return _FUNCTIONS[name].apply(*arguments)
+        return _FUNCTIONS[name].apply(*arguments, _Configuration(config))
     import torch
 
-    return getattr(torch.ops.tileops_cupy, name)(*arguments)
+    return getattr(torch.ops.tileops_cupy, name)(*arguments, *config)
+
+
+class _Configuration:
+    """An op's configuration as one argument of its autograd.Function. torch's generated
+    vmap rules take a list or tuple argument for a tree of inputs and fail on it under
+    ``torch.func.hessian`` ("flat_bdims must not be None"), and the configurations hold
+    lists (scheme arguments, MRoPE sections): so the configuration travels opaque."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: tuple) -> None:
+        self.values = tuple(values)
 
 
 def rope(config: tuple, x: Any, position_ids: Any) -> Any:
-    return _call("rope", x, position_ids, *config)
+    return _call("rope", (x, position_ids), config)
 
 
 def rope_qk(config: tuple, *arguments: Any, in_place: bool = False) -> Any:
@@ -336,30 +349,37 @@ def rope_qk(config: tuple, *arguments: Any, in_place: bool = False) -> Any:
         import torch
 
         return torch.ops.tileops_cupy.rope_qk_(*arguments, *config)
-    return _call("rope_qk", *arguments, *config)
+    return _call("rope_qk", arguments, config)
 
 
 def mhc_pre(config: tuple, phi: Any, x: Any, b: Any) -> Any:
-    return _call("mhc_pre", phi, x, b, *config)
+    return _call("mhc_pre", (phi, x, b), config)
 
 
 def mhc_post(target: str, x_layer_out: Any, h_post: Any, x_res: Any) -> Any:
-    return _call("mhc_post", x_layer_out, h_post, x_res, target)
+    return _call("mhc_post", (x_layer_out, h_post, x_res), (target,))
 
 
 def mhc_pre_bwd(config: tuple, *tensors: Any) -> Any:
-    return _call("mhc_pre_bwd", *tensors, *config)
+    return _call("mhc_pre_bwd", tensors, config)
 
 
 def mhc_post_bwd(target: str, *tensors: Any) -> Any:
     """``(grad_x_layer_out, grad_h_post, grad_x_res)``: the op computes the first two;
     grad_x_res is grad_x_out itself (a custom op may not return its input)."""
-    grad_layer, grad_gates = _call("mhc_post_bwd", *tensors, target)
+    grad_layer, grad_gates = _call("mhc_post_bwd", tensors, (target,))
     return grad_layer, grad_gates, tensors[-1]
 
 
 # --------------------------------------------------------------------------- implementations
 # Each is the public op's direct path; the ops module rebuilds the op from its configuration.
+
+
+def _save(ctx, *tensors):
+    """Keep ``tensors`` for the backward and for the jvp alike (one set, so that torch's
+    generated vmap rules, which track one set of saved tensors, see the same in both)."""
+    ctx.save_for_backward(*tensors)
+    ctx.save_for_forward(*tensors)
 
 
 def _rope_impl(x, position_ids, *config):
@@ -408,7 +428,7 @@ def _rope_qk_setup(ctx, inputs, output):
     ctx.cache = cache
     ctx.normed = q_weight is not None
     if ctx.normed:  # the norm's backward reads the inputs
-        ctx.save_for_backward(q, k, q_weight, k_weight)
+        _save(ctx, q, k, q_weight, k_weight)
 
 
 def _rope_qk_backward(ctx, grad_q, grad_k):
@@ -494,7 +514,7 @@ def _mhc_pre_fake(phi, x, b, *config):
 
 def _mhc_pre_setup(ctx, inputs, output):
     phi, x, b, *config = inputs
-    ctx.save_for_backward(phi, x, b)
+    _save(ctx, phi, x, b)
     ctx.config = tuple(config)
 
 
@@ -522,7 +542,7 @@ def _mhc_post_fake(x_layer_out, h_post, x_res, target):
 
 def _mhc_post_setup(ctx, inputs, output):
     *tensors, ctx.target = inputs
-    ctx.save_for_backward(*tensors)
+    _save(ctx, *tensors)
 
 
 def _mhc_post_backward(ctx, grad_x_out):
@@ -586,7 +606,7 @@ def _rope_jvp(ctx, x_tangent, *_):
 def _rope_qk_jvp(ctx, q_tangent, k_tangent, *tangents):
     # (tensors without a tangent come as zeros; k None comes as None)
     if ctx.normed:
-        q, k, q_weight, k_weight = ctx.saved_tensors  # (kept by save_for_forward)
+        q, k, q_weight, k_weight = ctx.saved_tensors
         q_weight_tangent, k_weight_tangent = tangents[6:8]
         head_dim, eps, offset = ctx.config[4], *ctx.config[-2:]
         norm = (head_dim, eps, offset)
@@ -618,7 +638,7 @@ def _mhc_post_jvp(ctx, layer_tangent, gates_tangent, res_tangent, _target):
     # x_out = h_post (x) x_layer_out + x_res
     import torch
 
-    layer, gates, res = ctx.saved_tensors  # (kept by save_for_forward)
+    layer, gates, res = ctx.saved_tensors
     tangent = mhc_post(ctx.target, layer_tangent, gates, res_tangent)
     return tangent + mhc_post(ctx.target, layer, gates_tangent, torch.zeros_like(res))
 
@@ -636,16 +656,16 @@ def _no_forward_mode(op_name: str) -> Any:
 
 # --------------------------------------------------------------------------- registration
 
-# name: (implementation, fake, mutated arguments, (backward, setup_context) or None,
-#        (jvp, the inputs its setup_context keeps for it) or None)
+# name: (implementation, fake, mutated arguments, (backward, setup_context) or None, the
+#        forward-mode derivative (jvp) or None)
 _IMPLEMENTATIONS = {
-    "rope": (_rope_impl, _rope_fake, (), (_rope_backward, _rope_setup), (_rope_jvp, ())),
+    "rope": (_rope_impl, _rope_fake, (), (_rope_backward, _rope_setup), _rope_jvp),
     "rope_qk": (
         _rope_qk_impl,
         _rope_qk_fake,
         (),
         (_rope_qk_backward, _rope_qk_setup),
-        (_rope_qk_jvp, (0, 1, 8, 9)),  # q, k and the norm weights
+        _rope_qk_jvp,
     ),
     "rope_qk_": (_rope_qk__impl, _rope_qk__fake, ("q", "k"), None, None),
     "mhc_pre": (
@@ -653,28 +673,28 @@ _IMPLEMENTATIONS = {
         _mhc_pre_fake,
         (),
         (_mhc_pre_backward, _mhc_pre_setup),
-        (_no_forward_mode("MHCPreFwdOp"), ()),
+        _no_forward_mode("MHCPreFwdOp"),
     ),
     "mhc_post": (
         _mhc_post_impl,
         _mhc_post_fake,
         (),
         (_mhc_post_backward, _mhc_post_setup),
-        (_mhc_post_jvp, (0, 1, 2)),
+        _mhc_post_jvp,
     ),
     "mhc_pre_bwd": (
         _mhc_pre_bwd_impl,
         _mhc_pre_bwd_fake,
         (),
         _no_second_order("MHCPreBwdOp", "MHCPreFwdOp"),
-        (_no_forward_mode("MHCPreBwdOp"), ()),
+        _no_forward_mode("MHCPreBwdOp"),
     ),
     "mhc_post_bwd": (
         _mhc_post_bwd_impl,
         _mhc_post_bwd_fake,
         (),
         _no_second_order("MHCPostBwdOp", "MHCPostFwdOp"),
-        (_no_forward_mode("MHCPostBwdOp"), ()),
+        _no_forward_mode("MHCPostBwdOp"),
     ),
 }
 
@@ -683,27 +703,39 @@ _IMPLEMENTATIONS = {
 _FUNCTIONS: dict[str, Any] = {}
 
 
-def _autograd_function(name: str, op: Any, autograd: tuple, forward_mode: tuple) -> Any:
-    """The custom op ``op`` as a ``torch.autograd.Function``: the same backward and context
-    as its registered autograd formula, a forward-mode derivative, and a vmap rule torch
-    generates (its forward under vmap is the op's batching fallback)."""
+def _autograd_function(name: str, op: Any, autograd: tuple, jvp: Any) -> Any:
+    """The custom op ``op`` as a ``torch.autograd.Function`` on ``(*arguments,
+    _Configuration)``: the same backward and context as its registered autograd formula
+    (whose tensors :func:`_save` keeps for the jvp too), a forward-mode derivative, and a
+    vmap rule torch generates (its forward under vmap is the op's batching fallback)."""
     import torch
 
-    backward, setup, (jvp, kept_for_jvp) = *autograd, forward_mode
+    backward, setup = autograd
+
+    def forward(*inputs):
+        *arguments, configuration = inputs
+        return op(*arguments, *configuration.values)
 
     def setup_context(ctx, inputs, output):
-        setup(ctx, inputs, output)
-        ctx.save_for_forward(*(inputs[i] for i in kept_for_jvp))
+        *arguments, configuration = inputs
+        ctx.arguments, ctx.configured = len(arguments), len(configuration.values)
+        setup(ctx, (*arguments, *configuration.values), output)
+
+    def backward_through(ctx, *grads):  # (no gradient for the configuration)
+        return (*backward(ctx, *grads)[: ctx.arguments], None)
+
+    def jvp_through(ctx, *tangents):  # (the configuration's entries have no tangents)
+        return jvp(ctx, *tangents[: ctx.arguments], *(None,) * ctx.configured)
 
     return type(
         f"{name}_function",
         (torch.autograd.Function,),
         {
             "generate_vmap_rule": True,
-            "forward": staticmethod(lambda *arguments: op(*arguments)),
+            "forward": staticmethod(forward),
             "setup_context": staticmethod(setup_context),
-            "backward": staticmethod(backward),
-            "jvp": staticmethod(jvp),
+            "backward": staticmethod(backward_through),
+            "jvp": staticmethod(jvp_through),
         },
     )
 
@@ -718,7 +750,7 @@ def ensure_registered() -> None:
             return
         import torch
 
-        for name, (impl, fake, mutates, autograd, forward_mode) in _IMPLEMENTATIONS.items():
+        for name, (impl, fake, mutates, autograd, jvp) in _IMPLEMENTATIONS.items():
             op = torch.library.custom_op(
                 f"{NAMESPACE}::{name}", impl, mutates_args=mutates, schema=SCHEMAS[name]
             )
@@ -727,7 +759,7 @@ def ensure_registered() -> None:
                 backward, setup_context = autograd
                 op.register_autograd(backward, setup_context=setup_context)
                 overload = getattr(torch.ops.tileops_cupy, name)
-                _FUNCTIONS[name] = _autograd_function(name, overload, autograd, forward_mode)
+                _FUNCTIONS[name] = _autograd_function(name, overload, autograd, jvp)
         _registered = True
 
 
