@@ -1595,3 +1595,46 @@ def test_type_errors(call, match):
     rope = RoPE(HEAD_DIM, NUM_HEADS, NUM_KV_HEADS)
     with pytest.raises(TypeError, match=match):
         call(rope)
+
+
+@pytest.mark.parametrize("dtype", ("bfloat16", "float16", "float32", "float64"))
+def test_host_chunks_do_not_change_a_bit(rng, monkeypatch, dtype):
+    """The host path rotates a few thousand elements at a time (for its caches); every row's
+    arithmetic is the same whatever the chunk, so tiny chunks (many, the last one partial)
+    and one chunk for the whole call give the same bits: the seed op (both layouts, partial
+    rotary_dim), the component in place with k, per-token positions, MRoPE and the fused
+    norm, and the cos_sin_cache call."""
+    from tileops_cupy.rope import apply_rope_with_cos_sin_cache
+
+    def data(*shape):
+        return random_data(rng, shape, dtype)
+
+    x, q, k = data(2, 37, 3, 16), data(2, 37, 4 * 16), data(2, 37, 2, 16)
+    weights = {"q_norm_weight": data(16), "k_norm_weight": data(16)}
+    positions, sections = rng.integers(0, 900, (2, 37)), rng.integers(0, 900, (3, 2, 37))
+    angles = rng.uniform(0, 100, (900, 4))
+    cache = np.concatenate([np.cos(angles), np.sin(angles)], 1).astype(np.float32)
+    tokens = rng.integers(0, 900, 74)
+    plain, mrope = RoPE(16, 4, 2, max_position=900), RoPE(16, 4, 2, mrope_section=(2, 3, 3))
+
+    def in_place(rope, **call):
+        q_in, k_in = q.copy(), k.copy()
+        rope.forward(q_in, k_in, **call)
+        return q_in, k_in
+
+    calls = {
+        "neox": lambda: (RoPEFwdOp("neox", "2d", rotary_dim=8)(x),),
+        "interleaved": lambda: (RoPEFwdOp("interleaved", "2d")(x),),
+        "positions": lambda: in_place(plain, positions=positions),
+        "norm": lambda: in_place(plain, positions=positions, **weights),
+        "mrope": lambda: in_place(mrope, positions=sections),
+        "cos_sin_cache": lambda: apply_rope_with_cos_sin_cache(
+            tokens, q.reshape(74, 64), k.reshape(74, 2, 16), 16, cache, False
+        ),
+    }
+    for name, call in calls.items():
+        monkeypatch.setattr(_rotate, "_HOST_CHUNK_ELEMENTS", 1 << 40)  # the whole call at once
+        whole = call()
+        monkeypatch.setattr(_rotate, "_HOST_CHUNK_ELEMENTS", 100)  # 1-2 tokens a chunk
+        for got, want in zip(call(), whole, strict=True):
+            assert np.array_equal(raw_bytes(got), raw_bytes(want)), name
