@@ -433,6 +433,18 @@ def test_sparse_and_nested_tensors_are_named(rng, layout, grad):
             call()
 
 
+def test_a_tensor_with_the_negation_bit_is_named(rng):
+    """``z.conj().imag`` of a complex z: a float tensor whose memory holds the negated
+    values (torch's lazy negation bit). Read as memory it would be the wrong sign; it is
+    refused, naming the argument, instead of torch's error from ``.numpy()``."""
+    z = torch.from_numpy(rng.standard_normal((4, 2 * HEAD_DIM))).float()
+    negated = torch.view_as_complex(z.view(4, HEAD_DIM, 2)).conj().imag
+    assert negated.is_neg()
+    with pytest.raises(TypeError, match=r"^x has torch's lazy negation bit set .* x.resolve_neg"):
+        RoPEFwdOp()(negated)
+    torch.testing.assert_close(RoPEFwdOp()(negated.resolve_neg()), RoPEFwdOp()(-z[:, 1::2]))
+
+
 def _packed_field(rng, shape):
     """A float32 field of a packed structured array: byte strides that are not whole
     float32 elements."""

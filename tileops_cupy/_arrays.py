@@ -107,6 +107,11 @@ def _from_torch(obj: Any, name: str = "tensor") -> Operand:
     if obj.is_nested or obj.layout is not _torch().strided:  # (no one pointer and strides)
         layout = "nested" if obj.is_nested else str(obj.layout).removeprefix("torch.")
         raise TypeError(f"{name} must be a dense (strided) torch tensor, got a {layout} tensor")
+    if obj.is_neg():  # (memory holding the negated values: z.conj().imag of a complex z)
+        raise TypeError(
+            f"{name} has torch's lazy negation bit set (its memory holds the negated "
+            f"values); pass {name}.resolve_neg()"
+        )
     dtype = _torch_dtype_names.get(obj.dtype)
     if dtype is None:
         dtype = _torch_dtype_names[obj.dtype] = str(obj.dtype).removeprefix("torch.")
