@@ -290,8 +290,8 @@ def _bad_calls(place):
             ValueError,
             rf"query and key must share \[N\], got query \({N},\) and key \({N - 1},\)",
         ),
-        "key dtype": (
-            (ids, query, key.double(), HEAD_SIZE, cache),
+        "key dtype": (  # (float16: a dtype both places take, unlike float64 on the device)
+            (ids, query, key.half(), HEAD_SIZE, cache),
             TypeError,
             "query and key must share a dtype",
         ),
