@@ -30,7 +30,7 @@ from _cases import PLACES, assert_runs_in_own_process, to_place
 from _oracle import to_host
 
 from tileops_cupy import _rotate, rope, sequence_modeling
-from tileops_cupy._cache import LaunchRecords
+from tileops_cupy._cache import TWINS, LaunchRecords
 from tileops_cupy.rope import (
     Llama31,
     LongRoPEBwdOp,
@@ -276,14 +276,14 @@ def test_objects_made_per_call_leave_nothing_behind():
         cache.cache_clear()
     gc.collect()
     flags = len(_rotate._flags)
-    for i in range(3 * rope._TWINS):
+    for i in range(3 * TWINS):
         step(i)
     gc.collect()
     # what stays: one twin and one flag per configuration, whatever the number of steps
     seed_twins, component_twins, mhc_twins = (c.cache_info().currsize for c in twin_caches)
     assert seed_twins == 2  # (the op's forward, and its backward)
     assert component_twins == 1
-    assert mhc_twins <= 256  # (a new alpha every step: the newest kept)
+    assert mhc_twins <= TWINS  # (a new alpha every step: the newest kept)
     assert len(_rotate._flags) <= flags + 3
 
 

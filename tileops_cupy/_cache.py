@@ -1,6 +1,7 @@
-"""Thread-safe build-once maps (compiled modules, shared tables, device flags), an op's
-launch records (:class:`LaunchRecords`), and what an op keeps of them when it is copied or
-pickled (:class:`ProcessLocal`)."""
+"""Thread-safe build-once maps (compiled modules, shared tables, device flags), the bound
+on ops rebuilt behind the dispatcher (:data:`TWINS`), an op's launch records
+(:class:`LaunchRecords`), and what an op keeps of them when it is copied or pickled
+(:class:`ProcessLocal`)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,13 @@ def build_once(cache: dict, lock: threading.Lock, key: Hashable, build: Callable
             if value is None:
                 value = cache[key] = build()
     return value
+
+
+# The torch custom ops carry an op by value; behind the dispatcher each configuration runs
+# on a twin rebuilt from it, of which the TWINS most recently used are kept (objects made
+# per call share their configuration's twin, and configurations may change every step, as
+# an mHC op's alphas passed as numbers: they leave nothing behind).
+TWINS = 256
 
 
 class LaunchRecords(dict):

@@ -99,17 +99,19 @@ _interpreter_stack: Any = None
 _differentiating_transforms: Any = None
 _forward_ad: Any = None
 _jit_tracing: Any = None
+_functorch_wrapped: Any = None
 
 
 def _bind(torch: Any) -> None:
     global _Tensor, _Parameter, _is_compiling, _dispatch_depth, _profiling, _grad_enabled
     global _increment_version, _raw_stream, _empty_like, _contiguous_format
     global _functorch_active, _interpreter_stack, _differentiating_transforms, _forward_ad
-    global _jit_tracing
+    global _jit_tracing, _functorch_wrapped
     _is_compiling, _dispatch_depth = torch.compiler.is_compiling, torch._C._len_torch_dispatch_stack
     _profiling, _jit_tracing = torch._C._autograd._profiler_enabled, torch._C._is_tracing
     _functorch_active = torch._C._are_functorch_transforms_active
     _interpreter_stack = torch._C._functorch.get_interpreter_stack
+    _functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
     transform = torch._C._functorch.TransformType
     _differentiating_transforms = frozenset((transform.Grad, transform.Jvp))
     _forward_ad = torch.autograd.forward_ad  # (its _current_level: -1 outside a dual_level)
@@ -183,10 +185,7 @@ def differentiating() -> bool:
 def functorch_wrapped(*tensors: Any) -> bool:
     """True when any of the (torch or None) ``tensors`` is a ``torch.func`` transform's
     wrapper, whose memory cannot be described (a vmap's batched tensor has none)."""
-    import torch
-
-    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-    return any(tensor is not None and wrapped(tensor) for tensor in tensors)
+    return _torch_bound() and any(t is not None and _functorch_wrapped(t) for t in tensors)
 
 
 def layouts(*args: Any) -> tuple[tuple, list[int]]:
@@ -222,7 +221,8 @@ def _layouts(args: tuple, grad: bool | None) -> Any:
                 key = (arg.shape, strides, arg.dtype, arg.device, pointer & 15)
             except RuntimeError:  # not one block of strided memory (sparse, nested): a key
                 pointer, key = 0, object()  # equal to none, so validation names the argument
-            else:  # (and the direct path, which does, not the dispatcher: torch has no kernel)
+            else:  # (such a tensor stays on the direct path even if it requires grad: the
+                # dispatcher has no kernel for its layout, the direct path names it)
                 if grad and arg.requires_grad:
                     ensure_registered()
                     return DISPATCH
@@ -455,17 +455,24 @@ def _rms_norm_backward(x, weight, grad, head_dim, eps, offset):
     """Gradients of ``n = x / sqrt(mean(x**2) + eps) * (weight + offset)`` per head row of
     ``x`` (``[..., heads*head_dim]`` or ``[..., heads, head_dim]``) for the gradient ``grad``
     of n: ``(grad_x, grad_weight)``, in float32 (float64 for float64 data)."""
-    import torch
-
-    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-    rows = _head_rows(x.to(compute), head_dim)
+    compute, inverse_rms, normed = _normed_rows(x, head_dim, eps)
     grad_rows = _head_rows(grad.to(compute), head_dim)
-    inverse_rms = torch.rsqrt(rows.square().mean(-1, keepdim=True) + eps)
-    normed = rows * inverse_rms
     weighted = grad_rows * (weight.to(compute) + offset)
     grad_x = inverse_rms * (weighted - normed * (weighted * normed).mean(-1, keepdim=True))
     grad_weight = (grad_rows * normed).reshape(-1, head_dim).sum(0)
     return grad_x.reshape(x.shape).to(x.dtype), grad_weight.to(weight.dtype)
+
+
+def _normed_rows(x, head_dim, eps):
+    """``(compute, inverse_rms, normed)`` of the norm's head rows of ``x``: the dtype it
+    computes in (float32; float64 for float64 data), ``1 / sqrt(mean(x**2) + eps)`` per row
+    and the rows times it, as ``[..., heads, head_dim]``."""
+    import torch
+
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    rows = _head_rows(x.to(compute), head_dim)
+    inverse_rms = torch.rsqrt(rows.square().mean(-1, keepdim=True) + eps)
+    return compute, inverse_rms, rows * inverse_rms
 
 
 def _head_rows(x, head_dim):
@@ -622,13 +629,8 @@ def _rope_qk_jvp(ctx, q_tangent, k_tangent, *tangents):
 def _rms_norm_jvp(x, weight, x_tangent, weight_tangent, head_dim, eps, offset):
     """The tangent of ``n = x / sqrt(mean(x**2) + eps) * (weight + offset)`` per head row
     (:func:`_rms_norm_backward`'s forward) for tangents of x and weight, in x's dtype."""
-    import torch
-
-    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-    rows = _head_rows(x.to(compute), head_dim)
+    compute, inverse_rms, normed = _normed_rows(x, head_dim, eps)
     rows_tangent = _head_rows(x_tangent.to(compute), head_dim)
-    inverse_rms = torch.rsqrt(rows.square().mean(-1, keepdim=True) + eps)
-    normed = rows * inverse_rms
     normed_tangent = inverse_rms * (rows_tangent - normed * (normed * rows_tangent).mean(-1, True))
     tangent = normed_tangent * (weight.to(compute) + offset) + normed * weight_tangent.to(compute)
     return tangent.reshape(x.shape).to(x.dtype)

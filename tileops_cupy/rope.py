@@ -38,7 +38,7 @@ from ._arrays import (
     to_caller,
     upload,
 )
-from ._cache import LaunchRecords, ProcessLocal
+from ._cache import TWINS, LaunchRecords, ProcessLocal
 from ._rotate import (
     ROPE_PARAMS,
     CosSinCache,
@@ -1363,13 +1363,8 @@ def _split_position(position: Any) -> tuple[Any, Any]:
 
 # --------------------------------------------------------------------------- rebuilt by value
 
-# The torch custom ops carry an op by value; behind the dispatcher each configuration runs
-# on a twin rebuilt from it, of which the _TWINS most recently used are kept (objects made
-# per call share their configuration's twin: they leave nothing behind).
-_TWINS = 256
 
-
-@functools.lru_cache(maxsize=_TWINS)
+@functools.lru_cache(maxsize=TWINS)  # (see _cache.TWINS)
 def _seed_op(config: tuple) -> _RotaryOp:
     scheme, numbers, rotary_dim, neox, inverse, input_layout, max_position, target, flag = config
     if max_position:
@@ -1412,7 +1407,7 @@ def _component_config(
     )  # fmt: skip
 
 
-@functools.lru_cache(maxsize=_TWINS)
+@functools.lru_cache(maxsize=TWINS)  # (see _cache.TWINS)
 def _component(config: tuple) -> RoPE:
     (
         scheme, numbers, rotary_dim, neox, head_dim, heads, kv_heads, max_position, target,

@@ -49,7 +49,7 @@ from ._arrays import (
     select_place,
     to_caller,
 )
-from ._cache import LaunchRecords, ProcessLocal
+from ._cache import TWINS, LaunchRecords, ProcessLocal
 from ._mhc_host import (
     SinkhornGates,
 )
@@ -482,7 +482,7 @@ class MHCPostBwdOp(_MHCOp):
     __repr__ = MHCPostFwdOp.__repr__
 
 
-@functools.lru_cache(maxsize=256)  # (configurations may change every step: alphas as numbers)
+@functools.lru_cache(maxsize=TWINS)  # (see _cache.TWINS)
 def _rebuilt(name: str, config: tuple) -> Any:
     *numbers, target = config
     return globals()[name](*numbers, target=target or None)
@@ -491,7 +491,7 @@ def _rebuilt(name: str, config: tuple) -> Any:
 def rebuilt_op(name: str, config: tuple) -> Any:
     """The op ``name`` (MHCPreFwdOp, MHCPostBwdOp, ...) that a torch custom op's
     configuration describes: its numbers, then its target ("" for None). Built once (the
-    256 most recently used are kept)."""
+    TWINS most recently used are kept)."""
     return _rebuilt(name, tuple(config))
 
 
