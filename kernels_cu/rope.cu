@@ -354,8 +354,8 @@ constexpr int NORM_ROWS = 2;
 // NORM_ROWS: the fused norm in place on 16-bit rows of ROTARY_DIM elements, all of them
 // rotated, 16-byte aligned. Each lane holds one 16-byte pack of a row (LANES lanes a row, 16
 // for a bf16 D128 head; blockDim.x == LANES, a warp is one token's rows) and a neox pair's
-// other half is the pack LANES/2 lanes away, fetched by shuffle: one load and one store a lane
-// per row, where NORM_CHUNKS holds both halves in every lane. Rows are taken HEADS at a time,
+// other half is the pack LANES/2 lanes away, its elements fetched by shuffle once normalised:
+// one load and one store a lane per row, where NORM_CHUNKS holds both halves in every lane. Rows are taken HEADS at a time,
 // the next round's loads issued before this round's arithmetic. The packs are 32-bit words
 // end to end, loaded without a branch (a round past the last row reloads the last row and
 // writes nothing): 16-bit element packs made the compiler repack halves right after each
@@ -381,7 +381,6 @@ __device__ __forceinline__ void rotate_rows_in_place(T* q_token, T* k_token, int
   static_assert(LANES <= 32 && (LANES & (LANES - 1)) == 0, "a row is a power-of-two group");
   const int lane = threadIdx.x;
   const int column = lane * VEC;
-  const int partner_column = (lane ^ (LANES / 2)) * VEC;  // (neox only)
   // neox: the first half's lanes hold x1 (y1 = x1 cos - x2 sin), the second half's x2
   // (y2 = x2 cos + x1 sin); the sign goes into sin, an exact product
   const float own_sign = NEOX && lane < LANES / 2 ? -sin_sign : sin_sign;
@@ -432,37 +431,36 @@ __device__ __forceinline__ void rotate_rows_in_place(T* q_token, T* k_token, int
         sum += __shfl_xor_sync(0xffffffffu, sum, offset);
       }
       const float scale = rsqrtf(fmaf(sum, 1.f / ROTARY_DIM, eps));
-      float other[VEC];  // neox: the partner lane's elements
+      // x * (scale * weight) of this lane's columns (a round past the last row: the last
+      // row's weights, staged whether or not there is k); a neox lane takes its partner
+      // half's the same way, already scaled (the lanes of a row hold the same sum, so the
+      // same scale, bit for bit), where shuffling the raw words cost every lane the
+      // partner's unpacking, weights and products again
+      const bool of_q = min(h, total_heads - 1) < q_heads;
+      const float4* weight =
+          reinterpret_cast<const float4*>(weights + (of_q ? 0 : ROTARY_DIM) + column);
+      float scaled[VEC];
+#pragma unroll
+      for (int i = 0; i < VEC; i += 4) {
+        const float4 w = weight[i / 4];
+        scaled[i] = x[i] * (scale * w.x), scaled[i + 1] = x[i + 1] * (scale * w.y);
+        scaled[i + 2] = x[i + 2] * (scale * w.z), scaled[i + 3] = x[i + 3] * (scale * w.w);
+      }
+      float other[VEC];  // neox: the partner lane's scaled elements (every lane shuffles)
       if constexpr (NEOX) {
 #pragma unroll
-        for (int w = 0; w < VEC / 2; ++w) {
-          const u32 word = __shfl_xor_sync(0xffffffffu, data[u].word[w], LANES / 2);
-          other[2 * w] = word_low<T>(word);
-          other[2 * w + 1] = word_high<T>(word);
+        for (int i = 0; i < VEC; ++i) {
+          other[i] = __shfl_xor_sync(0xffffffffu, scaled[i], LANES / 2);
         }
       }
       if (h < total_heads && live) {
-        const float* weight = weights + (h < q_heads ? 0 : ROTARY_DIM);
-        float own_w[VEC], other_w[VEC];
-#pragma unroll
-        for (int i = 0; i < VEC; i += 4) {
-          const float4 a = *reinterpret_cast<const float4*>(weight + column + i);
-          own_w[i] = a.x, own_w[i + 1] = a.y, own_w[i + 2] = a.z, own_w[i + 3] = a.w;
-          if constexpr (NEOX) {
-            const float4 b = *reinterpret_cast<const float4*>(weight + partner_column + i);
-            other_w[i] = b.x, other_w[i + 1] = b.y, other_w[i + 2] = b.z, other_w[i + 3] = b.w;
-          }
-        }
         float y[VEC];
 #pragma unroll
         for (int i = 0; i < PAIRS; ++i) {
           if constexpr (NEOX) {
-            const float x_own = x[i] * (scale * own_w[i]);
-            const float x_other = other[i] * (scale * other_w[i]);
-            y[i] = fmaf(x_own, cos_v[i], x_other * sin_v[i]);
+            y[i] = fmaf(scaled[i], cos_v[i], other[i] * sin_v[i]);
           } else {
-            const float x1 = x[2 * i] * (scale * own_w[2 * i]);
-            const float x2 = x[2 * i + 1] * (scale * own_w[2 * i + 1]);
+            const float x1 = scaled[2 * i], x2 = scaled[2 * i + 1];
             y[2 * i] = fmaf(x1, cos_v[i], -x2 * sin_v[i]);
             y[2 * i + 1] = fmaf(x2, cos_v[i], x1 * sin_v[i]);
           }
