@@ -214,6 +214,37 @@ __device__ __forceinline__ void store_some(typename Io<T>::elem* p, int count, c
 
 __device__ __forceinline__ float sigmoid(float z) { return 1.f / (1.f + expf(-z)); }
 
+// CUDA's correctly rounded reciprocal `1.f / s` is MUFU.RCP and one Newton step, behind a check
+// of s's biased exponent (0, 253, 254 or 255: zero, subnormal, near the top, inf or NaN) and a
+// branch to a slow path. fast_reciprocal is that fast path alone, bit for bit `1.f / s` where
+// the check passes (reciprocal_is_fast); NaN gives NaN.
+__device__ __forceinline__ bool reciprocal_is_fast(float s) {
+  return ((__float_as_uint(s) + 0x1800000u) & 0x7f800000u) > 0x1ffffffu;
+}
+
+__device__ __forceinline__ float fast_reciprocal(float s) {
+  float a;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(a) : "f"(s));
+  return fmaf(a, fmaf(-s, a, 1.f), a);
+}
+
+// 1 / s[k] for every k, bit for bit as `1.f / s[k]`. Compiled one division at a time, each
+// sits in a branch region of its own, so N reciprocals issue one after another (a chain of
+// them is pure latency); one check for all N lets them issue together.
+template <int N>
+__device__ __forceinline__ void reciprocals(const float (&s)[N], float (&r)[N]) {
+  bool fast = true;
+#pragma unroll
+  for (int k = 0; k < N; ++k) fast &= reciprocal_is_fast(s[k]);
+  if (fast) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) r[k] = fast_reciprocal(s[k]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) r[k] = 1.f / s[k];
+  }
+}
+
 // ------------------------------------------------------------------ parameters
 
 // One by-value parameter per launch. tileops_cupy reads the fields from this declaration
@@ -366,7 +397,11 @@ __device__ void rows_rms(const PreParams& p, float* sh_h, i64 row0, int rows) {
 // in shared memory made while the data loaded). A decode token's 20 Sinkhorn
 // steps are pure latency, so its matrix is spread over lanes: for n*n <= 32 one lane per
 // entry (a step: the row's or column's entries gathered by n shuffles, summed in index order
-// as on the host, one division), else one lane per row (column sums by n*n shuffles).
+// as on the host, then one division), else one lane per row (column sums by n*n shuffles).
+// Each division is a multiplication by the divisor's reciprocal, as in the backward's
+// sinkhorn_step. Every divisor is a sum of entries within [0, 1] plus eps, so from eps =
+// 2**-125 on it is in fast_reciprocal's range and the step skips the check: one lane an entry,
+// n = 4, a half-step 123 -> 95 cycles measured alone (the performance log, 2026-12-04).
 // Not inlined: one compiled body for every caller.
 template <int N>
 __device__ __attribute__((noinline)) void tile_coefficients(const PreParams& p, const float* sh_h,
@@ -383,6 +418,13 @@ __device__ __attribute__((noinline)) void tile_coefficients(const PreParams& p, 
   const int i = PER_ENTRY ? e / N : e, k0 = PER_ENTRY ? e - (e / N) * N : 0;
   const float eps = p.eps;
   const int repeat = p.repeat;
+  // (eps is below 2**124 too: n + eps then stays below 2**126, the range's top)
+  const bool fast = eps >= 0x1p-125f && eps < 0x1p124f;
+  // A sum of non-negative entries plus eps is 0 only when every entry is 0 (eps = 0 and the
+  // exponentials underflowed): dividing by 1 keeps those zeros, not 0/0.
+  auto inverse = [fast](float divisor) {
+    return fast ? fast_reciprocal(divisor) : 1.f / (divisor == 0.f ? 1.f : divisor);
+  };
   for (int t0 = warp * PER_WARP; t0 < rows; t0 += warps * PER_WARP) {  // warp-uniform
     const int t = t0 + slot;
     const bool active = slot < PER_WARP && t < rows;  // idle lanes shadow token t0
@@ -409,38 +451,32 @@ __device__ __attribute__((noinline)) void tile_coefficients(const PreParams& p, 
 #pragma unroll
     for (int r = 0; r < R; ++r) m[r] = expf(m[r] - row_max);
     for (int it = 0; it < repeat; ++it) {
-      // A sum of non-negative entries plus eps is 0 only when every entry is 0 (eps = 0
-      // and the exponentials underflowed): dividing by 1 keeps those zeros, not 0/0.
       if constexpr (PER_ENTRY) {
         float s = 0.f;
 #pragma unroll
         for (int k = 0; k < N; ++k) s += __shfl_sync(0xffffffffu, m[0], (group + i * N + k) & 31);
-        s += eps;
-        m[0] = m[0] / (s == 0.f ? 1.f : s);
+        m[0] *= inverse(s + eps);
         float c = 0.f;
 #pragma unroll
         for (int r = 0; r < N; ++r) c += __shfl_sync(0xffffffffu, m[0], (group + r * N + k0) & 31);
-        c += eps;
-        m[0] = m[0] / (c == 0.f ? 1.f : c);
+        m[0] *= inverse(c + eps);
       } else {
         float s = 0.f;
 #pragma unroll
         for (int k = 0; k < N; ++k) s += m[k];
-        s += eps;
-        s = s == 0.f ? 1.f : s;
+        const float row = inverse(s + eps);
 #pragma unroll
-        for (int k = 0; k < N; ++k) m[k] = m[k] / s;
+        for (int k = 0; k < N; ++k) m[k] *= row;
         float col[N];
 #pragma unroll
         for (int k = 0; k < N; ++k) {
           float c = 0.f;
 #pragma unroll
           for (int src = 0; src < N; ++src) c += __shfl_sync(0xffffffffu, m[k], (group + src) & 31);
-          c += eps;
-          col[k] = c == 0.f ? 1.f : c;
+          col[k] = inverse(c + eps);
         }
 #pragma unroll
-        for (int k = 0; k < N; ++k) m[k] = m[k] / col[k];
+        for (int k = 0; k < N; ++k) m[k] *= col[k];
       }
     }
     if (active) {

@@ -640,30 +640,6 @@ __global__ void __launch_bounds__(BWD_BLOCK, 1) mhc_bwd_stats(const PreBwdParams
 
 // ------------------------------------------------------------------ per token
 
-// 1 / s[k] for every k, bit for bit as `1.f / s[k]`. CUDA's correctly rounded reciprocal is
-// MUFU.RCP and one Newton step unless s's biased exponent is 0, 253, 254 or 255 (zero,
-// subnormal, near the top, inf or NaN: its own check, below), where it calls a slow path.
-// Compiled one division at a time, each sits in a branch region of its own, so a Sinkhorn
-// step's N reciprocals issued one after another; the token chain is pure latency. One
-// check for all N lets them issue together.
-template <int N>
-__device__ __forceinline__ void reciprocals(const float (&s)[N], float (&r)[N]) {
-  bool fast = true;
-#pragma unroll
-  for (int k = 0; k < N; ++k) fast &= ((__float_as_uint(s[k]) + 0x1800000u) & 0x7f800000u) > 0x1ffffffu;
-  if (fast) {
-#pragma unroll
-    for (int k = 0; k < N; ++k) {
-      float a;
-      asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(a) : "f"(s[k]));
-      r[k] = fmaf(a, fmaf(-s[k], a, 1.f), a);
-    }
-  } else {
-#pragma unroll
-    for (int k = 0; k < N; ++k) r[k] = 1.f / s[k];
-  }
-}
-
 // The divisors of one half of a Sinkhorn step as reciprocals, along rows (ROWS) or columns:
 // the N entries summed in index order, plus eps. A sum that is exactly 0 (every entry 0 and
 // eps 0) divides by 1, which keeps the zeros.
@@ -681,8 +657,8 @@ __device__ __forceinline__ void sinkhorn_divisors(const float (&m)[N * N], float
   reciprocals<N>(s, r);
 }
 
-// One Sinkhorn step in the forward's order (rows, then columns), each division as a
-// multiplication by the divisor's reciprocal.
+// One Sinkhorn step as the forward's tile_coefficients takes it: rows, then columns, each
+// division as a multiplication by the divisor's reciprocal.
 template <int N>
 __device__ __forceinline__ void sinkhorn_step(float (&m)[N * N], float eps) {
   float r[N];
