@@ -665,6 +665,9 @@ def test_pre_backward_constructor_is_the_forward_one():
         ((1, 1, 1, 3, -0.1), ValueError, "sinkhorn_eps must be >= 0"),
         ((1, 1, float("nan"), 3), ValueError, "alpha_res must be finite"),
         (("one", 1, 1, 3), TypeError, "alpha_pre must be a number"),
+        # finite, but inf in the float32 arithmetic
+        ((1, -1e39, 1, 3), ValueError, "alpha_post must lie within float32's range"),
+        ((1, 1, 1, 3, 1e39), ValueError, "sinkhorn_eps must lie within float32's range"),
     ):
         for op_class in (MHCPreFwdOp, MHCPreBwdOp):
             with pytest.raises(error, match=message):

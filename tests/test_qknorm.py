@@ -573,11 +573,20 @@ def test_bad_weights_are_refused_before_any_write(rng, name, place):
         (dict(norm_eps=math.nan), "norm_eps"),
         (dict(norm_weight_offset="1"), "norm_weight_offset"),
         (dict(norm_weight_offset=math.inf), "norm_weight_offset"),
+        # finite, but inf in the float32 arithmetic (the output would be 0 or inf)
+        (dict(norm_eps=1e39), "norm_eps must lie within float32's range"),
+        (dict(norm_weight_offset=-1e39), "norm_weight_offset must lie within float32's range"),
     ],
 )
 def test_constructor_refuses_bad_norm_settings(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         RoPE(64, 4, 2, **kwargs)
+
+
+def test_constructor_takes_float32s_largest_settings():
+    largest = float(np.finfo(np.float32).max)
+    rope = RoPE(64, 4, 2, norm_eps=largest, norm_weight_offset=-largest)
+    assert (rope.norm_eps, rope.norm_weight_offset) == (largest, -largest)
 
 
 # --------------------------------------------------------------------------- CUDA graphs

@@ -21,6 +21,7 @@ from _oracle import (
 )
 
 from tileops_cupy import schemes
+from tileops_cupy.rope import RoPE, YaRNFwdOp
 from tileops_cupy.schemes import Llama31, LongRoPE, Standard, YaRN
 
 HF_RTOL = 4e-6  # float32 powers and products in HF, a few ulps each
@@ -213,6 +214,19 @@ def test_bad_parameters_name_themselves(scheme, kwargs, name):
         scheme(**kwargs)
     assert any(repr(float(v)) in str(error.value) or str(v) in str(error.value)
                for v in kwargs.values())  # fmt: skip
+
+
+def test_an_amplitude_beyond_float32_is_refused_by_the_ops():
+    """A scheme's numbers may each be finite while its amplitude (YaRN: mscale * attn_factor)
+    overflows the float32 tables: an op on it refuses it, naming it, where its table is made
+    (the component when built; a seed op, whose rotary_dim comes with its input, at its
+    first call)."""
+    refused = r"amplitude of 1\.27\d*e\+39, beyond float32's range"
+    with pytest.raises(ValueError, match=refused):
+        RoPE(64, 4, 2, scheme=YaRN(attn_factor=1e39))
+    op = YaRNFwdOp(attn_factor=1e39)
+    with pytest.raises(ValueError, match=refused):
+        op(np.ones((4, 64), np.float32))
 
 
 @pytest.mark.parametrize("bad", (0.0, -0.0, math.nan, math.inf, -math.inf))

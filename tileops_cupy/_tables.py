@@ -24,7 +24,7 @@ import numpy as np
 
 from ._arrays import cupy
 from ._cache import build_once
-from ._validate import MAX_POSITIONS
+from ._validate import FLOAT32_MAX, MAX_POSITIONS
 from .schemes import Scheme
 
 FINE_BITS = 10
@@ -56,6 +56,11 @@ class RotaryTable:
     def __post_init__(self) -> None:
         self.inv_freq = self.scheme.inv_freq(self.rotary_dim)
         self.amplitude = float(self.scheme.amplitude(self.rotary_dim))
+        if not abs(self.amplitude) <= FLOAT32_MAX:  # (the float32 tables would hold inf)
+            raise ValueError(
+                f"{self.scheme} gives a cos/sin amplitude of {self.amplitude!r}, beyond "
+                f"float32's range (<= {FLOAT32_MAX:.8g})"
+            )
         fine_angles = np.arange(FINE_ROWS, dtype=np.float64)[:, None] * self.inv_freq
         self.fine64 = _cos_sin(fine_angles, 1.0)
         self.fine32 = self.fine64.astype(np.float32)

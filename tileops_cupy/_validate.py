@@ -29,12 +29,17 @@ MAX_POSITIONS = 1 << 24  # the accuracy contract is stated for positions below 2
 # --------------------------------------------------------------------------- scalars
 
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def check_real(
-    name: str, value: Any, *, integer: bool = False, positive: bool = False
+    name: str, value: Any, *, integer: bool = False, positive: bool = False, float32: bool = False
 ) -> float | int:
     """``value`` as a float (an int for ``integer``), refused unless it is a finite number
-    (and > 0 for ``positive``). Strings and bools are refused by type, so a wrong type
-    fails at construction with the parameter's name, not deep inside the first call."""
+    (and > 0 for ``positive``; within float32's range for ``float32``: a scalar that the
+    kernels and the host path take in float32 arithmetic, where a larger one would become
+    inf). Strings and bools are refused by type, so a wrong type fails at construction with
+    the parameter's name, not deep inside the first call."""
     kind = numbers.Integral if integer else numbers.Real
     if isinstance(value, bool) or not isinstance(value, kind):
         expected = "an int" if integer else "an int or a float"
@@ -43,6 +48,11 @@ def check_real(
     if not (integer or math.isfinite(number)) or (positive and number <= 0):
         bound = " and > 0" if positive else ""
         raise ValueError(f"{name} must be finite{bound}, got {value!r}")
+    if float32 and abs(number) > FLOAT32_MAX:
+        raise ValueError(
+            f"{name} must lie within float32's range (|{name}| <= {FLOAT32_MAX:.8g}: the "
+            f"arithmetic is float32), got {value!r}"
+        )
     return number
 
 

@@ -627,10 +627,10 @@ class RoPE(ProcessLocal):
         if mrope_interleaved and self.mrope_section is None:
             raise ValueError("mrope_interleaved=True needs an mrope_section (t, h, w)")
         self.mrope_interleaved = mrope_interleaved
-        self.norm_eps = check_real("norm_eps", norm_eps)
+        self.norm_eps = check_real("norm_eps", norm_eps, float32=True)
         if self.norm_eps < 0:
             raise ValueError(f"norm_eps must be >= 0, got {norm_eps!r}")
-        self.norm_weight_offset = check_real("norm_weight_offset", norm_weight_offset)
+        self.norm_weight_offset = check_real("norm_weight_offset", norm_weight_offset, float32=True)
         self._start()
 
     def _start(self) -> None:

@@ -93,12 +93,12 @@ class _PreSettings(_MHCOp):
         self.target = check_target(target)
         alphas = {"alpha_pre": alpha_pre, "alpha_post": alpha_post, "alpha_res": alpha_res}
         for name, value in alphas.items():
-            check_real(name, value)
+            check_real(name, value, float32=True)
         if isinstance(sinkhorn_repeat, bool) or not isinstance(sinkhorn_repeat, (int, np.integer)):
             raise TypeError(f"sinkhorn_repeat must be an int, got {type(sinkhorn_repeat).__name__}")
         if sinkhorn_repeat < 0:
             raise ValueError(f"sinkhorn_repeat must be >= 0, got {sinkhorn_repeat}")
-        check_real("sinkhorn_eps", sinkhorn_eps)
+        check_real("sinkhorn_eps", sinkhorn_eps, float32=True)
         if sinkhorn_eps < 0:
             raise ValueError(f"sinkhorn_eps must be >= 0, got {sinkhorn_eps}")
         self.alpha_pre, self.alpha_post, self.alpha_res = alpha_pre, alpha_post, alpha_res
