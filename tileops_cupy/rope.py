@@ -537,10 +537,11 @@ class RoPE(ProcessLocal):
             ``prefill``/``decode`` offsets give all three rows the same position (text
             tokens), where MRoPE is the plain rotation.
         mrope_interleaved: see mrope_section.
-        norm_eps: epsilon of the fused QK-RMSNorm (>= 0; used only by calls that pass
-            ``q_norm_weight``).
+        norm_eps: epsilon of the fused QK-RMSNorm (>= 0 and within float32's range; used
+            only by calls that pass ``q_norm_weight``).
         norm_weight_offset: added to the norm weights: 0 for Qwen3 (``Qwen3RMSNorm``), 1
-            for Gemma (``Gemma3RMSNorm``, which scales by ``1 + weight``).
+            for Gemma (``Gemma3RMSNorm``, which scales by ``1 + weight``); within float32's
+            range.
 
     Fused QK-RMSNorm (Qwen3, Gemma 3): ``forward``, ``prefill``, ``decode`` and
     :func:`apply_rope` take ``q_norm_weight`` and ``k_norm_weight`` (``[head_dim]``, of the

@@ -137,6 +137,9 @@ class MHCPreFwdOp(_PreSettings):
         sinkhorn_eps: added to every Sinkhorn row and column sum before dividing, >= 0.
         target: None or ``BUILTIN`` to run where the data lives, "cuda" or "cpu" to insist.
 
+    The alphas and ``sinkhorn_eps`` must lie within float32's range (the arithmetic is
+    float32): a ValueError names the one that does not.
+
     ``forward(phi, x, b)`` (also ``op(phi, x, b)``):
 
     - ``phi`` ``[n*c_x, n*n + 2n]`` float32; ``n`` is read from its width.
