@@ -355,8 +355,9 @@ constexpr int NORM_ROWS = 2;
 // rotated, 16-byte aligned. Each lane holds one 16-byte pack of a row (LANES lanes a row, 16
 // for a bf16 D128 head; blockDim.x == LANES, a warp is one token's rows) and a neox pair's
 // other half is the pack LANES/2 lanes away, its elements fetched by shuffle once normalised:
-// one load and one store a lane per row, where NORM_CHUNKS holds both halves in every lane. Rows are taken HEADS at a time,
-// the next round's loads issued before this round's arithmetic. The packs are 32-bit words
+// one load and one store a lane per row, where NORM_CHUNKS holds both halves in every lane.
+// Rows are taken HEADS at a time, the next round's loads issued before this round's
+// arithmetic. The packs are 32-bit words
 // end to end, loaded without a branch (a round past the last row reloads the last row and
 // writes nothing): 16-bit element packs made the compiler repack halves right after each
 // load, which waited for it and left one load in flight a lane (64.2 / 72.4% below). Every
