@@ -534,20 +534,87 @@ def test_jit_trace_records_the_ops(rng):
         assert torch.equal(got, want)
 
 
-def test_vmap_runs_the_ops_slice_by_slice(rng):
-    """``torch.vmap`` (a functorch transform, whose batched tensors have no storage) takes
-    the op's autograd.Function, whose generated vmap rule runs torch's batching fallback,
-    once per slice: the same bits as a loop, where the direct path used to fail reading a
-    data pointer."""
-    op, pre = RoPEFwdOp(input_layout="2d"), MHCPreFwdOp(1.0, 0.8, 1.2, 5)
-    x = random_tensor(rng, (3, 2, 5, 2, HEAD_DIM), "cpu")
-    phi, b, xs = (  # (mHC's phi and b are float32)
-        random_tensor(rng, shape, "cpu").float() for shape in ((4 * 16, 24), (24,), (3, 2, 64))
-    )
-    batched = torch.vmap(op)(x), torch.vmap(lambda t: pre(phi, t, b))(xs)
-    assert torch.equal(batched[0], torch.stack([op(t) for t in x]))
-    for i, output in enumerate(batched[1]):
-        assert torch.equal(output, torch.stack([pre(phi, t, b)[i] for t in xs]))
+@pytest.fixture
+def without_vmap_fallback():
+    """torch's batching fallback switched off for the test, so that vmap of an op without
+    a rule of its own raises (torch would otherwise run it slice by slice, with a
+    "performance drop ... file us an issue" warning)."""
+    switch = getattr(torch._C._functorch, "_set_vmap_fallback_enabled", None)
+    if switch is None:
+        pytest.skip("this torch cannot switch its vmap fallback off")
+    switch(False)
+    yield
+    switch(True)
+
+
+def _assert_vmap_is_a_loop(function, inputs, in_dims=0):
+    """``torch.vmap(function, in_dims)(*inputs)`` equals ``function`` on each slice,
+    stacked, bit for bit (every output of a tuple)."""
+    dims = in_dims if isinstance(in_dims, tuple) else (in_dims,) * len(inputs)
+    size = next(t.shape[d] for t, d in zip(inputs, dims, strict=True) if d is not None)
+    batched = torch.vmap(function, in_dims=in_dims)(*inputs)
+    slices = [
+        function(*(t if d is None else t.select(d, i) for t, d in zip(inputs, dims, strict=True)))
+        for i in range(size)
+    ]
+    if isinstance(batched, tuple):
+        for got, *wanted in zip(batched, *slices, strict=True):
+            assert torch.equal(got, torch.stack(wanted))
+    else:
+        assert torch.equal(batched, torch.stack(slices))
+
+
+@pytest.mark.parametrize("place", PLACES)
+def test_vmap_has_a_rule_for_every_op(rng, place, without_vmap_fallback):
+    """``torch.vmap`` of every op, with torch's fallback off: the seed ops' rotations and
+    mHC post join the vmapped slices into one call (a row's result cannot depend on the
+    others); the component, mHC pre and the backward ops run slice by slice, whose plans and
+    sums depend on the batch. Either way the same bits as a loop, batched in any argument."""
+    seed, seed_1d = RoPEFwdOp(input_layout="2d"), RoPEFwdOp()
+    ids_op = RoPENeoxPositionIdsFwdOp(64, rotary_dim=8)
+    x, rows = random_tensor(rng, (3, *SHAPES["2d"]), place), random_tensor(rng, (37, 3, 16), place)
+    tokens = random_tensor(rng, (3, 11, HEADS, HEAD_DIM), place)
+    ids = torch.from_numpy(rng.integers(0, 64, (3, 11))).to(place)
+    _assert_vmap_is_a_loop(seed, (x,))
+    _assert_vmap_is_a_loop(seed_1d, (rows,), in_dims=1)
+    _assert_vmap_is_a_loop(ids_op, (tokens, ids))
+    _assert_vmap_is_a_loop(ids_op, (tokens, ids[0]), in_dims=(0, None))
+    _assert_vmap_is_a_loop(ids_op, (tokens[0], ids), in_dims=(None, 0))
+
+    rope = RoPE(HEAD_DIM, HEADS, KV_HEADS, scheme=YaRN(scale=4.0), max_position=64)
+    q = random_tensor(rng, (3, 11, HEADS * HEAD_DIM), place)
+    k = random_tensor(rng, (3, 11, KV_HEADS * HEAD_DIM), place)
+    weight = random_tensor(rng, (HEAD_DIM,), place)
+
+    def rotated(q, k, positions):
+        return rope.forward(q.clone(), k.clone(), positions=positions)
+
+    def normed(q, k, positions):
+        return rope.forward(
+            q.clone(), k.clone(), positions=positions, q_norm_weight=weight, k_norm_weight=weight
+        )
+
+    def in_place(q, k, positions):
+        q, k = q * 1, k * 1
+        rope.forward(q, k, positions=positions)
+        return q, k
+
+    for function in (rotated, normed, in_place):
+        _assert_vmap_is_a_loop(function, (q, k, ids))
+    _assert_vmap_is_a_loop(rotated, (q, k, ids[0]), in_dims=(0, 0, None))
+
+    pre, post = MHCPreFwdOp(1.0, 0.8, 1.2, 5), MHCPostFwdOp()
+    pre_bwd, post_bwd = MHCPreBwdOp(1.0, 0.8, 1.2, 5), MHCPostBwdOp()
+    phi, x_rows, b = _mhc_inputs(rng, place, n=2, c_x=16, batch=4)
+    xs = torch.stack([x_rows, x_rows.flip(0), x_rows * 2])
+    _assert_vmap_is_a_loop(pre, (phi, xs, b), in_dims=(None, 0, None))
+    _assert_vmap_is_a_loop(pre, (torch.stack([phi, phi / 2, -phi]), xs, b), in_dims=(0, 0, None))
+    x_res, x_layer, h_post = torch.vmap(pre, in_dims=(None, 0, None))(phi, xs, b)
+    _assert_vmap_is_a_loop(post, (x_layer, h_post, x_res))
+    _assert_vmap_is_a_loop(post, (x_layer[0], h_post, x_res[0]), in_dims=(None, 0, None))
+    _assert_vmap_is_a_loop(post_bwd, (x_layer, h_post, x_res, x_res.flip(0)))
+    grads = (x_res.flip(0), x_layer * 3, h_post.flip(0))
+    _assert_vmap_is_a_loop(lambda x, *grads: pre_bwd(phi, x, b, *grads), (xs, *grads))
 
 
 def _autograd_gradients(function, inputs):

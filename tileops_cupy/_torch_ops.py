@@ -656,6 +656,111 @@ def _no_forward_mode(op_name: str) -> Any:
     return jvp
 
 
+# --------------------------------------------------------------------------- vmap
+# torch.vmap of an op (also what torch.func's per-sample gradients run). Where each output
+# element depends only on its own row (the RoPE seed ops' rotation, mHC post), the vmapped
+# dimension joins the rows' leading dimension and the op runs once: the same bits as a loop,
+# since no row's arithmetic can see the others. Every other op runs once per slice, as
+# torch's fallback would (without its "performance drop" warning): its plans and sums
+# depend on the batch (mHC pre's K splits and its host matmul, the backward ops' batch-wide
+# grad_phi, the fused norm's lane layouts), so joined rows could round differently from
+# a loop of the same calls.
+
+_SEED_FIELDS = tuple(field.split()[-1] for field in _SEED_CONFIG.split(", "))
+
+
+def _leading(argument: Any, dim: int | None, size: int) -> Any:
+    """``argument`` with its vmapped dimension first (an unbatched one expanded to it)."""
+    return argument.movedim(dim, 0) if dim is not None else argument.expand(size, *argument.shape)
+
+
+def _joined(argument: Any, dim: int | None, size: int) -> Any:
+    """``argument``'s vmapped dimension merged into its first: [size * rows, ...]."""
+    return _leading(argument, dim, size).flatten(0, 1)
+
+
+def _split(size: int) -> Any:
+    """What makes a joined call's results [size, rows, ...] again."""
+
+    def split(results):
+        if isinstance(results, tuple):
+            return tuple(r.unflatten(0, (size, -1)) for r in results)
+        return results.unflatten(0, (size, -1))
+
+    return split
+
+
+def _fold_rows(rows: int) -> Any:
+    """The fold of an op whose first ``rows`` arguments are per-row tensors [rows, ...] and
+    whose outputs are all per-row."""
+
+    def fold(size, in_dims, arguments):
+        pairs = zip(arguments[:rows], in_dims[:rows], strict=True)
+        joined = [_joined(a, d, size) for a, d in pairs]
+        return (*joined, *arguments[rows:]), _split(size)
+
+    return fold
+
+
+def _fold_rope(size, in_dims, arguments):
+    x, position_ids, *config = arguments
+    if position_ids is not None:  # [tokens, heads, head_dim] at ids [tokens]
+        joined_ids = _joined(position_ids, in_dims[1], size)
+        return (_joined(x, in_dims[0], size), joined_ids, *config), _split(size)
+    layout = _SEED_FIELDS.index("input_layout")
+    if config[layout] == "2d":  # [batch, seq, heads, head_dim]
+        return (_joined(x, in_dims[0], size), None, *config), _split(size)
+    # "1d" [seq, head_dim] slices: [size, seq, 1, head_dim] in the 2d layout, at the same
+    # positions (each row's seq index)
+    config[layout] = "2d"
+    rows = _leading(x, in_dims[0], size).unsqueeze(2)
+    return (rows, None, *config), lambda result: result.squeeze(2)
+
+
+def _slice(arguments: tuple, in_dims: tuple, index: int) -> list:
+    """The arguments of one slice (a list argument's in_dims entry is a list of Nones)."""
+    pairs = zip(arguments, in_dims, strict=True)
+    return [a.select(d, index) if isinstance(d, int) else a for a, d in pairs]
+
+
+def _vmap_rule(name: str, fold: Any) -> Any:
+    """torch.library.register_vmap's rule for op ``name``: ``fold(size, in_dims,
+    arguments)`` gives the arguments of one call on the joined rows and what makes its
+    results the vmapped ones ([size, ...]), or None for slice by slice."""
+    import torch
+
+    def rule(info, in_dims, *arguments):
+        op = getattr(torch.ops.tileops_cupy, name)
+        size = info.batch_size
+        folded = fold(size, in_dims, list(arguments)) if fold is not None else None
+        if folded is not None:
+            call, finish = folded
+            results = finish(op(*call))
+        else:
+            slices = [op(*_slice(arguments, in_dims, i)) for i in range(size)]
+            if isinstance(slices[0], tuple):
+                results = tuple(torch.stack(r) for r in zip(*slices, strict=True))
+            else:
+                results = torch.stack(slices)
+        if isinstance(results, tuple):
+            return results, (0,) * len(results)
+        return results, 0
+
+    return rule
+
+
+# name: how its rows join (None: slice by slice); every functional op has a rule (rope_qk_,
+# in place, is never vmapped: transforms record in-place calls as a copy and copy_)
+_VMAP_FOLDS = {
+    "rope": _fold_rope,
+    "rope_qk": None,
+    "mhc_pre": None,
+    "mhc_post": _fold_rows(3),
+    "mhc_pre_bwd": None,
+    "mhc_post_bwd": None,
+}
+
+
 # --------------------------------------------------------------------------- registration
 
 # name: (implementation, fake, mutated arguments, (backward, setup_context) or None, the
@@ -757,6 +862,8 @@ def ensure_registered() -> None:
                 f"{NAMESPACE}::{name}", impl, mutates_args=mutates, schema=SCHEMAS[name]
             )
             op.register_fake(fake)
+            if name in _VMAP_FOLDS:
+                torch.library.register_vmap(op, _vmap_rule(name, _VMAP_FOLDS[name]))
             if autograd is not None:
                 backward, setup_context = autograd
                 op.register_autograd(backward, setup_context=setup_context)
