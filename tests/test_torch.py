@@ -624,11 +624,12 @@ def _autograd_gradients(function, inputs):
 
 
 @pytest.mark.parametrize("place", PLACES)
-def test_func_transforms_take_the_same_gradients_as_autograd(rng, place):
-    """``torch.func.grad`` (and ``vmap`` of it, per-sample gradients) through every kind of
-    op: the seed op, ``apply_rope`` with the fused norm, the component in place on a
-    non-leaf, and mHC pre -> layer -> post. torch's custom-op autograd raises under these
-    transforms; the ops' autograd.Functions give autograd's gradients, bit for bit."""
+def test_func_transforms_take_the_same_gradients_as_autograd(rng, place, without_vmap_fallback):
+    """``torch.func.grad`` (and ``vmap`` of it, per-sample gradients, through the ops' vmap
+    rules) through every kind of op: the seed op, ``apply_rope`` with the fused norm, the
+    component in place on a non-leaf, and mHC pre -> layer -> post. torch's custom-op
+    autograd raises under these transforms; the ops' autograd.Functions give autograd's
+    gradients, bit for bit."""
     op = RoPEFwdOp(input_layout="2d")
     rope = RoPE(HEAD_DIM, HEADS, KV_HEADS, scheme=YaRN(scale=4.0), rotary_dim=8)
     pre, post = MHCPreFwdOp(0.8, 1.1, 0.9, 6), MHCPostFwdOp()
@@ -678,7 +679,7 @@ def test_func_transforms_take_the_same_gradients_as_autograd(rng, place):
     assert torch.equal(transformed, _autograd_gradients(vmapped_loss, (rows,))[0])
 
 
-def test_hessians_of_the_rope_ops(rng):
+def test_hessians_of_the_rope_ops(rng, without_vmap_fallback):
     """``torch.func.hessian`` (forward mode over reverse mode, under vmap) of losses through
     the seed op, apply_rope with k, and the fused norm equals autograd's double backward.
     (Torch's generated vmap rules once failed on the configurations' lists: they now travel

@@ -814,7 +814,7 @@ def _autograd_function(name: str, op: Any, autograd: tuple, jvp: Any) -> Any:
     """The custom op ``op`` as a ``torch.autograd.Function`` on ``(*arguments,
     _Configuration)``: the same backward and context as its registered autograd formula
     (whose tensors :func:`_save` keeps for the jvp too), a forward-mode derivative, and a
-    vmap rule torch generates (its forward under vmap is the op's batching fallback)."""
+    vmap rule torch generates (its forward under vmap is the op's own vmap rule)."""
     import torch
 
     backward, setup = autograd
