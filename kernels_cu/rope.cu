@@ -357,10 +357,10 @@ constexpr int NORM_ROWS = 2;
 // other half is the pack LANES/2 lanes away, its elements fetched by shuffle once normalised:
 // one load and one store a lane per row, where NORM_CHUNKS holds both halves in every lane.
 // Rows are taken HEADS at a time, the next round's loads issued before this round's
-// arithmetic. The packs are 32-bit words
-// end to end, loaded without a branch (a round past the last row reloads the last row and
-// writes nothing): 16-bit element packs made the compiler repack halves right after each
-// load, which waited for it and left one load in flight a lane (64.2 / 72.4% below). Every
+// arithmetic. The packs are 32-bit words end to end, loaded without a branch (a round past
+// the last row reloads the last row and writes nothing): 16-bit element packs made the
+// compiler repack halves right after each load, which waited for it and left one load in
+// flight a lane (64.2 / 72.4% below). Every
 // lane of a warp takes every round (the shuffles name the whole warp); a lane past the last
 // token reads its block's last token and writes nothing. Measured on an H200 (32q/8kv D128
 // bf16, packed tokens, % of the copy ceiling at N8192 / N32768): NORM_CHUNKS 68.2 / 78.7%,

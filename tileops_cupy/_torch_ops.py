@@ -723,14 +723,13 @@ def _slice(arguments: tuple, in_dims: tuple, index: int) -> list:
     return [a.select(d, index) if isinstance(d, int) else a for a, d in pairs]
 
 
-def _vmap_rule(name: str, fold: Any) -> Any:
-    """torch.library.register_vmap's rule for op ``name``: ``fold(size, in_dims,
+def _vmap_rule(op: Any, fold: Any) -> Any:
+    """torch.library.register_vmap's rule for the custom op ``op``: ``fold(size, in_dims,
     arguments)`` gives the arguments of one call on the joined rows and what makes its
     results the vmapped ones ([size, ...]), or None for slice by slice."""
     import torch
 
     def rule(info, in_dims, *arguments):
-        op = getattr(torch.ops.tileops_cupy, name)
         size = info.batch_size
         folded = fold(size, in_dims, list(arguments)) if fold is not None else None
         if folded is not None:
@@ -862,12 +861,12 @@ def ensure_registered() -> None:
                 f"{NAMESPACE}::{name}", impl, mutates_args=mutates, schema=SCHEMAS[name]
             )
             op.register_fake(fake)
+            overload = getattr(torch.ops.tileops_cupy, name)
             if name in _VMAP_FOLDS:
-                torch.library.register_vmap(op, _vmap_rule(name, _VMAP_FOLDS[name]))
+                torch.library.register_vmap(op, _vmap_rule(overload, _VMAP_FOLDS[name]))
             if autograd is not None:
                 backward, setup_context = autograd
                 op.register_autograd(backward, setup_context=setup_context)
-                overload = getattr(torch.ops.tileops_cupy, name)
                 _FUNCTIONS[name] = _autograd_function(name, overload, autograd, jvp)
         _registered = True
 
