@@ -726,14 +726,13 @@ def _slice(arguments: tuple, in_dims: tuple, index: int) -> list:
 def _vmap_rule(op: Any, fold: Any) -> Any:
     """torch.library.register_vmap's rule for the custom op ``op``: ``fold(size, in_dims,
     arguments)`` gives the arguments of one call on the joined rows and what makes its
-    results the vmapped ones ([size, ...]), or None for slice by slice."""
+    results the vmapped ones ([size, ...]); without a fold (None), slice by slice."""
     import torch
 
     def rule(info, in_dims, *arguments):
         size = info.batch_size
-        folded = fold(size, in_dims, list(arguments)) if fold is not None else None
-        if folded is not None:
-            call, finish = folded
+        if fold is not None:
+            call, finish = fold(size, in_dims, list(arguments))
             results = finish(op(*call))
         else:
             slices = [op(*_slice(arguments, in_dims, i)) for i in range(size)]
