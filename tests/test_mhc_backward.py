@@ -221,24 +221,60 @@ def test_pre_backward_empty_sinkhorn_columns(rng, place):
     assert_pre_backward_matches(case, upstream, grads)
 
 
+@pytest.mark.parametrize("place", PLACES)
 @pytest.mark.parametrize("dtype", PRE_DTYPES)
-def test_pre_forward_row_norm_does_not_overflow(rng, dtype):
-    """|x| ~ 1e19 over a width of 128: sum(x*x) overflows float32; the norm must not."""
-    case = random_pre_case(rng, 4, 32, batch=6, dtype=dtype)
-    case.x = (1e19 * rng.standard_normal(case.x.shape)).astype(case.x.dtype)
+@pytest.mark.parametrize("magnitude", (1e19, 2e37))
+def test_pre_forward_row_norm_does_not_overflow(rng, place, dtype, magnitude):
+    """Rows of width 512 whose sum(x*x) overflows float32 (|x| ~ 1e19), and whose norm itself
+    does (|x| ~ 2e37, norm ~ 5e38) though their RMS fits: the RMS must come out finite and
+    right. x is clipped to 2 * magnitude so that x_layer (up to n times max |x|) fits."""
+    case = random_pre_case(rng, 4, 128, batch=6, dtype=dtype)
+    normal = np.clip(rng.standard_normal(case.x.shape), -2, 2)
+    case.x = (magnitude * normal).astype(case.x.dtype)
     with np.errstate(over="ignore"):
-        assert np.isinf(np.sum(np.square(case.x[0].astype(np.float32)), dtype=np.float32))
-    outputs = MHCPreFwdOp(*case.alphas, case.repeat, case.eps)(case.phi, case.x, case.b)
+        squares = np.square(case.x.astype(np.float32))
+        assert np.isinf(squares.sum(axis=1, dtype=np.float32)).all()
+        norms = np.sqrt(squares.astype(np.float64).sum(axis=1))
+        assert magnitude < 1e20 or np.isinf(norms.astype(np.float32)).all()
+    op = MHCPreFwdOp(*case.alphas, case.repeat, case.eps)
+    outputs = op(*(on(place, a) for a in (case.phi, case.x, case.b)))
     assert_pre_matches(case, outputs)  # h_post within 5e-5 of float64, x_res and x_layer too
 
 
 @pytest.mark.parametrize("place", PLACES)
 @pytest.mark.parametrize("dtype", PRE_DTYPES)
-def test_pre_backward_row_norm_does_not_overflow(rng, place, dtype):
-    case = random_pre_case(rng, 4, 32, batch=6, dtype=dtype)
-    case.x = (1e19 * rng.standard_normal(case.x.shape)).astype(case.x.dtype)
-    upstream = upstream_grads(rng, case)
+@pytest.mark.parametrize("magnitude", (1e19, 2e37))
+def test_pre_backward_row_norm_does_not_overflow(rng, place, dtype, magnitude):
+    """The forward test's rows; upstream gradients of 1e-2 at |x| ~ 2e37, so that every true
+    gradient (grad_phi ~ x times them) fits in float32."""
+    case = random_pre_case(rng, 4, 128, batch=6, dtype=dtype)
+    normal = np.clip(rng.standard_normal(case.x.shape), -2, 2)
+    case.x = (magnitude * normal).astype(case.x.dtype)
+    size = 1e-2 if magnitude > 1e20 else 1.0
+    upstream = tuple((size * g).astype(g.dtype) for g in upstream_grads(rng, case))
     assert_pre_backward_matches(case, upstream, pre_backward(place, case, upstream))
+
+
+@pytest.mark.parametrize("n", (1, 2))
+@pytest.mark.parametrize("dtype", PRE_DTYPES)
+def test_pre_backward_products_with_x_do_not_overflow(rng, n, dtype):
+    """|x| ~ 1e38 of one sign and upstream gradients of 1: M's and h_pre's gradients (sums of
+    c_x products of x with them) exceed float32, while every gradient the op returns fits.
+    The host path takes them of the scaled rows (the class docstring's range)."""
+    case = random_pre_case(rng, n, 4, batch=1, dtype=dtype)
+    case.x = (1e38 * rng.uniform(0.9, 1.0, case.x.shape)).astype(case.x.dtype)
+    batch, width = case.x.shape
+    upstream = (
+        np.ones((batch, width), case.x.dtype),
+        np.ones((batch, width // n), case.x.dtype),
+        rng.standard_normal((batch, n)).astype(np.float32),
+    )
+    with np.errstate(over="ignore"):
+        layer_product = case.x[0, :4].astype(np.float32).sum(dtype=np.float32)
+    assert np.isinf(layer_product)  # grad of h_pre[0], unscaled
+    grads = pre_backward("cpu", case, upstream)
+    assert all(np.isfinite(to_float64(g)).all() for g in grads)
+    assert_pre_backward_matches(case, upstream, grads)
 
 
 @pytest.mark.parametrize("place", PLACES)

@@ -21,6 +21,11 @@ import numpy as np
 
 _BLOCK_FLOATS = 1 << 22  # float32 elements of x per row block (16 MB)
 
+# The entry points run quiet: float32 overflow to inf (h = x @ phi near 3e38) and NaN rows from
+# non-finite x are the kernels' arithmetic too, where nothing warns; numpy's RuntimeWarnings
+# about them would reach the caller as noise.
+_quiet = np.errstate(all="ignore")
+
 
 def _row_blocks(batch: int, row_floats: int) -> Iterator[slice]:
     """Slices of at most ``_BLOCK_FLOATS / row_floats`` rows covering ``[0, batch)``: the
@@ -41,35 +46,44 @@ class SinkhornGates:
     sinkhorn_eps: np.float32
 
 
-def row_norms(x: np.ndarray) -> np.ndarray:
-    """``sqrt(sum(x*x))`` of each row of float32 ``x``, without overflow or underflow.
+def scaled_rows(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(scaled, root, exponent)`` of float32 ``x [rows, width]``: each row scaled by the
+    power of two ``2**-exponent`` that brings its max |x| into [0.5, 1) (a zero row by 1), and
+    ``root = sqrt(sum(scaled*scaled))``, so a row's norm is ``root * 2**exponent``.
 
-    Each row is scaled by the power of two that brings its max |x| into [0.5, 1) before
-    squaring and the root is scaled back: both steps are exact, so a row whose squares fit in
-    float32 gets the very bits of the unscaled sum, and |x| ~ 1e19 (whose squares overflow)
-    still gets its norm."""
+    Squaring scaled values neither overflows (|x| ~ 1e19 and up) nor underflows, and scaling
+    by a power of two is exact, so a row whose squares fit in float32 gets the very bits of
+    the unscaled sum: those the kernels take, which scale only a row whose sum overflowed
+    (``mhc.cu``'s ``rows_rms``), in the same way."""
     _, exponent = np.frexp(np.abs(x).max(axis=1))  # max |x| = m * 2**exponent; 0 -> 0
     scaled = np.ldexp(x, -exponent[:, None])
-    return np.ldexp(np.sqrt(np.einsum("ij,ij->i", scaled, scaled)), exponent)
+    return scaled, np.sqrt(np.einsum("ij,ij->i", scaled, scaled)), exponent
+
+
+def row_rms(root: np.ndarray, exponent: np.ndarray, width: int) -> np.ndarray:
+    """``rms [rows, 1] = sqrt(sum(x*x)) / sqrt(width) + 1e-4`` from :func:`scaled_rows`,
+    divided by sqrt(width) before the scale returns (as the kernels do): the norm itself may
+    exceed float32 where the RMS does not (|x| near 3e38)."""
+    rms = np.ldexp(root / np.sqrt(np.float32(width)), exponent) + np.float32(1e-4)
+    return rms[:, None]
 
 
 def sigmoid(z: np.ndarray) -> np.ndarray:
-    """``1 / (1 + exp(-z))``; exp overflowing to inf gives 0, as on device."""
-    with np.errstate(over="ignore"):
-        return 1 / (1 + np.exp(-z))
+    """``1 / (1 + exp(-z))``; exp overflowing to inf gives 0, as on device (quietly: it runs
+    inside the entry points' ``_quiet``)."""
+    return 1 / (1 + np.exp(-z))
 
 
 def logits(
-    h: np.ndarray, norm: np.ndarray, bias: np.ndarray, gates: SinkhornGates, n: int, width: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(rms [rows, 1], pre [rows, n], post [rows, n], res [rows, n, n]): the RMS and the
-    arguments of the two sigmoids and of the Sinkhorn exponentials, from ``h = x @ phi`` and
-    the row norms, all float32."""
-    rms = (norm / np.sqrt(np.float32(width)) + np.float32(1e-4))[:, None]
+    h: np.ndarray, rms: np.ndarray, bias: np.ndarray, gates: SinkhornGates, n: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(pre [rows, n], post [rows, n], res [rows, n, n]): the arguments of the two sigmoids
+    and of the Sinkhorn exponentials, from ``h = x @ phi`` and :func:`row_rms`, all
+    float32."""
     pre = gates.alpha_pre * h[:, :n] / rms + bias[:n]
     post = gates.alpha_post * h[:, n : 2 * n] / rms + bias[n : 2 * n]
     res = (gates.alpha_res * h[:, 2 * n :] / rms + bias[2 * n :]).reshape(-1, n, n)
-    return rms, pre, post, res
+    return pre, post, res
 
 
 def sinkhorn(matrix: np.ndarray, gates: SinkhornGates, trace: list | None = None) -> np.ndarray:
@@ -106,15 +120,17 @@ def sinkhorn_backward(grad_log: np.ndarray, trace: list) -> np.ndarray:
 
 
 def coefficients(
-    h: np.ndarray, norm: np.ndarray, bias: np.ndarray, gates: SinkhornGates, n: int, width: int
+    xb: np.ndarray, phi: np.ndarray, bias: np.ndarray, gates: SinkhornGates, n: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(h_pre [rows, n], h_post [rows, n], M [rows, n, n]) from ``h = x @ phi`` and the
-    norm of each row (:func:`row_norms`), all float32."""
-    _, pre, post, res = logits(h, norm, bias, gates, n, width)
+    """(h_pre [rows, n], h_post [rows, n], M [rows, n, n]) of the float32 rows ``xb``, all
+    float32."""
+    _, root, exponent = scaled_rows(xb)
+    pre, post, res = logits(xb @ phi, row_rms(root, exponent, xb.shape[1]), bias, gates, n)
     matrix = np.exp(res - res.max(axis=2, keepdims=True))
     return sigmoid(pre), 2 * sigmoid(post), sinkhorn(matrix, gates)
 
 
+@_quiet
 def mhc_pre_host(
     phi: np.ndarray,
     x: np.ndarray,
@@ -132,7 +148,7 @@ def mhc_pre_host(
     bias32 = bias.astype(np.float32, copy=False)
     for block in _row_blocks(batch, width):
         xb = x[block].astype(np.float32)
-        h_pre, post, matrix = coefficients(xb @ phi32, row_norms(xb), bias32, gates, n, width)
+        h_pre, post, matrix = coefficients(xb, phi32, bias32, gates, n)
         streams = xb.reshape(-1, n, c_x)
         x_layer[block] = np.matmul(h_pre[:, None, :], streams)[:, 0, :].astype(x_layer.dtype)
         mixed = np.matmul(matrix, streams).reshape(-1, width)
@@ -154,6 +170,7 @@ def _post_blocks(
         yield block, layer, gates, streams[block].astype(np.float32).reshape(-1, n, c_x)
 
 
+@_quiet
 def mhc_post_host(
     x_layer_out: np.ndarray, h_post: np.ndarray, x_res: np.ndarray, x_out: np.ndarray
 ) -> None:
@@ -163,6 +180,7 @@ def mhc_post_host(
         x_out[block] = mixed.reshape(-1, x_out.shape[1]).astype(x_out.dtype)
 
 
+@_quiet
 def mhc_pre_backward_host(
     phi: np.ndarray,
     x: np.ndarray,
@@ -188,6 +206,8 @@ def mhc_pre_backward_host(
     bias32 = bias.astype(np.float32, copy=False)
     alpha = np.array([gates.alpha_pre, gates.alpha_post, gates.alpha_res], np.float32)
     alpha_of_logit = np.repeat(alpha, (n, n, n * n))  # the alpha each logit is scaled by
+    # the logits whose gradients are products of x with the upstream ones (pre's and res's)
+    of_x = np.repeat(np.array([1, 0, 1]), (n, n, n * n))
     sum_phi = np.zeros((width, q), np.float32)
     sum_b = np.zeros(q, np.float32)
     sum_alpha = np.zeros(3, np.float32)
@@ -199,29 +219,35 @@ def mhc_pre_backward_host(
         # the forward again, keeping what the chain rule needs
         xb = x[block].astype(np.float32)
         h = xb @ phi32
-        norm = row_norms(xb)
-        rms, pre, post, res = logits(h, norm, bias32, gates, n, width)
+        scaled, root, exponent = scaled_rows(xb)
+        rms = row_rms(root, exponent, width)
+        pre, post, res = logits(h, rms, bias32, gates, n)
         h_pre = sigmoid(pre)
         peak = res.max(axis=2, keepdims=True)
         shifted = np.exp(res - peak)
         trace: list = []
         matrix = sinkhorn(shifted, gates, trace)
-        streams = xb.reshape(rows, n, c_x)
+        scaled_streams = scaled.reshape(rows, n, c_x)
         up_res = grad_x_res[block].astype(np.float32).reshape(rows, n, c_x)
         up_layer = grad_x_layer[block].astype(np.float32)
         up_post = grad_h_post[block].astype(np.float32)
         # x_res = M @ streams and x_layer = h_pre @ streams
         grad_streams = np.matmul(matrix.transpose(0, 2, 1), up_res)
         grad_streams += h_pre[:, :, None] * up_layer[:, None, :]
-        grad_matrix = np.matmul(up_res, streams.transpose(0, 2, 1))
-        grad_h_pre = np.matmul(streams, up_layer[:, :, None])[:, :, 0]
+        # M's and h_pre's gradients are products of x with the upstream gradients: taken of
+        # the scaled rows (x times 2**-exponent), they stay finite where |x| ~ 1e37 across a
+        # wide row would overflow them, while x's own gradient is O(1). Each step from there
+        # to the logits is linear and a power of two scales exactly, so those logits'
+        # gradients carry the factor until divided by the RMS scaled alike.
+        grad_matrix = np.matmul(up_res, scaled_streams.transpose(0, 2, 1))
+        grad_h_pre = np.matmul(scaled_streams, up_layer[:, :, None])[:, :, 0]
         # Sinkhorn, exp, and the row max (torch.amax: ties share the gradient evenly)
         grad_shifted = sinkhorn_backward(grad_matrix * matrix, trace)  # d/d(res - peak)
         ties = res == peak
         to_peak = grad_shifted.sum(axis=2, keepdims=True) / ties.sum(axis=2, keepdims=True)
         grad_res = grad_shifted - ties * to_peak
         # the sigmoids: s' = s * (1 - s), with 1 - s as sigmoid(-z) (no cancellation)
-        grad_logit = np.concatenate(
+        scaled_grad_logit = np.concatenate(
             (
                 grad_h_pre * h_pre * sigmoid(-pre),
                 2 * up_post * sigmoid(post) * sigmoid(-post),
@@ -229,12 +255,13 @@ def mhc_pre_backward_host(
             ),
             axis=1,
         )
+        shift = of_x * exponent[:, None]  # scaled_grad_logit = grad_logit * 2**-shift
+        grad_logit = np.ldexp(scaled_grad_logit, shift)  # inf only where the true value is
         # logit = alpha * h / rms + b, rms = norm / sqrt(width) + 1e-4, norm = |x|, h = x @ phi
         z = h / rms
-        grad_z = grad_logit * alpha_of_logit
-        grad_h = grad_z / rms
-        grad_norm = -(grad_z * z).sum(axis=1) / rms[:, 0] / np.sqrt(np.float32(width))
-        unit = xb / np.where(norm == 0, np.float32(1), norm)[:, None]  # d norm / dx (0 at 0)
+        grad_h = scaled_grad_logit * alpha_of_logit / np.ldexp(rms, -shift)
+        grad_norm = -(grad_h * z).sum(axis=1) / np.sqrt(np.float32(width))
+        unit = scaled / np.where(root == 0, np.float32(1), root)[:, None]  # d norm / dx (0 at 0)
         grad_xb = grad_streams.reshape(rows, width) + grad_h @ phi32.T
         grad_xb += grad_norm[:, None] * unit
         grad_x[block] = grad_xb.astype(grad_x.dtype)
@@ -247,6 +274,7 @@ def mhc_pre_backward_host(
     grad_alpha[...] = sum_alpha
 
 
+@_quiet
 def mhc_post_backward_host(
     x_layer_out: np.ndarray,
     h_post: np.ndarray,
