@@ -28,7 +28,7 @@ from tileops_cupy.rope import (
     apply_rope,
 )
 from tileops_cupy.schemes import Llama31, LongRoPE, Standard, YaRN, scheme_args, scheme_from_args
-from tileops_cupy.sequence_modeling import MHCPreFwdOp
+from tileops_cupy.sequence_modeling import MHCPostBwdOp, MHCPostFwdOp, MHCPreBwdOp, MHCPreFwdOp
 
 HEAD_DIM, NUM_HEADS, NUM_KV_HEADS = 16, 4, 2
 B, T = 2, 3
@@ -466,6 +466,121 @@ def test_misaligned_strides_are_named(rng):
     assert _bytes(packed) == before
     # the copy the message suggests is accepted
     assert np.array_equal(RoPEFwdOp()(np.ascontiguousarray(x)), RoPEFwdOp()(x.copy()))
+
+
+# --------------------------------------------------------------------------- through torch
+# A call that autograd records or a tracer watches goes through torch's dispatcher, not the
+# direct path: it must refuse what the direct path refuses, before anything is written.
+
+
+def _unwritable(kind: str) -> torch.Tensor:
+    """A k [B, T, K_WIDTH] that autograd forbids to change in place, made as ``kind``."""
+    if kind == "split":  # one of the views a multi-output function returned
+        x = torch.randn(B, T, 8, requires_grad=True)
+        return (x @ torch.randn(8, 2 * K_WIDTH)).split([K_WIDTH, K_WIDTH], dim=-1)[0]
+    if kind == "view of a leaf":
+        return torch.randn(B, T, 2 * K_WIDTH, requires_grad=True)[..., :K_WIDTH]
+    with torch.inference_mode():
+        return torch.randn(B, T, K_WIDTH)
+
+
+@pytest.mark.parametrize("kind", ("split", "view of a leaf", "inference tensor"))
+def test_in_place_under_autograd_refuses_k_before_q_is_written(rng, kind):
+    """q rotates first and k second (copies of the rotation, as torch records in-place
+    ops): a k that autograd will not let change must be refused before q changes."""
+    q = _random(rng, (B, T, Q_WIDTH), "torch").requires_grad_() * 1
+    k = _unwritable(kind)
+    before = _bytes(q, k)
+    with pytest.raises(ValueError, match="^k cannot be rotated in place here: "):
+        _rope().forward(q, k)
+    assert _bytes(q, k) == before
+
+
+@pytest.mark.parametrize("transform", ("vjp", "vmap"))
+def test_overlapping_q_and_k_are_refused_under_torch_func(rng, transform):
+    """A transform's wrappers hold the memory they address: q and k sharing a head are
+    refused there as in eager mode, and nothing is written."""
+    rope = _rope()
+
+    def rotate(x):
+        rope.forward(x[..., :Q_WIDTH], x[..., HEAD_DIM : HEAD_DIM + K_WIDTH])
+        return x
+
+    data = _random(rng, (B, B, T, QKV_WIDTH), "torch")
+    before = _bytes(data)
+    with pytest.raises(ValueError, match="^q and k overlap in memory"):
+        if transform == "vjp":
+            torch.func.vjp(lambda x: rotate(x * 1), data[0].requires_grad_())
+        else:
+            torch.func.vmap(rotate)(data)
+    assert _bytes(data) == before
+
+
+@pytest.mark.parametrize("grad", (False, True))
+@pytest.mark.parametrize("offset", (True, 2.0, np.float32(2)))
+def test_a_position_offset_that_is_no_int_is_refused(rng, grad, offset):
+    """A bool is an int to Python and a float no array: either way, a TypeError naming the
+    argument, on the direct path and through the dispatcher alike."""
+    q = _random(rng, (B, T, Q_WIDTH), "torch").requires_grad_(grad)
+    with pytest.raises(TypeError, match="^position_offset must be an int or an int32/int64"):
+        apply_rope(q, None, _rope(), offset)
+
+
+@pytest.mark.parametrize("grad", (False, True))
+def test_a_position_offset_beyond_int64_is_refused(rng, grad):
+    q = _random(rng, (B, 1, Q_WIDTH), "torch").requires_grad_(grad) * 1
+    with pytest.raises(ValueError, match=r"^position must (keep positions|be a position) in"):
+        _rope().decode(q, None, 2**63)
+
+
+def test_arrays_of_another_framework_are_named_through_the_dispatcher(rng):
+    """Autograd records calls on tensors that require grad: torch's dispatcher then takes
+    every tensor argument, and one that is a NumPy array is named, not a schema type."""
+    q = _random(rng, (T, Q_WIDTH), "torch").requires_grad_()
+    positions = np.arange(T)
+    apply_rope(q.detach(), None, _rope(), positions=positions)  # direct: any framework
+    with pytest.raises(TypeError, match="^positions must be a torch tensor, got numpy.ndarray"):
+        apply_rope(q, None, _rope(), positions=positions)
+    phi = np.zeros((32, 24), np.float32)
+    x = _random(rng, (B, 32), "torch").requires_grad_()
+    with pytest.raises(TypeError, match="^phi must be a torch tensor, got numpy.ndarray"):
+        MHCPreFwdOp(1, 1, 1, 3)(phi, x, torch.zeros(24))
+
+
+def test_an_empty_head_dim_is_refused():
+    with pytest.raises(ValueError, match=r"head_dim \(x.shape\[-1\]\) must be even and positive"):
+        RoPEFwdOp()(np.ones((4, 0), np.float32))
+
+
+_N, _C_X = 2, 4
+_W, _Q = _N * _C_X, _N * _N + 2 * _N
+_MHC_CALLS = {  # (op, good argument shapes and dtypes, the index and shape of one bad one)
+    "pre phi width": (MHCPreFwdOp(1, 1, 1, 3), [(_W, _Q), (B, _W), (_Q,)], 0, (_W, _Q + 1)),
+    "pre x width": (MHCPreFwdOp(1, 1, 1, 3), [(_W, _Q), (B, _W), (_Q,)], 1, (B, _W + 2)),
+    "pre x ndim": (MHCPreFwdOp(1, 1, 1, 3), [(_W, _Q), (B, _W), (_Q,)], 1, (_W,)),
+    "post batch": (MHCPostFwdOp(), [(B, _C_X), (B, _N), (B, _W)], 1, (B + 1, _N)),
+    "pre bwd upstream": (
+        MHCPreBwdOp(1, 1, 1, 3),
+        [(_W, _Q), (B, _W), (_Q,), (B, _W), (B, _C_X), (B, _N)],
+        4,
+        (B, _C_X + 1),
+    ),
+    "post bwd upstream": (MHCPostBwdOp(), [(B, _C_X), (B, _N), (B, _W), (B, _W)], 3, (B, 1)),
+}
+
+
+@pytest.mark.parametrize("call", list(_MHC_CALLS))
+def test_mhc_fake_implementations_refuse_what_eager_refuses(call):
+    """On meta tensors (and under torch.compile) the ops run their fake implementations,
+    which validate as the direct path does: the same error, not made-up shapes."""
+    op, shapes, bad, bad_shape = _MHC_CALLS[call]
+    shapes = [bad_shape if i == bad else shape for i, shape in enumerate(shapes)]
+    errors = []
+    for device in ("cpu", "meta"):
+        with pytest.raises((ValueError, TypeError)) as caught:
+            op(*(torch.zeros(shape, device=device) for shape in shapes))
+        errors.append((type(caught.value), str(caught.value)))
+    assert errors[0] == errors[1]
 
 
 # --------------------------------------------------------------------------- item 7: bench --json

@@ -13,6 +13,7 @@ and device errors are device only.
 from __future__ import annotations
 
 import math
+import re
 
 import ml_dtypes
 import numpy as np
@@ -589,8 +590,9 @@ def test_pre_validation(mutate, error, message):
 
 
 def test_pre_constructor_validation():
-    with pytest.raises(ValueError, match="sinkhorn_repeat must be >= 0"):
-        MHCPreFwdOp(1, 1, 1, -1)
+    for repeat in (-1, 2**31):
+        with pytest.raises(ValueError, match=re.escape("sinkhorn_repeat must be in [0, 2**31)")):
+            MHCPreFwdOp(1, 1, 1, repeat)
     with pytest.raises(TypeError, match="sinkhorn_repeat must be an int"):
         MHCPreFwdOp(1, 1, 1, 2.5)
     with pytest.raises(ValueError, match="sinkhorn_eps must be >= 0"):

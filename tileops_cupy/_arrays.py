@@ -103,6 +103,19 @@ _torch_dtype_names: dict[Any, str] = {}  # torch.dtype -> our name
 _torch_dtypes: dict[str, Any] = {}  # our name -> torch.dtype
 
 
+def _torch_dtype_name(dtype: Any) -> str:
+    name = _torch_dtype_names.get(dtype)
+    if name is None:
+        name = _torch_dtype_names[dtype] = str(dtype).removeprefix("torch.")
+    return name
+
+
+def described(obj: Any) -> Operand:
+    """A torch tensor's dtype, shape and strides without its memory (a fake or meta tensor
+    has none): what the validation reads, for the custom ops' fake implementations."""
+    return Operand(obj, "torch", None, _torch_dtype_name(obj.dtype), tuple(obj.shape), obj.stride())
+
+
 def _from_torch(obj: Any, name: str = "tensor") -> Operand:
     if obj.is_nested or obj.layout is not _torch().strided:  # (no one pointer and strides)
         layout = "nested" if obj.is_nested else str(obj.layout).removeprefix("torch.")
@@ -112,9 +125,7 @@ def _from_torch(obj: Any, name: str = "tensor") -> Operand:
             f"{name} has torch's lazy negation bit set (its memory holds the negated "
             f"values); pass {name}.resolve_neg()"
         )
-    dtype = _torch_dtype_names.get(obj.dtype)
-    if dtype is None:
-        dtype = _torch_dtype_names[obj.dtype] = str(obj.dtype).removeprefix("torch.")
+    dtype = _torch_dtype_name(obj.dtype)
     if obj.is_cuda:
         return Operand(
             obj, "torch", obj.get_device(), dtype, tuple(obj.shape), obj.stride(), obj.data_ptr()

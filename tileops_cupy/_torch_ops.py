@@ -74,6 +74,22 @@ SCHEMAS = {
     ),
 }
 
+
+def _tensor_arguments(schema: str) -> tuple[tuple[int, str], ...]:
+    """(index, name) of each Tensor argument of ``schema``, named as the public calls name
+    it for their errors."""
+    public = {"offsets": "position_offset"}
+    arguments = schema[1 : schema.index(") ->")].split(", ")
+    named = ((index, argument.rsplit(" ", 1)[1]) for index, argument in enumerate(arguments))
+    return tuple(
+        (index, public.get(name, name))
+        for index, name in named
+        if arguments[index].startswith("Tensor")
+    )
+
+
+_TENSOR_ARGUMENTS = {name: _tensor_arguments(schema) for name, schema in SCHEMAS.items()}
+
 _registered = False
 _lock = threading.Lock()
 
@@ -100,18 +116,22 @@ _differentiating_transforms: Any = None
 _forward_ad: Any = None
 _jit_tracing: Any = None
 _functorch_wrapped: Any = None
+_functorch_unwrapped: Any = None
+_has_storage: Any = None
 
 
 def _bind(torch: Any) -> None:
     global _Tensor, _Parameter, _is_compiling, _dispatch_depth, _profiling, _grad_enabled
     global _increment_version, _raw_stream, _empty_like, _contiguous_format
     global _functorch_active, _interpreter_stack, _differentiating_transforms, _forward_ad
-    global _jit_tracing, _functorch_wrapped
+    global _jit_tracing, _functorch_wrapped, _functorch_unwrapped, _has_storage
     _is_compiling, _dispatch_depth = torch.compiler.is_compiling, torch._C._len_torch_dispatch_stack
     _profiling, _jit_tracing = torch._C._autograd._profiler_enabled, torch._C._is_tracing
     _functorch_active = torch._C._are_functorch_transforms_active
     _interpreter_stack = torch._C._functorch.get_interpreter_stack
     _functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    _functorch_unwrapped = torch._C._functorch.get_unwrapped
+    _has_storage = torch._C._has_storage
     transform = torch._C._functorch.TransformType
     _differentiating_transforms = frozenset((transform.Grad, transform.Jvp))
     _forward_ad = torch.autograd.forward_ad  # (its _current_level: -1 outside a dual_level)
@@ -182,10 +202,23 @@ def differentiating() -> bool:
     )
 
 
-def functorch_wrapped(*tensors: Any) -> bool:
-    """True when any of the (torch or None) ``tensors`` is a ``torch.func`` transform's
-    wrapper, whose memory cannot be described (a vmap's batched tensor has none)."""
-    return _torch_bound() and any(t is not None and _functorch_wrapped(t) for t in tensors)
+def memory_of(tensor: Any) -> Any:
+    """The torch tensor whose memory ``tensor`` addresses: itself, or the one that a
+    ``torch.func`` transform's wrappers (grad tracking, a vmap batch) hold; None where no
+    memory can be described (Dynamo's fake tensors, a wrapper without storage inside)."""
+    if is_compiling():
+        return None
+    while _functorch_wrapped(tensor):
+        tensor = _functorch_unwrapped(tensor)
+    return tensor if _has_storage(tensor) else None
+
+
+def outside_transforms() -> Any:
+    """A context in which ``torch.func`` transforms see no op: reading :func:`memory_of`'s
+    tensors there (``detach``, ``numpy``) gives plain tensors, not new wrappers."""
+    import torch
+
+    return torch._C._DisableFuncTorch()
 
 
 def layouts(*args: Any) -> tuple[tuple, list[int]]:
@@ -312,11 +345,28 @@ def register_if_torch_imported() -> None:
 # --------------------------------------------------------------------------- the calls
 
 
+def _require_tensors(name: str, arguments: tuple) -> None:
+    """TypeError naming the first of op ``name``'s tensor arguments that holds something
+    else (a NumPy or CuPy array, a list): the direct path takes any framework's arrays, but
+    the dispatcher takes torch tensors only, and its own error names a schema type."""
+    for index, argument in _TENSOR_ARGUMENTS[name]:
+        value = arguments[index]
+        if value is not None and not isinstance(value, _Tensor):
+            kind = type(value)
+            raise TypeError(
+                f"{argument} must be a torch tensor, got {kind.__module__}.{kind.__qualname__}: "
+                "this call goes through torch's dispatcher (a torch argument requires grad, "
+                "or a tracer or transform watches), which takes torch tensors only; "
+                "torch.from_numpy or torch.from_dlpack give one without a copy"
+            )
+
+
 def _call(name: str, arguments: tuple, config: tuple) -> Any:
     """The custom op ``name`` on the call's ``arguments`` then its ``config``; under a
     differentiating ``torch.func`` transform or forward-mode AD (:func:`differentiating`),
     through its ``torch.autograd.Function``, which takes the configuration as one opaque
     :class:`_Configuration`."""
+    _require_tensors(name, arguments)
     if differentiating():
         return _FUNCTIONS[name].apply(*arguments, _Configuration(config))
     import torch
@@ -348,6 +398,7 @@ def rope_qk(config: tuple, *arguments: Any, in_place: bool = False) -> Any:
     if in_place:
         import torch
 
+        _require_tensors("rope_qk_", arguments)
         return torch.ops.tileops_cupy.rope_qk_(*arguments, *config)
     return _call("rope_qk", arguments, config)
 
@@ -508,13 +559,16 @@ def _mhc_pre_impl(phi, x, b, *config):
 
 
 def _mhc_pre_fake(phi, x, b, *config):
-    from .sequence_modeling import streams_of
+    # the direct path's validation on the shapes and dtypes: a traced call (or one on meta
+    # tensors) refuses what an eager one does, with the same error
+    from ._arrays import described
+    from .sequence_modeling import _check_pre
 
-    n = streams_of(phi.shape[1])
-    batch, width = x.shape
+    n, c_x = _check_pre(described(phi), described(x), described(b))
+    batch = x.shape[0]
     return (
-        x.new_empty((batch, width)),
-        x.new_empty((batch, width // n)),
+        x.new_empty((batch, n * c_x)),
+        x.new_empty((batch, c_x)),
         phi.new_empty((batch, n)),
     )
 
@@ -544,6 +598,10 @@ def _mhc_post_impl(x_layer_out, h_post, x_res, target):
 
 
 def _mhc_post_fake(x_layer_out, h_post, x_res, target):
+    from ._arrays import described
+    from .sequence_modeling import _check_post
+
+    _check_post(described(x_layer_out), described(h_post), described(x_res))
     return x_res.new_empty(x_res.shape)
 
 
@@ -565,6 +623,11 @@ def _mhc_pre_bwd_impl(phi, x, b, grad_x_res, grad_x_layer, grad_h_post, *config)
 
 
 def _mhc_pre_bwd_fake(phi, x, b, grad_x_res, grad_x_layer, grad_h_post, *config):
+    from ._arrays import described
+    from .sequence_modeling import _check_pre_backward
+
+    tensors = (phi, x, b, grad_x_res, grad_x_layer, grad_h_post)
+    _check_pre_backward(*(described(tensor) for tensor in tensors))
     return phi.new_empty(phi.shape), x.new_empty(x.shape), b.new_empty(b.shape), b.new_empty(3)
 
 
@@ -576,6 +639,10 @@ def _mhc_post_bwd_impl(x_layer_out, h_post, x_res, grad_x_out, target):
 
 
 def _mhc_post_bwd_fake(x_layer_out, h_post, x_res, grad_x_out, target):
+    from ._arrays import described
+    from .sequence_modeling import _check_post_backward
+
+    _check_post_backward(*(described(t) for t in (x_layer_out, h_post, x_res, grad_x_out)))
     return x_layer_out.new_empty(x_layer_out.shape), h_post.new_empty(h_post.shape)
 
 

@@ -104,8 +104,8 @@ def check_max_position(max_position: int) -> int:
 
 def check_head_dim_rotary_dim(name: str, head_dim: int, rotary_dim: int | None) -> int:
     """The rotary_dim a call on heads of ``head_dim`` (``name``'s last dim) uses."""
-    if head_dim % 2:
-        raise ValueError(f"head_dim ({name}.shape[-1]) must be even, got {head_dim}")
+    if head_dim % 2 or head_dim == 0:
+        raise ValueError(f"head_dim ({name}.shape[-1]) must be even and positive, got {head_dim}")
     if rotary_dim is None:
         return head_dim
     if rotary_dim > head_dim:

@@ -950,6 +950,7 @@ class RoPE(ProcessLocal):
                     f"{name} must keep positions in [0, {limit}): got {name}={value} with T={seq}"
                 )
             return Positions(offset=value, limit=limit, cover=value + seq)
+        _refuse_scalar_position(value, name)
         offsets = as_operand(value, name)
         if offsets.dtype not in ("int32", "int64"):
             raise TypeError(f"{name} must be an int or an int32/int64 tensor, got {offsets.dtype}")
@@ -958,8 +959,8 @@ class RoPE(ProcessLocal):
                 f"{name} must be an int or a tensor of shape [B] = ({batch},), got {offsets.shape}"
             )
         if not offsets.is_cuda:
+            check_host_positions(name, offsets.host, limit)  # (first: the sum below can wrap)
             check_host_positions(name, offsets.host.astype(np.int64) + seq - 1, limit)
-            check_host_positions(name, offsets.host, limit)
             highest = int(offsets.host.max(initial=0)) + seq
             if place == "cuda":
                 offsets = upload(rows.operand, np.ascontiguousarray(offsets.host))
@@ -1152,7 +1153,7 @@ def _in_place_call(
             q_norm_weight=weights[0], k_norm_weight=weights[1],
         )  # fmt: skip
         return
-    offsets, offset = _split_position(position)
+    offsets, offset = _split_position(position, "position" if decode else "position_offset")
     _refuse_differentiated_cache(cache)
     if not torch_ops.requires_grad(q, k, *weights) and not torch_ops.transformed():
         arguments = (q, k, offsets, offset, ids, cache, inverse, decode, *weights)
@@ -1169,12 +1170,13 @@ def _in_place_call(
                 f"place (autograd forbids it); use {copy} for a rotated copy, or rotate "
                 "under torch.no_grad()"
             )
-    if not torch_ops.is_compiling() and not torch_ops.functorch_wrapped(q, k):
-        # (a traced graph, or a torch.func transform's wrapper, has no memory to compare)
-        operands = {q_name: as_operand(q, q_name)}
-        if k is not None:
-            operands[k_name] = as_operand(k, k_name)
-        check_in_place(operands)  # before the first copy_ writes
+        if tensor is not None:
+            _refuse_unwritable(name, tensor)
+    named = ((q_name, q), (k_name, k))
+    memory = {name: torch_ops.memory_of(tensor) for name, tensor in named if tensor is not None}
+    if None not in memory.values():  # (a traced graph has no memory to compare)
+        with torch_ops.outside_transforms():
+            check_in_place({name: as_operand(tensor, name) for name, tensor in memory.items()})
     q_in, k_in = q, k
     if weights[0] is not None or weights[1] is not None:
         q_in, k_in = q.clone(), None if k is None else k.clone()
@@ -1326,6 +1328,18 @@ _CACHE_FLAG, _CACHE_ERRORS = configuration_flag(("apply_rope_with_cos_sin_cache"
 _STANDARD_ARGS = scheme_args(Standard())
 
 
+def _refuse_unwritable(name: str, tensor: Any) -> None:
+    """torch's own checks of an in-place write under autograd (a view of a leaf that
+    requires grad, one of several views a function such as ``split`` returned, a view made
+    under no_grad, an inference tensor), run by an in-place op on an empty slice of
+    ``tensor``, which writes nothing: the rotated q and k are copied in one after the other,
+    so a call must refuse before the first copy rather than fail at the second."""
+    try:
+        tensor.narrow(-1, 0, 0).zero_()
+    except RuntimeError as error:
+        raise ValueError(f"{name} cannot be rotated in place here: {error}") from error
+
+
 def _refuse_differentiated_cache(cache: Any) -> None:
     """The cos_sin_cache calls differentiate query and key only: a cache that requires grad
     (or carries a tangent) is refused, before any write, rather than left without its
@@ -1355,11 +1369,30 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
-def _split_position(position: Any) -> tuple[Any, Any]:
-    """(offsets tensor or None, int offset): a position as the custom ops take it."""
-    if isinstance(position, (int, np.integer)) or type(position).__name__ == "SymInt":
+def _split_position(position: Any, name: str = "position_offset") -> tuple[Any, Any]:
+    """(offsets tensor or None, int offset): a position as the custom ops take it (their
+    schema's int is int64; a tensor argument is checked as the call dispatches)."""
+    if _is_int(position):
+        if not -(2**63) <= position < 2**63:
+            raise ValueError(
+                f"{name} must be a position in [0, max_position) (2**24 without one), got "
+                f"{position}"
+            )
         return None, position
+    if type(position).__name__ == "SymInt":
+        return None, position
+    _refuse_scalar_position(position, name)
     return position, 0
+
+
+def _refuse_scalar_position(position: Any, name: str) -> None:
+    """TypeError for a bool or a non-integral number given as a position offset (a bool is
+    an int to Python, and a float is no array: either would otherwise be misread)."""
+    if isinstance(position, (bool, np.bool_, float, complex, np.floating, np.complexfloating)):
+        raise TypeError(
+            f"{name} must be an int or an int32/int64 tensor of shape [B], got "
+            f"{type(position).__name__} {position!r}"
+        )
 
 
 # --------------------------------------------------------------------------- rebuilt by value

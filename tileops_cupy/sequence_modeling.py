@@ -96,8 +96,8 @@ class _PreSettings(_MHCOp):
             check_real(name, value, float32=True)
         if isinstance(sinkhorn_repeat, bool) or not isinstance(sinkhorn_repeat, (int, np.integer)):
             raise TypeError(f"sinkhorn_repeat must be an int, got {type(sinkhorn_repeat).__name__}")
-        if sinkhorn_repeat < 0:
-            raise ValueError(f"sinkhorn_repeat must be >= 0, got {sinkhorn_repeat}")
+        if not 0 <= sinkhorn_repeat < 2**31:  # (the kernels count iterations in an int)
+            raise ValueError(f"sinkhorn_repeat must be in [0, 2**31), got {sinkhorn_repeat}")
         check_real("sinkhorn_eps", sinkhorn_eps, float32=True)
         if sinkhorn_eps < 0:
             raise ValueError(f"sinkhorn_eps must be >= 0, got {sinkhorn_eps}")
@@ -361,11 +361,8 @@ class MHCPreBwdOp(_PreSettings):
         up_res = as_operand(grad_x_res, "grad_x_res")
         up_layer = as_operand(grad_x_layer, "grad_x_layer")
         up_post = as_operand(grad_h_post, "grad_h_post")
-        n, c_x = _check_pre(phi_op, x_op, b_op)
+        _check_pre_backward(phi_op, x_op, b_op, up_res, up_layer, up_post)
         batch = x_op.shape[0]
-        _check_upstream(up_res, "grad_x_res", (batch, n * c_x), x_op.dtype, "x_res")
-        _check_upstream(up_layer, "grad_x_layer", (batch, c_x), x_op.dtype, "x_layer")
-        _check_upstream(up_post, "grad_h_post", (batch, n), "float32", "h_post")
         operands = {"phi": phi_op, "x": x_op, "b": b_op, "grad_x_res": up_res}
         operands.update(grad_x_layer=up_layer, grad_h_post=up_post)
         place = select_place(self.target, operands)
@@ -468,8 +465,7 @@ class MHCPostBwdOp(_MHCOp):
         gates_op = as_operand(h_post, "h_post")
         res_op = as_operand(x_res, "x_res")
         up_op = as_operand(grad_x_out, "grad_x_out")
-        _check_post(layer_op, gates_op, res_op)
-        _check_upstream(up_op, "grad_x_out", res_op.shape, res_op.dtype, "x_out")
+        _check_post_backward(layer_op, gates_op, res_op, up_op)
         operands = {"x_layer_out": layer_op, "h_post": gates_op, "x_res": res_op}
         place = select_place(self.target, {**operands, "grad_x_out": up_op})
         grads = (
@@ -560,6 +556,23 @@ def _check_post(layer: Operand, gates: Operand, res: Operand) -> None:
             f"x_res width must be n*c_x = {n}*{c_x} = {n * c_x} (n from h_post, c_x from "
             f"x_layer_out), got {res.shape[1]}"
         )
+
+
+def _check_pre_backward(
+    phi: Operand, x: Operand, b: Operand, up_res: Operand, up_layer: Operand, up_post: Operand
+) -> None:
+    """:func:`_check_pre`, and each upstream gradient like the forward output it belongs to."""
+    n, c_x = _check_pre(phi, x, b)
+    batch = x.shape[0]
+    _check_upstream(up_res, "grad_x_res", (batch, n * c_x), x.dtype, "x_res")
+    _check_upstream(up_layer, "grad_x_layer", (batch, c_x), x.dtype, "x_layer")
+    _check_upstream(up_post, "grad_h_post", (batch, n), "float32", "h_post")
+
+
+def _check_post_backward(layer: Operand, gates: Operand, res: Operand, up: Operand) -> None:
+    """:func:`_check_post`, and ``grad_x_out`` like x_out (x_res's shape and dtype)."""
+    _check_post(layer, gates, res)
+    _check_upstream(up, "grad_x_out", res.shape, res.dtype, "x_out")
 
 
 def _check_upstream(
