@@ -26,6 +26,8 @@ from tileops_cupy.rope import (
     RoPEFwdOp,
     YaRNFwdOp,
     apply_rope,
+    apply_rope_with_cos_sin_cache,
+    apply_rope_with_cos_sin_cache_inplace,
 )
 from tileops_cupy.schemes import Llama31, LongRoPE, Standard, YaRN, scheme_args, scheme_from_args
 from tileops_cupy.sequence_modeling import MHCPostBwdOp, MHCPostFwdOp, MHCPreBwdOp, MHCPreFwdOp
@@ -550,6 +552,68 @@ def test_arrays_of_another_framework_are_named_through_the_dispatcher(rng):
 def test_an_empty_head_dim_is_refused():
     with pytest.raises(ValueError, match=r"head_dim \(x.shape\[-1\]\) must be even and positive"):
         RoPEFwdOp()(np.ones((4, 0), np.float32))
+
+
+@pytest.mark.parametrize("scheme", ("llama3", Llama31))
+def test_a_scheme_that_is_no_scheme_instance_is_named(scheme):
+    with pytest.raises(TypeError, match="^scheme must be a scheme instance"):
+        RoPE(HEAD_DIM, NUM_HEADS, scheme=scheme)
+
+
+def test_apply_rope_names_a_rope_that_is_no_component(rng):
+    with pytest.raises(TypeError, match="^rope must be a RoPE component, got RoPEFwdOp"):
+        apply_rope(_random(rng, (B, T, Q_WIDTH), "torch"), None, RoPEFwdOp())
+
+
+@pytest.mark.parametrize("make", ("float8", "conjugate"))
+def test_torch_tensors_numpy_cannot_view_are_named(make):
+    x = (
+        torch.zeros(2, 4, dtype=torch.float8_e4m3fn)
+        if make == "float8"
+        else torch.zeros(2, 4, dtype=torch.complex64).conj()
+    )
+    with pytest.raises(TypeError, match="^x is a torch .* tensor that NumPy cannot view"):
+        RoPEFwdOp()(x)
+
+
+def test_mrope_section_may_be_a_numpy_array(rng):
+    """A 1-D int array is a section as a tuple is (HF configs hold lists; numpy holds
+    arrays), with the same rotation."""
+    positions = rng.integers(0, 100, (3, B, T))
+    out = []
+    for section in ((4, 2, 2), np.array([4, 2, 2])):
+        q = _random(np.random.default_rng(1), (B, T, Q_WIDTH))
+        RoPE(HEAD_DIM, NUM_HEADS, mrope_section=section).forward(q, positions=positions)
+        out.append(q)
+    assert _bytes(out[0]) == _bytes(out[1])
+
+
+def test_mrope_positions_without_their_rows_are_named(rng):
+    rope = RoPE(HEAD_DIM, NUM_HEADS, mrope_section=(4, 2, 2))
+    q = _random(rng, (B, T, Q_WIDTH))
+    with pytest.raises(ValueError, match=r"^positions must be \[3, B, T\] or \[3, N\]"):
+        rope.forward(q, positions=np.zeros((B, T), np.int64))
+
+
+def test_an_offset_beyond_the_table_is_named_as_given(rng):
+    """offset + T - 1 wraps past int64 for the largest offsets: the offset is checked first."""
+    q = _random(rng, (B, T, Q_WIDTH))
+    with pytest.raises(ValueError, match=f"e.g. {2**63 - 1}$"):
+        _rope().prefill(q, None, np.array([1, 2**63 - 1]))
+
+
+def test_cos_sin_cache_heads_are_named_query_and_key():
+    query, key = np.zeros((1, 2 * HEAD_DIM), np.float32), np.zeros((1, 3 * HEAD_DIM), np.float32)
+    cache = np.ones((2, HEAD_DIM), np.float32)
+    with pytest.raises(ValueError, match=r"^query's heads \(2\) must be a multiple of key's \(3\)"):
+        apply_rope_with_cos_sin_cache(np.array([0]), query, key, HEAD_DIM, cache)
+
+
+def test_a_jax_array_in_place_points_to_the_out_of_place_calls():
+    jnp = pytest.importorskip("jax.numpy")
+    query, cache = jnp.zeros((1, HEAD_DIM)), jnp.ones((2, HEAD_DIM))
+    with pytest.raises(TypeError, match="cannot change in place; use an out-of-place call"):
+        apply_rope_with_cos_sin_cache_inplace(jnp.array([0]), query, None, HEAD_DIM, cache)
 
 
 _N, _C_X = 2, 4

@@ -136,7 +136,13 @@ def _from_torch(obj: Any, name: str = "tensor") -> Operand:
     if dtype == "bfloat16":  # numpy has no bfloat16: read the bits, same memory
         array = tensor.view(_torch().int16).numpy().view(_BF16)
     else:
-        array = tensor.numpy()
+        try:
+            array = tensor.numpy()
+        except (TypeError, RuntimeError) as error:  # (float8, complex32, a conjugate view)
+            raise TypeError(
+                f"{name} is a torch {dtype} tensor that NumPy cannot view ({error}); no op "
+                "takes its dtype"
+            ) from error
     return _from_numpy(obj, array, "torch", name)
 
 

@@ -158,7 +158,8 @@ def check_mrope_section(section: Any, rotary_dim: int) -> tuple[int, int, int] |
     rotary_dim/2 (None: no MRoPE)."""
     if section is None:
         return None
-    values = tuple(section) if isinstance(section, (tuple, list)) else None
+    sequence = isinstance(section, (tuple, list)) or np.ndim(section) == 1
+    values = tuple(section) if sequence and not isinstance(section, (str, bytes)) else None
     if (
         values is None
         or len(values) != 3
@@ -204,7 +205,10 @@ def check_float_operand(obj: Any, name: str, *, in_place: bool = False) -> Opera
     written in place must already be so (and not a JAX array, which cannot change)."""
     operand = as_operand(obj, name)
     if in_place and operand.framework == "jax":
-        raise TypeError(f"{name} is a JAX array, which cannot change in place; use RoPEFwdOp")
+        raise TypeError(
+            f"{name} is a JAX array, which cannot change in place; use an out-of-place call "
+            "(apply_rope, apply_rope_with_cos_sin_cache, the seed ops), which returns copies"
+        )
     if operand.dtype not in FLOAT_DTYPES:
         raise TypeError(
             f"{name} must be float16, bfloat16, float32 or float64, got {operand.dtype}"

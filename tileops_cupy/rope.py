@@ -617,6 +617,11 @@ class RoPE(ProcessLocal):
                 f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
             )
         self.head_dim, self.num_heads, self.num_kv_heads = head_dim, num_heads, num_kv_heads
+        if scheme is not None and not isinstance(scheme, Scheme):
+            raise TypeError(
+                "scheme must be a scheme instance (Standard(), Llama31(...), YaRN(...), "
+                f"LongRoPE(...) from tileops_cupy.schemes), got {scheme!r}"
+            )
         self.scheme = Standard() if scheme is None else scheme
         self.rotary_dim = check_head_dim_rotary_dim("q", head_dim, check_rotary_dim(rotary_dim))
         self.rope_layout = check_choice("rope_layout", rope_layout, ROPE_LAYOUTS)
@@ -999,6 +1004,8 @@ class RoPE(ProcessLocal):
         # cos_sin_cache calls take packed tokens only, as FlashInfer's (query [N, ...])
         ids = None if ids is None else as_operand(ids, "positions")  # (described once)
         token_dims = (0 if ids is None else ids.ndim) - (self.mrope_section is not None)
+        if self.mrope_section is not None and ids is not None and ids.shape[:1] != (3,):
+            token_dims = 0  # (no leading row of 3: [B, T] is no [3, N])
         packed = ids is not None and token_dims == 1
         if cache is not None and ids is None:
             raise ValueError("a cos_sin_cache call takes per-token positions")
@@ -1215,6 +1222,8 @@ def apply_rope(
         >>> q_rot.sum().backward()
         >>> q_rot, _ = apply_rope(q, None, rope, positions=torch.tensor([[40, 2, 9]]))
     """
+    if not isinstance(rope, RoPE):
+        raise TypeError(f"rope must be a RoPE component, got {type(rope).__name__}")
     weights = (q_norm_weight, k_norm_weight)
     if torch_ops.classify(q, k, position_offset, positions, *weights) is not torch_ops.DISPATCH:
         return rope.rotated(
@@ -1298,6 +1307,11 @@ def _cache_config(query: Any, key: Any, head_size: Any, cache: Any, is_neox: Any
         raise TypeError(f"is_neox must be a bool, got {is_neox!r}")
     heads = _packed_heads("query", query, head_size)
     kv_heads = heads if key is None else _packed_heads("key", key, head_size)
+    if heads % kv_heads:
+        raise ValueError(
+            f"query's heads ({heads}) must be a multiple of key's ({kv_heads}), each "
+            f"head_size={head_size} wide"
+        )
     shape = tuple(getattr(cache, "shape", ()))
     if len(shape) != 2 or shape[1] < 2 or shape[1] % 2 or shape[1] > head_size:
         raise ValueError(
