@@ -616,6 +616,18 @@ def test_a_jax_array_in_place_points_to_the_out_of_place_calls():
         apply_rope_with_cos_sin_cache_inplace(jnp.array([0]), query, None, HEAD_DIM, cache)
 
 
+def test_numpy_subclasses_are_read_as_plain_arrays(rng):
+    """np.matrix's arithmetic is not an array's (its * is a product, its rows stay 2-D): a
+    subclass is read as a plain array of the same memory, so the results are the plain
+    array's, bit for bit; a masked array is refused, since its mask would be ignored."""
+    phi = (rng.standard_normal((8, 8)) / 4).astype(np.float32)  # n = 2, c_x = 4
+    x, b = _random(rng, (B, 8)), np.zeros(8, np.float32)
+    op = MHCPreFwdOp(1, 1, 1, 3)
+    assert _bytes(*op(np.asmatrix(phi), np.asmatrix(x), b)) == _bytes(*op(phi, x, b))
+    with pytest.raises(TypeError, match="^phi is a masked array, whose mask"):
+        op(np.ma.masked_array(phi), x, b)
+
+
 _N, _C_X = 2, 4
 _W, _Q = _N * _C_X, _N * _N + 2 * _N
 _MHC_CALLS = {  # (op, good argument shapes and dtypes, the index and shape of one bad one)

@@ -181,7 +181,16 @@ def as_operand(obj: Any, name: str) -> Operand:
     if framework == "torch" and hasattr(obj, "data_ptr"):
         return _from_torch(obj, name)
     if framework == "numpy" and isinstance(obj, np.ndarray):
-        return _from_numpy(obj, obj, "numpy", name)
+        if type(obj) is np.ndarray:
+            return _from_numpy(obj, obj, "numpy", name)
+        if isinstance(obj, np.ma.MaskedArray):
+            raise TypeError(
+                f"{name} is a masked array, whose mask the ops would ignore; pass "
+                f"{name}.filled(value) or {name}.data"
+            )
+        # a subclass (np.matrix, a memmap) read as a plain array of the same memory: the
+        # host path's arithmetic must not take the subclass's (a matrix's * is a product)
+        return _from_numpy(obj, obj.view(np.ndarray), "numpy", name)
     if framework == "cupy" and hasattr(obj, "data"):
         return _from_cupy(obj)
     if not hasattr(obj, "__dlpack_device__"):

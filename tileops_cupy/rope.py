@@ -557,6 +557,13 @@ class RoPE(ProcessLocal):
     takes no weights (it is the transpose rotation alone); under autograd (torch) the
     gradient flows through the norm too, to the data and to both weights.
 
+    In place: q and k must be writable, must not share memory, and neither may address an
+    element twice (an expanded view); under autograd they must be tensors torch lets change
+    in place (not a leaf that requires grad, a view of one, one of the views ``split``
+    returns, an inference tensor). Each is refused with a ValueError naming it before
+    anything is written; torch.func transforms included. Under ``torch.compile`` the traced
+    graph has no memory to compare, so q and k sharing memory are not detected there.
+
     Positions: ``position_offset``/``position`` is a Python int or an integer tensor
     ``[B]`` (one per sequence). ``forward(q, k, positions=...)`` (and ``backward``,
     :func:`apply_rope`) take one position per token instead: an int32/int64 tensor
