@@ -475,27 +475,34 @@ def test_misaligned_strides_are_named(rng):
 # direct path: it must refuse what the direct path refuses, before anything is written.
 
 
-def _unwritable(kind: str) -> torch.Tensor:
-    """A k [B, T, K_WIDTH] that autograd forbids to change in place, made as ``kind``."""
+def _unwritable(kind: str, width: int) -> torch.Tensor:
+    """A [B, T, width] tensor that autograd forbids to change in place, made as ``kind``."""
     if kind == "split":  # one of the views a multi-output function returned
         x = torch.randn(B, T, 8, requires_grad=True)
-        return (x @ torch.randn(8, 2 * K_WIDTH)).split([K_WIDTH, K_WIDTH], dim=-1)[0]
+        return (x @ torch.randn(8, 2 * width)).split([width, width], dim=-1)[0]
     if kind == "view of a leaf":
-        return torch.randn(B, T, 2 * K_WIDTH, requires_grad=True)[..., :K_WIDTH]
+        return torch.randn(B, T, 2 * width, requires_grad=True)[..., :width]
     with torch.inference_mode():
-        return torch.randn(B, T, K_WIDTH)
+        return torch.randn(B, T, width)
 
 
+@pytest.mark.parametrize("which", ("q", "k"))
 @pytest.mark.parametrize("kind", ("split", "view of a leaf", "inference tensor"))
-def test_in_place_under_autograd_refuses_k_before_q_is_written(rng, kind):
+def test_in_place_under_autograd_refuses_before_any_write(rng, which, kind):
     """q rotates first and k second (copies of the rotation, as torch records in-place
-    ops): a k that autograd will not let change must be refused before q changes."""
-    q = _random(rng, (B, T, Q_WIDTH), "torch").requires_grad_() * 1
-    k = _unwritable(kind)
-    before = _bytes(q, k)
-    with pytest.raises(ValueError, match="^k cannot be rotated in place here: "):
-        _rope().forward(q, k)
-    assert _bytes(q, k) == before
+    ops): a q or k that autograd will not let change must be refused, with a ValueError
+    naming it, before either changes."""
+    width = {"q": Q_WIDTH, "k": K_WIDTH}
+    tensors = {
+        name: _unwritable(kind, width[name])
+        if name == which
+        else _random(rng, (B, T, width[name]), "torch").requires_grad_() * 1
+        for name in ("q", "k")
+    }
+    before = _bytes(*tensors.values())
+    with pytest.raises(ValueError, match=f"^{which} cannot be rotated in place here: "):
+        _rope().forward(tensors["q"], tensors["k"])
+    assert _bytes(*tensors.values()) == before
 
 
 @pytest.mark.parametrize("transform", ("vjp", "vmap"))

@@ -1188,7 +1188,8 @@ def _in_place_call(
             _refuse_unwritable(name, tensor)
     named = ((q_name, q), (k_name, k))
     memory = {name: torch_ops.memory_of(tensor) for name, tensor in named if tensor is not None}
-    if None not in memory.values():  # (a traced graph has no memory to compare)
+    # (a traced graph has no memory to compare; `is`, since `None in` would call tensor ==)
+    if all(tensor is not None for tensor in memory.values()):
         with torch_ops.outside_transforms():
             check_in_place({name: as_operand(tensor, name) for name, tensor in memory.items()})
     q_in, k_in = q, k
@@ -1353,8 +1354,9 @@ def _refuse_unwritable(name: str, tensor: Any) -> None:
     """torch's own checks of an in-place write under autograd (a view of a leaf that
     requires grad, one of several views a function such as ``split`` returned, a view made
     under no_grad, an inference tensor), run by an in-place op on an empty slice of
-    ``tensor``, which writes nothing: the rotated q and k are copied in one after the other,
-    so a call must refuse before the first copy rather than fail at the second."""
+    ``tensor``, which writes nothing. The rotated q and k are copied in one after the other,
+    so k must be refused before q's copy rather than fail at its own; and q too, since an
+    inference tensor's copy fails only after writing (at its version counter)."""
     try:
         tensor.narrow(-1, 0, 0).zero_()
     except RuntimeError as error:
