@@ -32,6 +32,7 @@ from tileops_cupy.rope import (
     Standard,
     YaRN,
     apply_rope,
+    apply_rope_with_cos_sin_cache,
 )
 from tileops_cupy.sequence_modeling import MHCPostBwdOp, MHCPostFwdOp, MHCPreBwdOp, MHCPreFwdOp
 
@@ -174,6 +175,60 @@ def test_in_place_after_autograd_saved_the_tensor_makes_backward_raise(rng, plac
 
 
 # --------------------------------------------------------------------------- mHC
+
+
+@pytest.mark.parametrize("place", PLACES)
+@pytest.mark.parametrize("saved", ("positions", "offsets", "position_ids", "cos_sin_cache"))
+def test_positions_changed_before_backward_make_it_raise(rng, place, saved):
+    """The backward rotates at the forward's positions (or cache): a caller that changes
+    them in place in between (a reused positions buffer) gets torch's "modified by an
+    inplace operation" error, as for any tensor saved for backward, not a gradient taken
+    at the new positions."""
+    rope = RoPE(HEAD_DIM, 2, 1)
+    q = random_tensor(rng, (1, 3, 2 * HEAD_DIM), place).float().requires_grad_()
+    if saved == "positions":
+        tensor = torch.tensor([[0, 5, 9]], device=place)
+        out = apply_rope(q, None, rope, positions=tensor)[0]
+    elif saved == "offsets":
+        tensor = torch.tensor([4], device=place)
+        out = apply_rope(q, None, rope, tensor)[0]
+    elif saved == "position_ids":
+        tensor = torch.tensor([0, 5, 9], device=place)
+        out = RoPENeoxPositionIdsFwdOp(max_position=100)(q.view(3, 2, HEAD_DIM), tensor)
+    else:
+        tensor = random_tensor(rng, (16, HEAD_DIM), place).float()
+        packed = q.view(3, 2 * HEAD_DIM)
+        positions = torch.tensor([0, 5, 9], device=place)
+        out = apply_rope_with_cos_sin_cache(positions, packed, None, HEAD_DIM, tensor)[0]
+    tensor.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+def test_a_traced_in_place_rotation_refuses_tensors_that_require_grad(rng):
+    """A graph traced (or exported) with nothing requiring grad holds the raw in-place op,
+    which has no gradient formula: replayed on tensors that require grad it must refuse,
+    before writing, rather than pass gradients through as the identity."""
+    rope = RoPE(HEAD_DIM, HEADS, KV_HEADS)
+
+    def step(q):
+        q = q * 1
+        rope.prefill(q, None, 3)
+        return q
+
+    traced = torch.jit.trace(step, (random_tensor(rng, (1, 4, HEADS * HEAD_DIM), "cpu"),))
+    q = random_tensor(rng, (1, 4, HEADS * HEAD_DIM), "cpu").requires_grad_()
+    with pytest.raises(RuntimeError, match="rope_qk_ .* got tensors that require grad"):
+        traced(q)
+    leaf = q.detach().requires_grad_()
+    before = leaf.detach().clone()
+    call = (None, 3, None, None, False, False, None, None, *rope.config)  # offset 3, no k
+    with pytest.raises(RuntimeError, match="rope_qk_ .* got tensors that require grad"):
+        torch.ops.tileops_cupy.rope_qk_(leaf, None, *call)
+    assert torch.equal(leaf.detach(), before)
+    with torch.no_grad():  # (what the public calls dispatch: nothing to record)
+        torch.ops.tileops_cupy.rope_qk_(leaf, None, *call)
+    assert not torch.equal(leaf.detach(), before)
 
 
 def _mhc_inputs(rng, place, n=2, c_x=16, batch=3, x_dtype=torch.float32):

@@ -92,6 +92,7 @@ _TENSOR_ARGUMENTS = {name: _tensor_arguments(schema) for name, schema in SCHEMAS
 
 _registered = False
 _lock = threading.Lock()
+_guards: Any = None  # the library holding rope_qk_'s autograd kernels (alive while it is)
 
 
 # --------------------------------------------------------------------------- routing
@@ -444,14 +445,19 @@ def _rope_fake(x, position_ids, *config):
 
 
 def _rope_setup(ctx, inputs, output):
-    ctx.position_ids, ctx.config = inputs[1], inputs[2:]
+    # the positions saved as tensors, not kept as attributes: autograd then refuses a
+    # backward after the caller changed them in place (a reused positions buffer), where
+    # the gradient would otherwise be taken at the new positions
+    _save(ctx, inputs[1])
+    ctx.config = inputs[2:]
 
 
 def _rope_backward(ctx, grad):
     # y = a R x  =>  dx = a R^T dy: the same op with the rotation inverted
     scheme, args, rotary_dim, neox, inverse, *rest = ctx.config
     flipped = (scheme, args, rotary_dim, neox, not inverse, *rest)
-    return (rope(flipped, grad, ctx.position_ids), None, *(None,) * len(ctx.config))
+    (position_ids,) = ctx.saved_tensors
+    return (rope(flipped, grad, position_ids), None, *(None,) * len(ctx.config))
 
 
 def _rope_qk_impl(
@@ -473,27 +479,26 @@ def _rope_qk_fake(q, k, *arguments_and_config):
 
 def _rope_qk_setup(ctx, inputs, output):
     q, k, offsets, offset, positions, cache, inverse, decode, q_weight, k_weight, *config = inputs
-    ctx.has_k, ctx.offsets, ctx.offset, ctx.positions, ctx.inverse, ctx.config = (
-        k is not None, offsets, offset, positions, inverse, tuple(config)
-    )  # fmt: skip
-    ctx.cache = cache
+    ctx.has_k, ctx.offset, ctx.inverse, ctx.config = k is not None, offset, inverse, tuple(config)
     ctx.normed = q_weight is not None
-    if ctx.normed:  # the norm's backward reads the inputs
-        _save(ctx, q, k, q_weight, k_weight)
+    # the positions and the cache saved as tensors (see _rope_setup); the norm's backward
+    # reads the inputs too
+    normed = (q, k, q_weight, k_weight) if ctx.normed else (None,) * 4
+    _save(ctx, offsets, positions, cache, *normed)
 
 
 def _rope_qk_backward(ctx, grad_q, grad_k):
     # the transpose rotation at the same positions (of the same cos_sin_cache, if any: the
     # transpose, sin negated, whatever the cache holds); decode's T == 1 was checked forward
     grad_k = grad_k if ctx.has_k else None
+    offsets, positions, cache, q, k, q_weight, k_weight = ctx.saved_tensors
     dq, dk = rope_qk(
-        ctx.config, grad_q, grad_k, ctx.offsets, ctx.offset, ctx.positions, ctx.cache,
-        not ctx.inverse, False, None, None,
+        ctx.config, grad_q, grad_k, offsets, ctx.offset, positions, cache, not ctx.inverse,
+        False, None, None,
     )  # fmt: skip
     dk = dk if ctx.has_k else None
     dq_weight = dk_weight = None
     if ctx.normed:  # then through the norm, to the data and the weights
-        q, k, q_weight, k_weight = ctx.saved_tensors
         head_dim, eps, offset = ctx.config[4], *ctx.config[-2:]
         dq, dq_weight = _rms_norm_backward(q, q_weight, dq, head_dim, eps, offset)
         if ctx.has_k:
@@ -546,6 +551,28 @@ def _rope_qk__impl(
 
 def _rope_qk__fake(q, k, *arguments_and_config):
     return None
+
+
+def _rope_qk__autograd(*arguments):
+    """rope_qk_'s autograd kernel. The op has no gradient formula (the public in-place calls
+    never let autograd see it: they record a rotated copy and ``copy_``), and torch's
+    default kernel for a custom op that returns nothing attaches nothing, so gradients would
+    pass it as the identity: a graph traced or exported without grad, replayed on tensors
+    that require it, would reach that. So it refuses, before any write."""
+    q, k, q_weight, k_weight = arguments[0], arguments[1], arguments[8], arguments[9]
+    tracked = (q, k, q_weight, k_weight)
+    if _grad_enabled() and any(t is not None and t.requires_grad for t in tracked):
+        raise RuntimeError(
+            "tileops_cupy::rope_qk_ (the in-place rotation) got tensors that require grad "
+            "with grad mode on: it has no gradient formula, so autograd cannot record it. "
+            "The public in-place calls record such calls as a rotated copy; a graph traced "
+            "or exported without grad holds the raw op: trace or export with grad on, or "
+            "call apply_rope"
+        )
+    import torch
+
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.tileops_cupy.rope_qk_.default(*arguments)
 
 
 def _position(offsets, offset):
@@ -674,13 +701,14 @@ def _no_second_order(op_name: str, forward_name: str) -> tuple:
 
 
 def _rope_jvp(ctx, x_tangent, *_):
-    return rope(ctx.config, x_tangent, ctx.position_ids)
+    (position_ids,) = ctx.saved_tensors
+    return rope(ctx.config, x_tangent, position_ids)
 
 
 def _rope_qk_jvp(ctx, q_tangent, k_tangent, *tangents):
     # (tensors without a tangent come as zeros; k None comes as None)
+    offsets, positions, cache, q, k, q_weight, k_weight = ctx.saved_tensors
     if ctx.normed:
-        q, k, q_weight, k_weight = ctx.saved_tensors
         q_weight_tangent, k_weight_tangent = tangents[6:8]
         head_dim, eps, offset = ctx.config[4], *ctx.config[-2:]
         norm = (head_dim, eps, offset)
@@ -688,8 +716,8 @@ def _rope_qk_jvp(ctx, q_tangent, k_tangent, *tangents):
         if ctx.has_k:
             k_tangent = _rms_norm_jvp(k, k_weight, k_tangent, k_weight_tangent, *norm)
     return rope_qk(
-        ctx.config, q_tangent, k_tangent, ctx.offsets, ctx.offset, ctx.positions, ctx.cache,
-        ctx.inverse, False, None, None,
+        ctx.config, q_tangent, k_tangent, offsets, ctx.offset, positions, cache, ctx.inverse,
+        False, None, None,
     )  # fmt: skip
 
 
@@ -934,6 +962,12 @@ def ensure_registered() -> None:
                 backward, setup_context = autograd
                 op.register_autograd(backward, setup_context=setup_context)
                 _FUNCTIONS[name] = _autograd_function(name, overload, autograd, jvp)
+        # rope_qk_ refuses tracked tensors (the dispatch keys of the devices it runs on
+        # and meta; a key of its own overrides the Autograd alias that custom_op filled)
+        global _guards
+        _guards = torch.library.Library(NAMESPACE, "FRAGMENT")
+        for key in ("AutogradCPU", "AutogradCUDA", "AutogradMeta"):
+            _guards.impl("rope_qk_", _rope_qk__autograd, key)
         _registered = True
 
 
