@@ -19,6 +19,7 @@ import torch
 
 from tileops_cupy import bench
 from tileops_cupy._arrays import as_operand, overlapping, self_overlapping
+from tileops_cupy._rotate import check_token_counts
 from tileops_cupy._validate import check_in_place
 from tileops_cupy.rope import (
     LongRoPEFwdOp,
@@ -633,6 +634,15 @@ def test_numpy_subclasses_are_read_as_plain_arrays(rng):
     assert _bytes(*op(np.asmatrix(phi), np.asmatrix(x), b)) == _bytes(*op(phi, x, b))
     with pytest.raises(TypeError, match="^phi is a masked array, whose mask"):
         op(np.ma.masked_array(phi), x, b)
+
+
+def test_cuda_calls_refuse_token_counts_past_32_bits():
+    """The kernels' parameter block holds batch and seq as 32-bit ints: a CUDA call past them
+    is refused by name before any launch (the host path has no such bound)."""
+    check_token_counts(2**31 - 1, 2**31 - 1)
+    for batch, seq in ((2**31, 1), (1, 2**31)):
+        with pytest.raises(ValueError, match=r"fewer than 2\*\*31 sequences and tokens"):
+            check_token_counts(batch, seq)
 
 
 _N, _C_X = 2, 4

@@ -590,8 +590,8 @@ def test_pre_validation(mutate, error, message):
 
 
 def test_pre_constructor_validation():
-    for repeat in (-1, 2**31):
-        with pytest.raises(ValueError, match=re.escape("sinkhorn_repeat must be in [0, 2**31)")):
+    for repeat in (-1, 2**30):
+        with pytest.raises(ValueError, match=re.escape("sinkhorn_repeat must be in [0, 2**30)")):
             MHCPreFwdOp(1, 1, 1, repeat)
     with pytest.raises(TypeError, match="sinkhorn_repeat must be an int"):
         MHCPreFwdOp(1, 1, 1, 2.5)

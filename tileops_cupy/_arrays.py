@@ -341,15 +341,21 @@ def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def contiguous(operand: Operand) -> Operand:
-    """A C-contiguous copy of ``operand`` in its own framework (for inputs whose last
-    dimension is strided: the kernels read rows through strides but elements densely)."""
+def contiguous(operand: Operand, template: Operand | None = None) -> Operand:
+    """A C-contiguous copy of ``operand`` (for inputs whose last dimension is strided: the
+    kernels read rows through strides but elements densely), made on the stream of
+    ``template`` (the call's data, whose stream the launch takes; ``operand`` itself by
+    default): the kernel then reads it after it is written, and no other stream's
+    allocations reuse its memory before the kernel is done. torch makes the copy where
+    both are torch tensors (its current stream); CuPy otherwise."""
+    template = template or operand
     obj = operand.obj
-    if operand.framework == "torch":
+    if operand.framework == "torch" and template.framework == "torch":
         return _from_torch(obj.contiguous())
     if operand.is_cuda:
         cp = cupy()
-        with cp.cuda.Device(operand.device):
+        stream = cupy_stream(stream_handle(template), operand.device)
+        with cp.cuda.Device(operand.device), stream:
             return _from_cupy(cp.ascontiguousarray(as_cupy(operand)), operand.framework)
     return _from_numpy(obj, np.ascontiguousarray(operand.host), operand.framework)
 

@@ -188,7 +188,7 @@ def mhc_pre(
         mhc_pre_host(phi.host, x.host, b.host, gates, x_res.host, x_layer.host, h_post.host)
         return None
     if not x.last_dim_contiguous:
-        x = contiguous(x)
+        x = contiguous(x, phi)  # (on phi's stream, the launch's)
     batch, width = x.shape
     n = h_post.shape[1]
     c_x = width // n
@@ -974,7 +974,7 @@ def _post_cuda(
     if not layer.last_dim_contiguous:
         layer = contiguous(layer)
     if not res.last_dim_contiguous:
-        res = contiguous(res)
+        res = contiguous(res, layer)  # (on layer's stream, the launch's)
     batch, c_x = layer.shape
     items = batch * -(-c_x // 8)
     if items >= 1 << 32:

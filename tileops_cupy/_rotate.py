@@ -766,11 +766,22 @@ def _packs_threads(head_rows: int, rotary_dim: int, aligned_width: int) -> int:
     return head_rows // _PACK_ROWS * (rotary_dim // aligned_width)
 
 
+def check_token_counts(batch: int, seq: int) -> None:
+    """RopeParams holds batch and seq as 32-bit ints (the kernels' token arithmetic is 64-bit
+    past them): a CUDA call with either at 2**31 or more is refused, before any launch."""
+    if batch >= 2**31 or seq >= 2**31:
+        raise ValueError(
+            f"a CUDA call takes fewer than 2**31 sequences and tokens a sequence (packed "
+            f"tokens count as one sequence), got batch {batch}, seq {seq}; split the call"
+        )
+
+
 def _rotate_cuda(
     table, neox, inverse, q, k, positions: Positions, flag: ErrorFlag, stream, norm=None
 ) -> _cuda.Launch:
     q_in, q_out = q
     batch, seq, q_heads, head_dim = q_in.shape
+    check_token_counts(batch, seq)
     device = q_in.operand.device
     rotary_dim = table.rotary_dim
     copy_tail = rotary_dim < head_dim and q_out.operand.ptr != q_in.operand.ptr

@@ -199,7 +199,9 @@ def check_cos_sin_cache(obj: Any, head_dim: int) -> Operand:
     return cache
 
 
-def check_float_operand(obj: Any, name: str, *, in_place: bool = False) -> Operand:
+def check_float_operand(
+    obj: Any, name: str, *, in_place: bool = False, template: Operand | None = None
+) -> Operand:
     """``obj`` as a float Operand (float64 on the host only) whose last dimension is
     contiguous: a read-only input with a strided last dimension is copied once; an operand
     written in place must already be so (and not a JAX array, which cannot change)."""
@@ -222,7 +224,7 @@ def check_float_operand(obj: Any, name: str, *, in_place: bool = False) -> Opera
             f"{name} must have a contiguous last dimension to be rotated in place, "
             f"got strides {operand.strides}"
         )
-    return contiguous(operand)
+    return contiguous(operand, template)  # (on the launch's stream: see contiguous)
 
 
 def check_ndim(operand: Operand, name: str, ndim: int, layout: str) -> None:

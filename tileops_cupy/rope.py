@@ -467,7 +467,7 @@ class RoPENeoxPositionIdsFwdOp(_RotaryOp):
         if place == "cpu":
             check_host_positions("position_ids", ids.host, self.max_position)
         elif ids.strides[0] != 1 and tokens > 1:
-            ids = contiguous(ids)
+            ids = contiguous(ids, source)
         tokens_, heads, head_dim = source.shape
         rows = HeadRows(source, (1, tokens_, heads, head_dim), (0, *source.strides[:2], 1))
         # device ids are bounded by the kernel (clamped, flagged): no sync, capturable
@@ -923,9 +923,11 @@ class RoPE(ProcessLocal):
         )
 
     def _operand(
-        self, obj: Any, name: str, heads: int, in_place: bool, packed: bool = False
-    ) -> HeadRows:
-        operand = check_float_operand(obj, name, in_place=in_place)
+        self, obj: Any, name: str, heads: int, in_place: bool, packed: bool = False,
+        template: Operand | None = None,
+    ) -> HeadRows:  # fmt: skip
+        """``obj`` as head rows; a strided copy of it is made on ``template``'s stream."""
+        operand = check_float_operand(obj, name, in_place=in_place, template=template)
         return self._rows(operand, name, heads, packed)
 
     def _positions(self, value, name, rows: HeadRows, place, ids=None, packed=False, limit=None):
@@ -953,7 +955,7 @@ class RoPE(ProcessLocal):
             if ids.device != rows.operand.device:
                 raise ValueError(f"positions is on cuda:{ids.device}, the data on another device")
             if not is_dense(ids):  # the kernel reads ids[b*T + s]: copied once, as torch does
-                ids = contiguous(ids)
+                ids = contiguous(ids, rows.operand)
             return Positions(ids=ids, limit=limit, cover=limit, **mrope)
         if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
             value = int(value)
@@ -1039,7 +1041,9 @@ class RoPE(ProcessLocal):
         q_rows = self._operand(q, q_name, self.num_heads, in_place, packed)
         k_rows = None
         if k is not None:
-            k_rows = self._operand(k, k_name, self.num_kv_heads, in_place, packed)
+            k_rows = self._operand(
+                k, k_name, self.num_kv_heads, in_place, packed, template=q_rows.operand
+            )
         operands = {q_name: q_rows.operand}
         if k_rows is not None:
             operands[k_name] = k_rows.operand

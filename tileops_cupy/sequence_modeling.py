@@ -96,8 +96,9 @@ class _PreSettings(_MHCOp):
             check_real(name, value, float32=True)
         if isinstance(sinkhorn_repeat, bool) or not isinstance(sinkhorn_repeat, (int, np.integer)):
             raise TypeError(f"sinkhorn_repeat must be an int, got {type(sinkhorn_repeat).__name__}")
-        if not 0 <= sinkhorn_repeat < 2**31:  # (the kernels count iterations in an int)
-            raise ValueError(f"sinkhorn_repeat must be in [0, 2**31), got {sinkhorn_repeat}")
+        # (the kernels count iterations, and the backward its checkpoints past them, in ints)
+        if not 0 <= sinkhorn_repeat < 2**30:
+            raise ValueError(f"sinkhorn_repeat must be in [0, 2**30), got {sinkhorn_repeat}")
         check_real("sinkhorn_eps", sinkhorn_eps, float32=True)
         if sinkhorn_eps < 0:
             raise ValueError(f"sinkhorn_eps must be >= 0, got {sinkhorn_eps}")
