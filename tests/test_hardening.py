@@ -25,6 +25,7 @@ from tileops_cupy.rope import (
     LongRoPEFwdOp,
     RoPE,
     RoPEFwdOp,
+    RoPENeoxPositionIdsFwdOp,
     YaRNFwdOp,
     apply_rope,
     apply_rope_with_cos_sin_cache,
@@ -643,6 +644,32 @@ def test_cuda_calls_refuse_token_counts_past_32_bits():
     for batch, seq in ((2**31, 1), (1, 2**31)):
         with pytest.raises(ValueError, match=r"fewer than 2\*\*31 sequences and tokens"):
             check_token_counts(batch, seq)
+
+
+_SEED_CALLS = {  # (op, x's shape, position_ids' shape and dtype, or None)
+    "odd head_dim": (RoPEFwdOp(input_layout="2d"), (2, 3, 2, 15), None),
+    "rotary_dim past head_dim": (RoPEFwdOp(rotary_dim=32), (3, 16), None),
+    "1d layout given 2d": (RoPEFwdOp(), (2, 3, 2, 16), None),
+    "ids of another length": (RoPENeoxPositionIdsFwdOp(100), (5, 2, 16), ((4,), torch.int64)),
+    "float ids": (RoPENeoxPositionIdsFwdOp(100), (5, 2, 16), ((5,), torch.float32)),
+    "x of ids op 2-D": (RoPENeoxPositionIdsFwdOp(100), (5, 16), ((5,), torch.int64)),
+}
+
+
+@pytest.mark.parametrize("call", list(_SEED_CALLS))
+def test_seed_op_fake_implementations_refuse_what_eager_refuses(call):
+    """The seed RoPE ops check every shape and dtype without memory (``checked_rows``), on
+    the direct path and in their fake implementations alike: the same error on meta."""
+    op, shape, ids = _SEED_CALLS[call]
+    errors = []
+    for device in ("cpu", "meta"):
+        arguments = [torch.zeros(shape, device=device)]
+        if ids is not None:
+            arguments.append(torch.zeros(ids[0], dtype=ids[1], device=device))
+        with pytest.raises((ValueError, TypeError)) as caught:
+            op(*arguments)
+        errors.append((type(caught.value), str(caught.value)))
+    assert errors[0] == errors[1]
 
 
 _N, _C_X = 2, 4

@@ -113,7 +113,9 @@ def _torch_dtype_name(dtype: Any) -> str:
 def described(obj: Any) -> Operand:
     """A torch tensor's dtype, shape and strides without its memory (a fake or meta tensor
     has none): what the validation reads, for the custom ops' fake implementations."""
-    return Operand(obj, "torch", None, _torch_dtype_name(obj.dtype), tuple(obj.shape), obj.stride())
+    device = obj.get_device() if obj.is_cuda else None  # (a fake tensor keeps its device)
+    dtype = _torch_dtype_name(obj.dtype)
+    return Operand(obj, "torch", device, dtype, tuple(obj.shape), obj.stride())
 
 
 def _from_torch(obj: Any, name: str = "tensor") -> Operand:

@@ -441,6 +441,14 @@ def _rope_impl(x, position_ids, *config):
 
 
 def _rope_fake(x, position_ids, *config):
+    # the direct path's checks that need no memory: a traced call (or one on meta tensors)
+    # refuses what an eager one does, with the same error
+    from ._arrays import described
+    from .rope import seed_op
+
+    seed_op(config).checked_rows(
+        described(x), None if position_ids is None else described(position_ids)
+    )
     return x.new_empty(x.shape)
 
 

@@ -199,6 +199,17 @@ def check_cos_sin_cache(obj: Any, head_dim: int) -> Operand:
     return cache
 
 
+def check_float_dtype(operand: Operand, name: str) -> None:
+    """A float dtype the rotation takes: float16, bfloat16 or float32 anywhere, float64 on
+    the host only (TypeError naming ``name``)."""
+    if operand.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} must be float16, bfloat16, float32 or float64, got {operand.dtype}"
+        )
+    if operand.is_cuda and operand.dtype == "float64":
+        raise TypeError(f"{name} is float64 on a CUDA device; float64 runs on the host path only")
+
+
 def check_float_operand(
     obj: Any, name: str, *, in_place: bool = False, template: Operand | None = None
 ) -> Operand:
@@ -211,12 +222,7 @@ def check_float_operand(
             f"{name} is a JAX array, which cannot change in place; use an out-of-place call "
             "(apply_rope, apply_rope_with_cos_sin_cache, the seed ops), which returns copies"
         )
-    if operand.dtype not in FLOAT_DTYPES:
-        raise TypeError(
-            f"{name} must be float16, bfloat16, float32 or float64, got {operand.dtype}"
-        )
-    if operand.is_cuda and operand.dtype == "float64":
-        raise TypeError(f"{name} is float64 on a CUDA device; float64 runs on the host path only")
+    check_float_dtype(operand, name)
     if operand.last_dim_contiguous:
         return operand
     if in_place:

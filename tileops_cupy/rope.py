@@ -53,6 +53,7 @@ from ._validate import (
     MAX_POSITIONS,
     check_choice,
     check_cos_sin_cache,
+    check_float_dtype,
     check_float_operand,
     check_head_dim_rotary_dim,
     check_host_positions,
@@ -189,23 +190,31 @@ class _RotaryOp(ProcessLocal):
             fast.relaunch(stream, RELAUNCH_X, x_ptr, result.data_ptr())
             return result
         source = check_float_operand(x, "x")
-        rows = self._rows(source, "x")
+        rows = self.checked_rows(source)
         select_place(self.target, {"x": source})
         seq = rows.shape[1]
-        if seq > MAX_POSITIONS:
-            raise ValueError(f"x has {seq} positions; at most 2**24 are supported")
         positions = Positions(limit=max(seq, 1), cover=max(seq, 1))
         result, launch = self._run(source, rows, positions)
         if launch is not None and keys[0] is not None and source.obj is x:
             self._relaunches[keys] = launch
         return to_caller(result)
 
+    def checked_rows(self, source: Operand, ids: Operand | None = None) -> HeadRows:
+        """``source`` (x) as head rows, its dtype, layout, head_dim, rotary_dim and
+        positions checked: every check of a call that needs no memory, which the op's fake
+        implementation (meta tensors, torch.compile) runs too."""
+        check_float_dtype(source, "x")
+        rows = self._rows(source, "x")
+        if rows.shape[1] > MAX_POSITIONS:
+            raise ValueError(f"x has {rows.shape[1]} positions; at most 2**24 are supported")
+        check_head_dim_rotary_dim("x", rows.shape[3], self.rotary_dim)
+        return rows
+
     def _run(
         self, source: Operand, rows: HeadRows, positions: Positions, flag=None
     ) -> tuple[Operand, Any]:
-        """(the rotated copy, the CUDA launch or None)."""
-        head_dim = rows.shape[3]
-        rotary_dim = check_head_dim_rotary_dim("x", head_dim, self.rotary_dim)
+        """(the rotated copy, the CUDA launch or None) of rows :meth:`checked_rows` gave."""
+        rotary_dim = rows.shape[3] if self.rotary_dim is None else self.rotary_dim
         table = self._tables.get(rotary_dim)
         if table is None:  # the shared registry's table, remembered per head size
             table = self._tables[rotary_dim] = shared_table(self.scheme, rotary_dim)
@@ -453,23 +462,14 @@ class RoPENeoxPositionIdsFwdOp(_RotaryOp):
             fast.relaunch(stream, RELAUNCH_IDS, x_ptr, result.data_ptr(), 0, 0, ids_ptr)
             return result
         source = check_float_operand(x, "x")
-        if source.ndim != 3:
-            raise ValueError(f"x must be [tokens, heads, head_dim], got shape {source.shape}")
         ids = as_operand(position_ids, "position_ids")
+        rows = self.checked_rows(source, ids)
         tokens = source.shape[0]
-        if ids.dtype not in ("int32", "int64"):
-            raise TypeError(f"position_ids must be int32 or int64, got {ids.dtype}")
-        if ids.shape != (tokens,):
-            raise ValueError(
-                f"position_ids must have shape [tokens] = ({tokens},) to match x, got {ids.shape}"
-            )
         place = select_place(self.target, {"x": source, "position_ids": ids})
         if place == "cpu":
             check_host_positions("position_ids", ids.host, self.max_position)
         elif ids.strides[0] != 1 and tokens > 1:
             ids = contiguous(ids, source)
-        tokens_, heads, head_dim = source.shape
-        rows = HeadRows(source, (1, tokens_, heads, head_dim), (0, *source.strides[:2], 1))
         # device ids are bounded by the kernel (clamped, flagged): no sync, capturable
         positions = Positions(ids=ids, limit=self.max_position, cover=self.max_position)
         result, launch = self._run(source, rows, positions, self._flag)
@@ -477,6 +477,24 @@ class RoPENeoxPositionIdsFwdOp(_RotaryOp):
         if recorded and source.obj is x and ids.obj is position_ids:  # nothing was copied
             self._relaunches[keys] = launch
         return to_caller(result)
+
+    def checked_rows(self, source: Operand, ids: Operand | None = None) -> HeadRows:
+        """x ``[tokens, heads, head_dim]`` as head rows, checked with its ``ids`` (see
+        :meth:`_RotaryOp.checked_rows`)."""
+        check_float_dtype(source, "x")
+        if source.ndim != 3:
+            raise ValueError(f"x must be [tokens, heads, head_dim], got shape {source.shape}")
+        if ids is None:
+            raise TypeError("position_ids must be an int32/int64 array [tokens], got None")
+        tokens, heads, head_dim = source.shape
+        if ids.dtype not in ("int32", "int64"):
+            raise TypeError(f"position_ids must be int32 or int64, got {ids.dtype}")
+        if ids.shape != (tokens,):
+            raise ValueError(
+                f"position_ids must have shape [tokens] = ({tokens},) to match x, got {ids.shape}"
+            )
+        check_head_dim_rotary_dim("x", head_dim, self.rotary_dim)
+        return HeadRows(source, (1, tokens, heads, head_dim), (0, *source.strides[:2], 1))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(max_position={self.max_position}, {self.scheme})"
