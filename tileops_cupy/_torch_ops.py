@@ -365,14 +365,34 @@ def _require_tensors(name: str, arguments: tuple) -> None:
 def _call(name: str, arguments: tuple, config: tuple) -> Any:
     """The custom op ``name`` on the call's ``arguments`` then its ``config``; under a
     differentiating ``torch.func`` transform or forward-mode AD (:func:`differentiating`),
-    through its ``torch.autograd.Function``, which takes the configuration as one opaque
-    :class:`_Configuration`."""
+    and for eager autograd (:func:`_recorded_eagerly`), through its
+    ``torch.autograd.Function``, which takes the configuration as one opaque
+    :class:`_Configuration` and runs the op inside, where nothing records it."""
     _require_tensors(name, arguments)
-    if differentiating():
+    if name in _FUNCTIONS and (_recorded_eagerly(arguments) or differentiating()):
         return _FUNCTIONS[name].apply(*arguments, _Configuration(config))
     import torch
 
     return getattr(torch.ops.tileops_cupy, name)(*arguments, *config)
+
+
+def _recorded_eagerly(arguments: tuple) -> bool:
+    """True when eager autograd records this call: grad mode on, a tensor argument that
+    requires grad, and no tracer, dispatch mode, transform or profiler watching. The op's
+    autograd.Function then records it, with the same backward and context as the custom
+    op's registered formula, which costs more per call: torch's custom-op autograd rebuilds
+    the schema's argument list once per argument (``torch._library.utils.fill_defaults``,
+    quadratic in the ~24 arguments: about 140 us a call on a CI-sized host). Traced
+    graphs keep the custom op and its formula."""
+    if not _grad_enabled() or not any(
+        isinstance(a, _Tensor) and a.requires_grad for a in arguments
+    ):
+        return False
+    watched = (
+        _is_compiling() or _dispatch_depth() or _profiling() or _jit_tracing()
+        or _functorch_active() or _forward_ad._current_level >= 0
+    )  # fmt: skip
+    return not watched
 
 
 class _Configuration:
