@@ -19,7 +19,9 @@ import copy
 import ctypes
 import gc
 import pickle
+import sys
 import textwrap
+import threading
 import types
 from collections.abc import Callable
 from typing import Any
@@ -340,6 +342,29 @@ def test_launch_records_forget_the_oldest_layout():
     assert len(records) == LaunchRecords.KEPT and min(records) == 40
     for name, (make, _) in CASES.items():
         assert type(make()._relaunches) is LaunchRecords, name
+
+
+def test_launch_records_keep_their_bound_under_threads():
+    """Threads recording launches of one op at once: each new record forgets the oldest
+    under one lock, so no two forget the same one and both add theirs (which had left the
+    bound behind for good: 270-760 records after 320k inserts from 16 threads)."""
+    records = LaunchRecords()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # (a thread switch between almost any two bytecodes)
+    try:
+
+        def insert(thread: int) -> None:
+            for layout in range(5000):
+                records[(thread, layout)] = layout
+
+        threads = [threading.Thread(target=insert, args=(t,)) for t in range(16)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert len(records) == LaunchRecords.KEPT
 
 
 @pytest.mark.gpu

@@ -5,7 +5,6 @@ on ops rebuilt behind the dispatcher (:data:`TWINS`), an op's launch records
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Callable, Hashable
 from typing import Any, ClassVar
@@ -43,11 +42,15 @@ class LaunchRecords(dict):
     KEPT = 256
 
     def __setitem__(self, key: Hashable, value: Any) -> None:
-        if len(self) >= self.KEPT and key not in self:
-            # (dicts keep insertion order: the oldest; another thread may forget it first)
-            with contextlib.suppress(KeyError, RuntimeError, StopIteration):
-                del self[next(iter(self))]
-        super().__setitem__(key, value)
+        # one writer at a time (threads calling one op): unlocked, two could forget the same
+        # oldest record and both add theirs, past the bound for good
+        with _records_lock:
+            while len(self) >= self.KEPT and key not in self:
+                del self[next(iter(self))]  # (dicts keep insertion order: the oldest)
+            super().__setitem__(key, value)
+
+
+_records_lock = threading.Lock()  # (every op's records: only a new record takes it)
 
 
 class ProcessLocal:
