@@ -661,13 +661,21 @@ def test_seed_op_fake_implementations_refuse_what_eager_refuses(call):
     """The seed RoPE ops check every shape and dtype without memory (``checked_rows``), on
     the direct path and in their fake implementations alike: the same error on meta."""
     op, shape, ids = _SEED_CALLS[call]
+
+    def arguments(device):
+        x = torch.zeros(shape, device=device)
+        return [x] if ids is None else [x, torch.zeros(ids[0], dtype=ids[1], device=device)]
+
+    _assert_meta_refuses_as_eager(op, arguments)
+
+
+def _assert_meta_refuses_as_eager(op, arguments) -> None:
+    """``op(*arguments(device))`` raises the same error (type and message) on cpu, where the
+    direct path validates, and on meta, where the fake implementation does."""
     errors = []
     for device in ("cpu", "meta"):
-        arguments = [torch.zeros(shape, device=device)]
-        if ids is not None:
-            arguments.append(torch.zeros(ids[0], dtype=ids[1], device=device))
         with pytest.raises((ValueError, TypeError)) as caught:
-            op(*arguments)
+            op(*arguments(device))
         errors.append((type(caught.value), str(caught.value)))
     assert errors[0] == errors[1]
 
@@ -695,12 +703,9 @@ def test_mhc_fake_implementations_refuse_what_eager_refuses(call):
     which validate as the direct path does: the same error, not made-up shapes."""
     op, shapes, bad, bad_shape = _MHC_CALLS[call]
     shapes = [bad_shape if i == bad else shape for i, shape in enumerate(shapes)]
-    errors = []
-    for device in ("cpu", "meta"):
-        with pytest.raises((ValueError, TypeError)) as caught:
-            op(*(torch.zeros(shape, device=device) for shape in shapes))
-        errors.append((type(caught.value), str(caught.value)))
-    assert errors[0] == errors[1]
+    _assert_meta_refuses_as_eager(
+        op, lambda device: [torch.zeros(shape, device=device) for shape in shapes]
+    )
 
 
 # --------------------------------------------------------------------------- item 7: bench --json

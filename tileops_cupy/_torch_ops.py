@@ -27,6 +27,8 @@ import sys
 import threading
 from typing import Any
 
+from ._arrays import described  # (imports neither torch nor CuPy)
+
 NAMESPACE = "tileops_cupy"
 
 # Schemas, one per data path. RoPE configurations travel as
@@ -163,14 +165,21 @@ def classify(*args: Any) -> Any:
     path. One pass: this runs every call."""
     if not _torch_bound():
         return (None,) * len(args), [0] * len(args)
-    watched = (  # (the last two are transformed()'s test, inlined: a call costs ~40 ns)
-        _is_compiling() or _dispatch_depth() or _profiling() or _jit_tracing()
-        or _functorch_active() or _forward_ad._current_level >= 0
-    )  # fmt: skip
-    if watched and any(isinstance(arg, _Tensor) for arg in args):
+    if _watched() and any(isinstance(arg, _Tensor) for arg in args):
         ensure_registered()
         return DISPATCH
     return _layouts(args, _grad_enabled())
+
+
+def _watched() -> bool:
+    """True while something besides eager autograd must see each call through the
+    dispatcher: Dynamo, a dispatch mode (export, fake tensors), the profiler,
+    ``torch.jit.trace``, or a ``torch.func`` transform or forward-mode AD (the last two are
+    :func:`transformed`'s test, inlined: a call of it costs ~40 ns). Torch bound."""
+    return bool(
+        _is_compiling() or _dispatch_depth() or _profiling() or _jit_tracing()
+        or _functorch_active() or _forward_ad._current_level >= 0
+    )  # fmt: skip
 
 
 def is_compiling() -> bool:
@@ -388,11 +397,7 @@ def _recorded_eagerly(arguments: tuple) -> bool:
         isinstance(a, _Tensor) and a.requires_grad for a in arguments
     ):
         return False
-    watched = (
-        _is_compiling() or _dispatch_depth() or _profiling() or _jit_tracing()
-        or _functorch_active() or _forward_ad._current_level >= 0
-    )  # fmt: skip
-    return not watched
+    return not _watched()
 
 
 class _Configuration:
@@ -463,7 +468,6 @@ def _rope_impl(x, position_ids, *config):
 def _rope_fake(x, position_ids, *config):
     # the direct path's checks that need no memory: a traced call (or one on meta tensors)
     # refuses what an eager one does, with the same error
-    from ._arrays import described
     from .rope import seed_op
 
     seed_op(config).checked_rows(
@@ -616,14 +620,21 @@ def _mhc_pre_impl(phi, x, b, *config):
 def _mhc_pre_fake(phi, x, b, *config):
     # the direct path's validation on the shapes and dtypes: a traced call (or one on meta
     # tensors) refuses what an eager one does, with the same error
-    from ._arrays import described
     from .sequence_modeling import _check_pre
 
-    n, c_x = _check_pre(described(phi), described(x), described(b))
-    batch = x.shape[0]
+    _check_pre(described(phi), described(x), described(b))
+    return _mhc_pre_outputs(phi, x)
+
+
+def _mhc_pre_outputs(phi, x):
+    """Empty ``(x_res, x_layer, h_post)`` of mHC pre on validated ``phi`` and ``x``."""
+    from .sequence_modeling import streams_of
+
+    n = streams_of(phi.shape[1])
+    batch, width = x.shape
     return (
-        x.new_empty((batch, n * c_x)),
-        x.new_empty((batch, c_x)),
+        x.new_empty((batch, width)),
+        x.new_empty((batch, width // n)),
         phi.new_empty((batch, n)),
     )
 
@@ -637,7 +648,7 @@ def _mhc_pre_setup(ctx, inputs, output):
 def _mhc_pre_backward(ctx, grad_x_res, grad_x_layer, grad_h_post):
     # an output autograd did not reach has no gradient: zeros of its layout
     phi, x, b = ctx.saved_tensors
-    outputs = _mhc_pre_fake(phi, x, b, *ctx.config)
+    outputs = _mhc_pre_outputs(phi, x)  # (the forward validated them)
     upstream = [
         output.zero_() if grad is None else grad.contiguous()
         for grad, output in zip((grad_x_res, grad_x_layer, grad_h_post), outputs, strict=True)
@@ -653,7 +664,6 @@ def _mhc_post_impl(x_layer_out, h_post, x_res, target):
 
 
 def _mhc_post_fake(x_layer_out, h_post, x_res, target):
-    from ._arrays import described
     from .sequence_modeling import _check_post
 
     _check_post(described(x_layer_out), described(h_post), described(x_res))
@@ -678,7 +688,6 @@ def _mhc_pre_bwd_impl(phi, x, b, grad_x_res, grad_x_layer, grad_h_post, *config)
 
 
 def _mhc_pre_bwd_fake(phi, x, b, grad_x_res, grad_x_layer, grad_h_post, *config):
-    from ._arrays import described
     from .sequence_modeling import _check_pre_backward
 
     tensors = (phi, x, b, grad_x_res, grad_x_layer, grad_h_post)
@@ -694,7 +703,6 @@ def _mhc_post_bwd_impl(x_layer_out, h_post, x_res, grad_x_out, target):
 
 
 def _mhc_post_bwd_fake(x_layer_out, h_post, x_res, grad_x_out, target):
-    from ._arrays import described
     from .sequence_modeling import _check_post_backward
 
     _check_post_backward(*(described(t) for t in (x_layer_out, h_post, x_res, grad_x_out)))
