@@ -103,3 +103,8 @@ __device__ __forceinline__ void store_16_bytes(void* to, u32 w0, u32 w1, u32 w2,
                "r"(w3)
                : "memory");
 }
+
+// Two 32-bit words to 8-byte-aligned global memory in one access (as store_16_bytes).
+__device__ __forceinline__ void store_8_bytes(void* to, u32 w0, u32 w1) {
+  asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(to), "r"(w0), "r"(w1) : "memory");
+}

@@ -736,30 +736,31 @@ __device__ __forceinline__ u32 pack_word_of(const float* y, int w) {
 
 // The plain rotation of mid-sized launches of the common case, and of float32 interleaved
 // launches of any size (tileops_cupy._rotate's _packs_layout says which): q, or q and k, at
-// sequential positions, rows of ROTARY_DIM elements rotated whole, two-level tables. A row is
-// ROTARY_DIM / VEC lanes of one 16-byte pack (VEC elements) each (the neox partner half comes
-// from lane ^ LANES/2 by a shuffle), and a lane takes ROWS rows of one operand of its token
-// (group, group + groups, ...: the same columns, so its cos/sin are formed once for them, from
-// 16-byte table loads of two pairs), their loads issued before the position is formed. A
-// token's row groups are q's, then k's. Threads are numbered flat: beyond its rows a lane does
-// two 32-bit divisions, one q/k select and the position, where rope_rotate's lanes also pay for
-// 64-bit row indices, 8-byte table loads and rounds (_rotate has the measurements).
+// sequential or per-token positions, rows of ROTARY_DIM elements rotated whole, two-level
+// tables. A row is LANES lanes of 16 bytes (VEC elements) each: a neox lane holds VEC/2
+// elements of each half (two 8-byte accesses), so both members of its pairs; an interleaved
+// lane one 16-byte pack. A lane takes ROWS rows of one operand of its token (group, group +
+// groups, ...: the same columns, so its cos/sin are formed once for them, from 16-byte table
+// loads of two pairs), their loads issued before the position is read. A token's row groups are
+// q's, then k's. Threads are numbered flat: beyond its rows a lane does two 32-bit divisions,
+// one q/k select and the position, where rope_rotate's lanes also pay for 64-bit row indices,
+// 8-byte table loads and rounds. Holding both halves, a neox lane needs VEC/2 pairs' cos/sin,
+// not VEC, and no shuffle: the chain from a token's id through its table rows is half as long,
+// which is what let per-token positions take this layout (_rotate has the measurements).
 template <typename T, bool NEOX, int ROTARY_DIM, int ROWS>
 __global__ void __launch_bounds__(ROPE_PACK_THREADS, ROPE_PACK_MIN_BLOCKS)
     rope_rotate_packs(const RopeParams p) {
-  constexpr int VEC = 16 / sizeof(T);          // elements a pack
-  constexpr int LANES = ROTARY_DIM / VEC;      // lanes of a row, a power of two up to 32
-  constexpr int PAIRS = NEOX ? VEC : VEC / 2;  // pairs whose cos/sin a lane needs
+  constexpr int VEC = 16 / sizeof(T);      // elements a lane
+  constexpr int HALF = VEC / 2;            // neox: elements a lane in each half of a row
+  constexpr int PAIRS = VEC / 2;           // pairs a lane rotates
+  constexpr int LANES = ROTARY_DIM / VEC;  // lanes of a row, a power of two up to 32
   static_assert(LANES <= 32 && (LANES & (LANES - 1)) == 0, "a row is a warp or less");
   // row groups of a token: q's, then k's (k_heads = 0 without k)
   const unsigned q_groups = static_cast<unsigned>(p.q_heads) / ROWS;
   const unsigned per_token = (q_groups + static_cast<unsigned>(p.k_heads) / ROWS) * LANES;
   const unsigned threads = static_cast<unsigned>(p.batch) * static_cast<unsigned>(p.seq) * per_token;
-  // A lane past the last row stays for its warp's shuffles (the blocks are whole warps), reading
-  // the last pack (always in bounds) and writing nothing.
-  const unsigned flat = blockIdx.x * ROPE_PACK_THREADS + threadIdx.x;
-  const bool live = flat < threads;
-  const unsigned thread = live ? flat : threads - 1;
+  const unsigned thread = blockIdx.x * ROPE_PACK_THREADS + threadIdx.x;
+  if (thread >= threads) return;  // (no lane waits on another: no shuffles, no barriers)
   const unsigned token = thread / per_token;
   const unsigned in_token = thread - token * per_token;
   const int lane = static_cast<int>(in_token % LANES);
@@ -772,60 +773,62 @@ __global__ void __launch_bounds__(ROPE_PACK_THREADS, ROPE_PACK_MIN_BLOCKS)
   const int b = static_cast<int>(token / seq);
   const int s = static_cast<int>(token - static_cast<unsigned>(b) * seq);
 
-  // the rows' packs first: their loads are in flight while the position and table are read
-  // (head strides within 32 bits: the plan checks)
+  // the rows first: their loads are in flight while the position and table are read (head
+  // strides within 32 bits: the plan checks). Element i of a lane is at column
+  // lane * VEC + i (interleaved), or lane * HALF + i of the first half and i - HALF of the
+  // second (neox).
   const int in_head = static_cast<int>(of_k ? p.k_in_stride[2] : p.q_in_stride[2]);
   const int out_head = static_cast<int>(of_k ? p.k_out_stride[2] : p.q_out_stride[2]);
+  const int column = NEOX ? lane * HALF : lane * VEC;
   const T* in = static_cast<const T*>(of_k ? p.k_in : p.q_in) +
                 b * (of_k ? p.k_in_stride[0] : p.q_in_stride[0]) +
-                s * (of_k ? p.k_in_stride[1] : p.q_in_stride[1]) + group * in_head + lane * VEC;
+                s * (of_k ? p.k_in_stride[1] : p.q_in_stride[1]) + group * in_head + column;
   T* out = static_cast<T*>(of_k ? p.k_out : p.q_out) +
            b * (of_k ? p.k_out_stride[0] : p.q_out_stride[0]) +
-           s * (of_k ? p.k_out_stride[1] : p.q_out_stride[1]) + group * out_head + lane * VEC;
+           s * (of_k ? p.k_out_stride[1] : p.q_out_stride[1]) + group * out_head + column;
   RowPack data[ROWS];
 #pragma unroll
-  for (int r = 0; r < ROWS; ++r)
-    data[r] = *reinterpret_cast<const RowPack*>(in + r * groups * in_head);
+  for (int r = 0; r < ROWS; ++r) {
+    const T* row = in + r * groups * in_head;
+    if constexpr (NEOX) {
+      const uint2 first = *reinterpret_cast<const uint2*>(row);
+      const uint2 second = *reinterpret_cast<const uint2*>(row + ROTARY_DIM / 2);
+      data[r].word[0] = first.x, data[r].word[1] = first.y;
+      data[r].word[2] = second.x, data[r].word[3] = second.y;
+    } else {
+      data[r] = *reinterpret_cast<const RowPack*>(row);
+    }
+  }
 
   const long long position =
       token_position(p.ids, p.ids_is_int64, p.offsets, p.offsets_is_int64, p.position_offset, b,
                      s, token, p.position_limit, p.error_flag);
-  // this lane's pairs: neox, VEC pairs of its half's columns; interleaved, VEC / 2 pairs
-  const int first_pair = NEOX ? (lane % (LANES / 2)) * VEC : lane * PAIRS;
   const TwoLevelRows rows(p.fine, p.coarse, position, ROTARY_DIM / 2);
-  // neox: the first half's lanes hold x1 (y1 = x1 cos - x2 sin), the second half's x2
-  // (y2 = x2 cos + x1 sin); the sign goes into sin, an exact product
-  const float own_sign = NEOX && lane < LANES / 2 ? -p.sin_sign : p.sin_sign;
   float cos_v[PAIRS], sin_v[PAIRS];
 #pragma unroll
   for (int i = 0; i < PAIRS; i += 2) {
     float2 first, second;
-    rows.cos_sin_two(first_pair + i, first, second);
-    cos_v[i] = first.x, sin_v[i] = first.y * own_sign;
-    cos_v[i + 1] = second.x, sin_v[i + 1] = second.y * own_sign;
+    rows.cos_sin_two(lane * PAIRS + i, first, second);
+    cos_v[i] = first.x, sin_v[i] = first.y * p.sin_sign;
+    cos_v[i + 1] = second.x, sin_v[i + 1] = second.y * p.sin_sign;
   }
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
     float y[VEC];
-    if constexpr (NEOX) {
-      RowPack other;
 #pragma unroll
-      for (int w = 0; w < 4; ++w)
-        other.word[w] = __shfl_xor_sync(0xffffffffu, data[r].word[w], LANES / 2);
-#pragma unroll
-      for (int i = 0; i < VEC; ++i)
-        y[i] = fmaf(pack_element<T>(data[r], i), cos_v[i], pack_element<T>(other, i) * sin_v[i]);
-    } else {
-#pragma unroll
-      for (int j = 0; j < PAIRS; ++j) {  // the pair (x0, x1)
-        const float x0 = pack_element<T>(data[r], 2 * j), x1 = pack_element<T>(data[r], 2 * j + 1);
-        y[2 * j] = fmaf(x0, cos_v[j], -x1 * sin_v[j]);
-        y[2 * j + 1] = fmaf(x1, cos_v[j], x0 * sin_v[j]);
-      }
+    for (int j = 0; j < PAIRS; ++j) {  // the pair (x0, x1) at elements (a, c) of the lane
+      const int a = NEOX ? j : 2 * j, c = NEOX ? j + HALF : 2 * j + 1;
+      const float x0 = pack_element<T>(data[r], a), x1 = pack_element<T>(data[r], c);
+      y[a] = fmaf(x0, cos_v[j], -x1 * sin_v[j]);
+      y[c] = fmaf(x1, cos_v[j], x0 * sin_v[j]);
     }
-    if (live) {
-      store_16_bytes(out + r * groups * out_head, pack_word_of<T>(y, 0), pack_word_of<T>(y, 1),
-                     pack_word_of<T>(y, 2), pack_word_of<T>(y, 3));
+    T* const row = out + r * groups * out_head;
+    if constexpr (NEOX) {
+      store_8_bytes(row, pack_word_of<T>(y, 0), pack_word_of<T>(y, 1));
+      store_8_bytes(row + ROTARY_DIM / 2, pack_word_of<T>(y, 2), pack_word_of<T>(y, 3));
+    } else {
+      store_16_bytes(row, pack_word_of<T>(y, 0), pack_word_of<T>(y, 1), pack_word_of<T>(y, 2),
+                     pack_word_of<T>(y, 3));
     }
   }
 }

@@ -29,6 +29,7 @@ dim3 blockDim;
 struct float2 { float x, y; };
 struct alignas(16) float4 { float x, y, z, w; };
 inline float2 make_float2(float x, float y) { return float2{x, y}; }
+struct alignas(8) uint2 { unsigned x, y; };
 inline void __threadfence_system() {}
 inline float rsqrtf(float v) { return 1.f / std::sqrt(v); }
 typedef unsigned short u16;
@@ -61,6 +62,10 @@ template <typename T> u32 pack_word(float low, float high) {
 inline void store_16_bytes(void* to, u32 w0, u32 w1, u32 w2, u32 w3) {
   const u32 words[4] = {w0, w1, w2, w3};
   std::memcpy(to, words, 16);
+}
+inline void store_8_bytes(void* to, u32 w0, u32 w1) {
+  const u32 words[2] = {w0, w1};
+  std::memcpy(to, words, 8);
 }
 inline int min(int a, int b) { return a < b ? a : b; }
 // The lanes a barrier joins: the 32 of a warp or the x-lanes of one (y, z).

@@ -74,17 +74,25 @@ for dtype in (torch.bfloat16, torch.float32):
             "q_norm_weight": torch.rand(128, device=cuda),
             "k_norm_weight": torch.rand(128, device=cuda, dtype=dtype),
         })  # fmt: skip
-    # rope_rotate_packs (rows rotated whole, one 16-byte pack of a row a lane): launches large
-    # enough for it, 9 row groups of an odd token count (in bf16 its last warp half past the
-    # last row), rows of a wider buffer, both layouts, forward and backward; and a prefill of q
-    # and k in a fused QKV row (10 q row groups, then 1 of k: in bf16 the last warp half past
-    # k's last row)
+    # rope_rotate_packs (rows rotated whole, 16 bytes of a row a lane): launches large enough
+    # for it, 9 row groups of an odd token count (in bf16 its last warp half past the last
+    # row), rows of a wider buffer, both layouts, forward and backward; a prefill of q and k in
+    # a fused QKV row (10 q row groups, then 1 of k: in bf16 the last warp half past k's last
+    # row); the same at per-token positions, a few past max_position (read clamped, flagged)
     wide = torch.randn(1, 4097, 37, 128, device=cuda, dtype=dtype)[:, :, 1:]  # 36 heads
     for rope_layout in ("neox", "interleaved"):
         RoPEFwdOp(rope_layout, "2d")(wide)
         RoPEBwdOp(rope_layout, "2d")(wide)
     qkv = torch.randn(1, 4097, 48, 128, device=cuda, dtype=dtype)
     RoPE(128, 40, 4).prefill(qkv[:, :, :40], qkv[:, :, 40:44], 5)
+    ids = torch.randint(0, 1 << 16, (4097,), device=cuda)
+    ids[::97] = (1 << 16) + 5
+    for rope_layout in ("neox", "interleaved"):
+        packed = RoPE(128, 40, 4, rope_layout=rope_layout, max_position=1 << 16)
+        packed.forward(qkv[0, :, :40], qkv[0, :, 40:44], positions=ids)
+        torch.cuda.synchronize()
+        with contextlib.suppress(ValueError):  # the flag of the clamped positions
+            packed.check()
     cache = torch.randn(100, 40, device=cuda)
     tokens = torch.randn(15, 4 * 64 + 1, device=cuda, dtype=dtype)[:, 1:]
     token_ids = torch.tensor([0, 99, 100, -1, 7] * 3, device=cuda)  # two out of range: clamped

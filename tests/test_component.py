@@ -427,25 +427,30 @@ def test_chunked_prefill_equals_full_forward(rng, place, case, dtype, layout, ch
 
 
 @GPU
+@pytest.mark.parametrize("by", ["offsets", "positions"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize(
     ("head_dim", "batch", "offsets"), [(128, 1, 7), (64, 2, "per sequence")], ids=["D128", "D64"]
 )
 def test_mid_sized_prefill_rotates_whole_rows(
-    rng, monkeypatch, head_dim, batch, offsets, dtype, layout
+    rng, monkeypatch, head_dim, batch, offsets, dtype, layout, by
 ):
-    """Mid-sized prefills of q and k take rope_rotate_packs (one 16-byte pack of a row a
-    lane, four rows of one operand a lane, k's row group after q's two;
+    """Mid-sized calls of q and k take rope_rotate_packs (16 bytes of a row a lane, a neox
+    lane 8 of each half; four rows of one operand a lane, k's row group after q's two;
     ``_rotate._PACK_MIN_HEAD_ROWS`` lowered here to this call's rows, whose last warp is half
-    empty in 16 bits): q and k in place in a fused QKV row, every element against the
-    oracle, v untouched, and the same bits as rope_rotate."""
+    empty in 16 bits), at a prefill's offsets or at per-token positions (``forward``, a
+    device ``[B, T]`` tensor of random positions): q and k in place in a fused QKV row, every
+    element against the oracle, v untouched, and the same bits as rope_rotate."""
     require("cuda", "torch")
     seq, hq, hkv = 1031, 8, 4
     heads = hq + 2 * hkv
     host = random_data(rng, (batch, seq, heads * head_dim), dtype)
     if offsets == "per sequence":
         offsets = np.array([0, 3000])
+    positions = token_positions(batch, seq, offsets)
+    if by == "positions":
+        positions = rng.integers(0, 1 << 16, (batch, seq))
     results, blocks = {}, {}
     for packs_from in (1 << 30, 0):
         monkeypatch.setattr(_rotate, "_PACK_MIN_HEAD_ROWS", packs_from)
@@ -453,8 +458,12 @@ def test_mid_sized_prefill_rotates_whole_rows(
         qkv = to_place(host, "cuda", "torch")
         split = qkv.view(batch, seq, heads, head_dim)
         q, k = split[:, :, :hq], split[:, :, hq : hq + hkv]
-        rope = RoPE(head_dim, hq, hkv, rope_layout=layout)
-        assert_same(rope.prefill(q, k, offsets), q, k)
+        rope = RoPE(head_dim, hq, hkv, rope_layout=layout, max_position=1 << 16)
+        if by == "positions":
+            device_positions = torch.from_numpy(positions).cuda()
+            assert_same(rope.forward(q, k, positions=device_positions), q, k)
+        else:
+            assert_same(rope.prefill(q, k, offsets), q, k)
         torch.cuda.synchronize()
         (plan,) = _rotate._plans.values()
         blocks[packs_from] = plan.steps[0].block
@@ -468,7 +477,7 @@ def test_mid_sized_prefill_rotates_whole_rows(
         raw_bytes(x).reshape(batch, seq, heads, -1)[:, :, hq + hkv :] for x in (packed, host)
     )
     assert np.array_equal(v_after, v_before), "v changed"
-    positions, frequencies = token_positions(batch, seq, offsets), standard_frequencies(head_dim)
+    frequencies = standard_frequencies(head_dim)
     for name, heads_of in (("q", slice(0, hq)), ("k", slice(hq, hq + hkv))):
         assert_rotated(
             after[:, :, heads_of], before[:, :, heads_of], positions, frequencies, dtype,

@@ -237,8 +237,8 @@ def test_rows_layout_takes_in_place_rows_with_32_bit_offsets():
     assert not _rotate._rows_in_place([wide, wide])
 
 
-def test_packs_layout_takes_mid_sized_launches_at_sequential_positions():
-    """rope_rotate_packs takes q, or q and k, at sequential positions, rotated whole at a
+def test_packs_layout_takes_mid_sized_launches():
+    """rope_rotate_packs takes q, or q and k, at any positions, rotated whole at a
     shipped rotary_dim, 16-byte aligned, a multiple of four heads in each operand, from
     _PACK_MIN_HEAD_ROWS head rows in all up to _PACK_MAX_HEAD_ROWS of the element size and
     layout (B1 S8192 and B2 S2048 of 32 heads take it, B8 S4096 does not, nor float32 neox
@@ -247,7 +247,7 @@ def test_packs_layout_takes_mid_sized_launches_at_sequential_positions():
     names is shipped in that launch's module."""
 
     def takes(batch=1, seq=8192, heads=32, head_dim=128, rotary_dim=128, dtype="bfloat16",
-              k_heads=0, ids=False, offset=0, head_stride=None,
+              k_heads=0, offset=0, head_stride=None,
               mode=_rotate.TWO_LEVEL, neox=True):  # fmt: skip
         stride = head_stride or head_dim
         width = (heads + k_heads) * stride  # (q's heads then k's, of one fused row)
@@ -259,7 +259,7 @@ def test_packs_layout_takes_mid_sized_launches_at_sequential_positions():
             rows += [k, k]
         copy_tail = rotary_dim < head_dim
         aligned = _rotate._vector_width(dtype, neox, rotary_dim, head_dim, copy_tail, rows)
-        return _rotate._packs_layout(dtype, neox, rotary_dim, mode, False, rows, aligned, ids)
+        return _rotate._packs_layout(dtype, neox, rotary_dim, mode, False, rows, aligned)
 
     assert takes() and takes(batch=2, seq=2048) and takes(dtype="float16")
     assert takes(dtype="float32") and takes(dtype="float32", batch=2, seq=2048)
@@ -280,7 +280,6 @@ def test_packs_layout_takes_mid_sized_launches_at_sequential_positions():
     assert not takes(batch=8, seq=4096)  # _PACK_MAX_HEAD_ROWS
     assert not takes(seq=4095, heads=24, k_heads=8) and takes(seq=4096, heads=24, k_heads=8)
     assert not takes(batch=1, seq=2048)  # _PACK_MIN_HEAD_ROWS
-    assert not takes(ids=True) and not takes(k_heads=8, ids=True)
     assert not takes(k_heads=2) and not takes(k_heads=6)
     assert not takes(heads=30, seq=1 << 13)
     assert not takes(rotary_dim=64) and not takes(head_dim=96, rotary_dim=96)

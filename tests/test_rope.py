@@ -242,8 +242,8 @@ def _assert_whole_rows_match_chunks(monkeypatch, host, case, direction, packs_fr
 @pytest.mark.parametrize("dtype", ("bfloat16", "float16", "float32"))
 @pytest.mark.parametrize("shape", ((1, 1031, 4, 128), (2, 1030, 8, 64)), ids=("D128", "D64"))
 def test_mid_sized_launches_rotate_whole_rows(rng, monkeypatch, shape, dtype, direction, case):
-    """Mid-sized launches of one operand at sequential positions take
-    rope_rotate_packs (one 16-byte pack of a row a lane, four rows of a token a lane;
+    """Mid-sized launches of one operand at sequential positions take rope_rotate_packs (16
+    bytes of a row a lane, a neox lane's from both halves; four rows of a token a lane;
     ``_rotate._PACK_MIN_HEAD_ROWS`` lowered here to this call's rows, whose last warp is half
     empty at 16-bit D128): every element against the oracle, and the same bits as
     rope_rotate."""

@@ -390,27 +390,30 @@ def test_blocks_of_partial_warps_on_host_threads(kernels, rng, neox):
 @pytest.mark.parametrize("neox", (True, False), ids=("neox", "interleaved"))
 @pytest.mark.parametrize("dtype", ("bfloat16", "float16", "float32"))
 def test_packs_layout_on_host_threads(kernels, rng, dtype, neox, rotary_dim):
-    """rope_rotate_packs (one 16-byte pack of a row a lane: 8 elements of 16 bits or 4 of
-    float32; four rows of a token a lane, the neox partner by shuffle): q alone of 4 and 8
-    heads (one and two row groups a token) and q with k in one launch (k's row groups after
-    q's; k in q's rows, or in an array of its own with another token stride), an odd token
-    count (in 16 bits the last warp's lanes past the last row stay for its shuffles and
-    write nothing), per-sequence offsets, both directions, in place and into new arrays
-    (rows of wider ones: their last heads nothing may touch), every element against the
-    oracle and nothing else written."""
+    """rope_rotate_packs (16 bytes of a row a lane: 8 elements of 16 bits or 4 of float32, a
+    neox lane half of them from each half of the row; four rows of a token a lane): q alone
+    of 4 and 8 heads (one and two row groups a token) and q with k in one launch (k's row
+    groups after q's; k in q's rows, or in an array of its own with another token stride), an
+    odd token count (the last warp's lanes past the last row write nothing), per-sequence
+    offsets, sequential or per-token positions (int32 or int64 ids), both directions, in place
+    and into new arrays (rows of wider ones: their last heads nothing may touch), every
+    element against the oracle and nothing else written."""
     batch, seq = 3, 5
     partial_warps = 0
     # (q heads, k heads, k in an array of its own)
     operands = ((4, 0, False), (8, 0, False), (4, 4, False), (8, 4, False), (4, 8, False))
     operands += ((8, 4, True),)
     offsets = np.array([0, 700, 3], np.int64)
-    positions = (POSITION + offsets[:, None] + np.arange(seq))[..., None]
+    ids_of = {"int32": rng.integers(0, 4000, batch * seq).astype(np.int32)}
+    ids_of["int64"] = ids_of["int32"].astype(np.int64)[::-1].copy()
     table = shared_table(Standard(), rotary_dim)
-    table.ensure(POSITION + 700 + seq)
+    table.ensure(POSITION + 700 + 4000)
     fine, coarse = (np.ascontiguousarray(t) for t in (table.fine32, table.coarse32))
-    for (q_heads, k_heads, k_apart), inverse, in_place in itertools.product(
-        operands, (False, True), (False, True)
+    for (q_heads, k_heads, k_apart), inverse, in_place, ids in itertools.product(
+        operands, (False, True), (False, True), (None, "int32", "int64")
     ):
+        tokens = np.arange(seq) if ids is None else ids_of[ids].reshape(batch, seq)
+        positions = (POSITION + offsets[:, None] + tokens)[..., None]
         # each array's rotated heads (name, first head, heads), then two heads left alone
         rotated = {"q": [(0, q_heads)]}
         if k_heads:
@@ -441,12 +444,13 @@ def test_packs_layout_on_host_threads(kernels, rng, dtype, neox, rotary_dim):
             batch=batch, seq=seq, fine=fine.ctypes.data, coarse=coarse.ctypes.data,
             position_offset=POSITION, position_limit=table.capacity, offsets=offsets.ctypes.data,
             offsets_is_int64=1, rotary_dim=rotary_dim, tail_chunks=0,
+            ids=0 if ids is None else ids_of[ids].ctypes.data, ids_is_int64=int(ids == "int64"),
             sin_sign=-1.0 if inverse else 1.0,
         )  # fmt: skip
         for array, runs in rotated.items():
             host, result = hosts[array], results[array]
             what = f"{dtype} neox={neox} D{rotary_dim} {array} of heads={q_heads}+{k_heads} "
-            what += f"k_apart={k_apart} in_place={in_place}"
+            what += f"k_apart={k_apart} in_place={in_place} ids={ids}"
             for first, heads in runs:
                 columns = slice(first * rotary_dim, (first + heads) * rotary_dim)
                 shape = (batch, seq, heads, rotary_dim)

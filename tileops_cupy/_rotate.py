@@ -87,20 +87,23 @@ _REGISTERS, _NORM_REGISTERS = 96, 128
 NO_NORM, NORM_CHUNKS, NORM_ROWS = 0, 1, 2
 _ROWS_THREADS, _ROWS_REGISTERS, _ROWS_HEADS = 64, 64, 2
 # The plain rotation's whole-row layout (rope.cu rope_rotate_packs): q, or q and k, at
-# sequential positions (no position ids), rotated whole at a shipped rotary_dim, two-level
-# tables, 16-byte rows. One pack of a row a lane, _PACK_ROWS rows of one operand of a token a
-# lane at once, blocks of _PACK_THREADS at 64 registers (32 warps a multiprocessor).
+# sequential or per-token positions, rotated whole at a shipped rotary_dim, two-level tables,
+# 16-byte rows. 16 bytes of a row a lane (neox: 8 of each half), _PACK_ROWS rows of one operand
+# of a token a lane at once, blocks of _PACK_THREADS at 64 registers (32 warps a
+# multiprocessor).
 # Measured on an H200 (D128, % of the copy ceiling, the chunk layout -> this one, in one
 # process). bf16 q alone, H32: neox B1 S8192 82.4 -> 84.5, interleaved 81.3 -> 82.5,
 # backward 82.4 -> 83.3; B2 S2048 67.7 -> 71.1, 67.0 -> 73.3, 69.5 -> 71.1; D64 B2 S2048
 # 55.7 -> 59.5. bf16 q and k in place in a fused QKV row (32q/8kv, the component's prefill):
 # N4096 75.7 -> 78.4, N8192 84.6 -> 86.7, N16384 91.7 -> 93.0. float32 q alone, H32: B1
 # S8192 89.4 -> 89.7, 88.5 -> 89.8, 89.4 -> 90.2; B2 S2048 81.6 -> 82.3, 79.8 -> 82.6,
-# 81.6 -> 82.6; D64 B2 S2048 67.1 -> 73.1. Where it lost, the chunk layout keeps the launch:
-# with position ids (bf16 q alone N4096 68.0 -> 65.8; q and k N8192 84.6 -> 83.2, N16384
-# 91.5 -> 88.9: a lane waits on its token's id, then the table, for fewer bytes than the chunk
-# layout's rounds move), and from _PACK_MAX_HEAD_ROWS head rows (by element size and
-# layout), where its rows are the chunk layout's again. Chunks -> packs, H32 D128, one process:
+# 81.6 -> 82.6; D64 B2 S2048 67.1 -> 73.1. Per-token positions (bf16 q and k, 32q/8kv): N4096
+# 72.5 -> 75.3, N8192 83.3 -> 87.0, N16384 91.0 -> 92.6, since a neox lane holds both halves
+# of its columns (half the pairs' cos/sin to form after its token's id arrives; with one
+# 16-byte pack of one half a lane and the partner half by shuffle, ids lost: 70.9, 82.5,
+# 88.2). Where it lost, the chunk layout keeps the launch: from _PACK_MAX_HEAD_ROWS head rows
+# (by element size and layout), where its rows are the chunk layout's again. Chunks -> packs,
+# H32 D128, one process:
 #   bf16 (2**20: B8 S4096; 2**21: B16 S4096, B4 S16384; 2**22: B32 S4096): neox 95.7 -> 95.7,
 #     98.4 -> 97.8, 99.9 -> 98.6; interleaved 96.2 -> 95.2, 98.6 -> 97.2, 100.0 -> 98.0.
 #   float32 neox (2**19: B1 S16384): 95.6 -> 94.9, B8 S4096 98.4 -> 96.4, 2**22 100.6 -> 98.6.
@@ -680,10 +683,9 @@ def _plan(
     rows: list[HeadRows],
     copy_tail: bool,
     norm: RowNorm | None = None,
-    token_ids: bool = False,
 ) -> _LaunchPlan:
     """The launch of one layout (computed once): rope_rotate_packs where it takes the launch
-    (_packs_layout; ``token_ids``: positions come from ids), else rope_rotate's geometry."""
+    (_packs_layout), else rope_rotate's geometry."""
     q_in = rows[0]
     dtype, device = q_in.operand.dtype, q_in.operand.device
     alignment = 0
@@ -692,7 +694,7 @@ def _plan(
     rows_in_place = norm is not None and _rows_in_place(rows)  # (only the norm has two layouts)
     key = (
         dtype, neox, rotary_dim, mode, device, copy_tail, alignment, norm is not None,
-        rows_in_place, token_ids,
+        rows_in_place,
         tuple((r.shape, r.strides) for r in rows),
     )  # fmt: skip
     plan = _plans.get(key)
@@ -702,9 +704,7 @@ def _plan(
     copy_tail = copy_tail or norm is not None  # a normed tail is always written
     total_heads = q_heads + (rows[2].shape[2] if len(rows) > 2 else 0)
     aligned_width = _vector_width(dtype, neox, rotary_dim, head_dim, copy_tail, rows)
-    if _packs_layout(
-        dtype, neox, rotary_dim, mode, norm is not None, rows, aligned_width, token_ids
-    ):
+    if _packs_layout(dtype, neox, rotary_dim, mode, norm is not None, rows, aligned_width):
         threads = _packs_threads(batch * seq * total_heads, rotary_dim, aligned_width)
         name = _packs_name(dtype, neox, rotary_dim)
         kernel = _cuda.function(module_spec(dtype, rotary_dim, mode), name, device)
@@ -739,14 +739,13 @@ def _packs_layout(
     norm: bool,
     rows: list[HeadRows],
     aligned_width: int,
-    token_ids: bool,
 ) -> bool:
     """Whether rope_rotate_packs takes the launch (_PACK_* above): q, or q and k (``rows``:
-    their (in, out) pairs), at sequential positions, 16-byte-aligned rows rotated whole at a
+    their (in, out) pairs), at any positions, 16-byte-aligned rows rotated whole at a
     compiled rotary_dim, a multiple of _PACK_ROWS heads in each operand, head offsets within
     32 bits, from _PACK_MIN_HEAD_ROWS head rows in all to _PACK_MAX_HEAD_ROWS of the dtype's
     element size and the layout, fewer than _PACK_MAX_THREADS threads."""
-    if token_ids or aligned_width * ITEMSIZE[dtype] != 16:
+    if aligned_width * ITEMSIZE[dtype] != 16:
         return False
     batch, seq, _, head_dim = rows[0].shape
     head_rows = batch * seq * sum(r.shape[2] for r in rows[::2])
@@ -791,7 +790,7 @@ def _rotate_cuda(
     else:
         mode = TWO_LEVEL if positions.mrope_section is None else MROPE
         fine_ptr, coarse_ptr, capacity = table.device_tables(device, positions.cover)
-    plan = _plan(rotary_dim, mode, neox, rows, copy_tail, norm, positions.ids is not None)
+    plan = _plan(rotary_dim, mode, neox, rows, copy_tail, norm)
     k_weight = None if norm is None else norm.k_weight
 
     k_in, k_out = (None, None) if k is None else k  # k_heads = 0: the kernel never reads k
