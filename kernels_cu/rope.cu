@@ -736,18 +736,19 @@ __device__ __forceinline__ u32 pack_word_of(const float* y, int w) {
 
 // The plain rotation of mid-sized launches of the common case, and of float32 interleaved
 // launches of any size (tileops_cupy._rotate's _packs_layout says which): q, or q and k, at
-// sequential or per-token positions, rows of ROTARY_DIM elements rotated whole, two-level
-// tables. A row is LANES lanes of 16 bytes (VEC elements) each: a neox lane holds VEC/2
-// elements of each half (two 8-byte accesses), so both members of its pairs; an interleaved
-// lane one 16-byte pack. A lane takes ROWS rows of one operand of its token (group, group +
-// groups, ...: the same columns, so its cos/sin are formed once for them, from 16-byte table
-// loads of two pairs), their loads issued before the position is read. A token's row groups are
-// q's, then k's. Threads are numbered flat: beyond its rows a lane does two 32-bit divisions,
-// one q/k select and the position, where rope_rotate's lanes also pay for 64-bit row indices,
-// 8-byte table loads and rounds. Holding both halves, a neox lane needs VEC/2 pairs' cos/sin,
-// not VEC, and no shuffle: the chain from a token's id through its table rows is half as long,
-// which is what let per-token positions take this layout (_rotate has the measurements).
-template <typename T, bool NEOX, int ROTARY_DIM, int ROWS>
+// sequential or per-token positions, rows of ROTARY_DIM elements rotated whole, cos/sin from
+// the table TABLE names (as rope_rotate's). A row is LANES lanes of 16 bytes (VEC elements)
+// each: a neox lane holds VEC/2 elements of each half (two 8-byte accesses), so both members
+// of its pairs; an interleaved lane one 16-byte pack. A lane takes ROWS rows of one operand of
+// its token (group, group + groups, ...: the same columns, so its cos/sin are formed once for
+// them; the two-level tables by 16-byte loads of two pairs), their loads issued before the
+// position is read. A token's row groups are q's, then k's. Threads are numbered flat: beyond
+// its rows a lane does two 32-bit divisions, one q/k select and the position, where
+// rope_rotate's lanes also pay for 64-bit row indices, 8-byte table loads and rounds. Holding
+// both halves, a neox lane needs VEC/2 pairs' cos/sin, not VEC, and no shuffle: the chain
+// from a token's id through its table rows is half as long, which is what let per-token
+// positions take this layout (_rotate has the measurements).
+template <typename T, bool NEOX, int ROTARY_DIM, int ROWS, int TABLE>
 __global__ void __launch_bounds__(ROPE_PACK_THREADS, ROPE_PACK_MIN_BLOCKS)
     rope_rotate_packs(const RopeParams p) {
   constexpr int VEC = 16 / sizeof(T);      // elements a lane
@@ -800,17 +801,42 @@ __global__ void __launch_bounds__(ROPE_PACK_THREADS, ROPE_PACK_MIN_BLOCKS)
     }
   }
 
-  const long long position =
-      token_position(p.ids, p.ids_is_int64, p.offsets, p.offsets_is_int64, p.position_offset, b,
-                     s, token, p.position_limit, p.error_flag);
-  const TwoLevelRows rows(p.fine, p.coarse, position, ROTARY_DIM / 2);
+  // position row `row` of the token (rows other than 0 exist under MRoPE only)
+  auto position_of_row = [&](int row) {
+    const long long id = token + row * (static_cast<long long>(p.batch) * p.seq);
+    return token_position(p.ids, p.ids_is_int64, p.offsets, p.offsets_is_int64,
+                          p.position_offset, b, s, id, p.position_limit, p.error_flag);
+  };
+  const long long position = position_of_row(0);
+  const int first_pair = lane * PAIRS;
   float cos_v[PAIRS], sin_v[PAIRS];
+  auto keep = [&](int i, float2 cos_sin) {
+    cos_v[i] = cos_sin.x, sin_v[i] = cos_sin.y * p.sin_sign;
+  };
+  if constexpr (TABLE == TABLE_TWO_LEVEL) {
+    const TwoLevelRows rows(p.fine, p.coarse, position, ROTARY_DIM / 2);
 #pragma unroll
-  for (int i = 0; i < PAIRS; i += 2) {
-    float2 first, second;
-    rows.cos_sin_two(lane * PAIRS + i, first, second);
-    cos_v[i] = first.x, sin_v[i] = first.y * p.sin_sign;
-    cos_v[i + 1] = second.x, sin_v[i + 1] = second.y * p.sin_sign;
+    for (int i = 0; i < PAIRS; i += 2) {
+      float2 first, second;
+      rows.cos_sin_two(first_pair + i, first, second);
+      keep(i, first), keep(i + 1, second);
+    }
+  } else if constexpr (TABLE == TABLE_MROPE) {
+    const TwoLevelRows rows[3] = {TwoLevelRows(p.fine, p.coarse, position, ROTARY_DIM / 2),
+                                  TwoLevelRows(p.fine, p.coarse, position_of_row(1), ROTARY_DIM / 2),
+                                  TwoLevelRows(p.fine, p.coarse, position_of_row(2), ROTARY_DIM / 2)};
+#pragma unroll
+    for (int i = 0; i < PAIRS; ++i) {
+      const int j = first_pair + i;
+      const int row = mrope_row(j, p.mrope_section, p.mrope_interleaved);
+      keep(i, (row == 0 ? rows[0] : row == 1 ? rows[1] : rows[2]).cos_sin(j));
+    }
+  } else {
+    const float* cache_row = p.cos_sin_cache + position * ROTARY_DIM;
+#pragma unroll
+    for (int i = 0; i < PAIRS; ++i) {
+      keep(i, make_float2(cache_row[first_pair + i], cache_row[ROTARY_DIM / 2 + first_pair + i]));
+    }
   }
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {

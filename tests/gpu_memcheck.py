@@ -78,7 +78,8 @@ for dtype in (torch.bfloat16, torch.float32):
     # for it, 9 row groups of an odd token count (in bf16 its last warp half past the last
     # row), rows of a wider buffer, both layouts, forward and backward; a prefill of q and k in
     # a fused QKV row (10 q row groups, then 1 of k: in bf16 the last warp half past k's last
-    # row); the same at per-token positions, a few past max_position (read clamped, flagged)
+    # row); the same at per-token positions, a few past max_position (read clamped, flagged),
+    # under MRoPE (sections that split a lane's pairs between rows) and from a cos_sin_cache
     wide = torch.randn(1, 4097, 37, 128, device=cuda, dtype=dtype)[:, :, 1:]  # 36 heads
     for rope_layout in ("neox", "interleaved"):
         RoPEFwdOp(rope_layout, "2d")(wide)
@@ -93,6 +94,13 @@ for dtype in (torch.bfloat16, torch.float32):
         torch.cuda.synchronize()
         with contextlib.suppress(ValueError):  # the flag of the clamped positions
             packed.check()
+        sectioned = RoPE(128, 40, 4, rope_layout=rope_layout, mrope_section=(17, 23, 24))
+        three_rows = torch.randint(0, 4096, (3, 4097), device=cuda)
+        sectioned.forward(qkv[0, :, :40], qkv[0, :, 40:44], positions=three_rows)
+        cache = torch.randn(5000, 128, device=cuda)
+        apply_rope_with_cos_sin_cache_inplace(
+            ids % 5000, qkv[0, :, :40], qkv[0, :, 40:44], 128, cache, rope_layout == "neox"
+        )
     cache = torch.randn(100, 40, device=cuda)
     tokens = torch.randn(15, 4 * 64 + 1, device=cuda, dtype=dtype)[:, 1:]
     token_ids = torch.tensor([0, 99, 100, -1, 7] * 3, device=cuda)  # two out of range: clamped

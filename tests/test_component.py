@@ -41,13 +41,16 @@ from _oracle import (
     Frequencies,
     assert_gradcheck,
     assert_matches_oracle,
+    assert_matches_reference,
     assert_within,
     contract_tolerance,
     dtype_name,
     llama31_frequencies,
     longrope_frequencies,
+    mrope_pair_positions,
     random_data,
     raw_bytes,
+    rotate_reference,
     standard_frequencies,
     to_float64,
     working_precision_roundtrip_tolerance,
@@ -55,7 +58,13 @@ from _oracle import (
 )
 
 from tileops_cupy import _rotate
-from tileops_cupy.rope import RoPE, RoPEFwdOp, apply_rope, table_cache_info
+from tileops_cupy.rope import (
+    RoPE,
+    RoPEFwdOp,
+    apply_rope,
+    apply_rope_with_cos_sin_cache_inplace,
+    table_cache_info,
+)
 from tileops_cupy.schemes import Llama31, LongRoPE, Standard, YaRN
 
 HEAD_DIMS = {"cpu": 64, "cuda": 128}  # the device runs the production head size
@@ -426,6 +435,26 @@ def test_chunked_prefill_equals_full_forward(rng, place, case, dtype, layout, ch
     assert_rotated(k, k64, positions, frequencies, dtype, layout=layout, what="k")
 
 
+def _whole_rows_against_chunks(monkeypatch, host: np.ndarray, rotate) -> torch.Tensor:
+    """``rotate(qkv)`` (q and k in place in a CUDA copy of ``host``) twice: in the chunk
+    layout, then with ``_rotate._PACK_MIN_HEAD_ROWS`` lowered so that rope_rotate_packs takes
+    the call; asserts that each took its layout and that both wrote the same bits. Returns
+    the second copy."""
+    results, blocks = {}, {}
+    for packs_from in (1 << 30, 0):
+        monkeypatch.setattr(_rotate, "_PACK_MIN_HEAD_ROWS", packs_from)
+        _rotate._plans.clear()
+        qkv = to_place(host, "cuda", "torch")
+        rotate(qkv)
+        torch.cuda.synchronize()
+        (plan,) = _rotate._plans.values()
+        blocks[packs_from] = plan.steps[0].block
+        results[packs_from] = qkv
+    assert blocks[0] == (_rotate._PACK_THREADS, 1, 1) != blocks[1 << 30], blocks
+    assert torch.equal(results[0], results[1 << 30])
+    return results[0]
+
+
 @GPU
 @pytest.mark.parametrize("by", ["offsets", "positions"])
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -451,11 +480,8 @@ def test_mid_sized_prefill_rotates_whole_rows(
     positions = token_positions(batch, seq, offsets)
     if by == "positions":
         positions = rng.integers(0, 1 << 16, (batch, seq))
-    results, blocks = {}, {}
-    for packs_from in (1 << 30, 0):
-        monkeypatch.setattr(_rotate, "_PACK_MIN_HEAD_ROWS", packs_from)
-        _rotate._plans.clear()
-        qkv = to_place(host, "cuda", "torch")
+
+    def rotate(qkv):
         split = qkv.view(batch, seq, heads, head_dim)
         q, k = split[:, :, :hq], split[:, :, hq : hq + hkv]
         rope = RoPE(head_dim, hq, hkv, rope_layout=layout, max_position=1 << 16)
@@ -464,13 +490,8 @@ def test_mid_sized_prefill_rotates_whole_rows(
             assert_same(rope.forward(q, k, positions=device_positions), q, k)
         else:
             assert_same(rope.prefill(q, k, offsets), q, k)
-        torch.cuda.synchronize()
-        (plan,) = _rotate._plans.values()
-        blocks[packs_from] = plan.steps[0].block
-        results[packs_from] = qkv
-    assert blocks[0] == (_rotate._PACK_THREADS, 1, 1) != blocks[1 << 30], blocks
-    packed = results[0]
-    assert torch.equal(packed, results[1 << 30])
+
+    packed = _whole_rows_against_chunks(monkeypatch, host, rotate)
     before = host.astype(np.float64).reshape(batch, seq, heads, head_dim)
     after = to_float64(packed).reshape(batch, seq, heads, head_dim)
     v_after, v_before = (
@@ -483,6 +504,65 @@ def test_mid_sized_prefill_rotates_whole_rows(
             after[:, :, heads_of], before[:, :, heads_of], positions, frequencies, dtype,
             layout=layout, what=name,
         )  # fmt: skip
+
+
+@GPU
+@pytest.mark.parametrize("table", ["mrope", "mrope-interleaved", "cos_sin_cache"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("head_dim", [128, 64], ids=["D128", "D64"])
+def test_mid_sized_table_modes_rotate_whole_rows(rng, monkeypatch, head_dim, dtype, layout, table):
+    """MRoPE (three position rows; sections that split a lane's pairs between rows, and the
+    interleaved rows) and the cos_sin_cache drop-in take rope_rotate_packs at mid sizes as
+    the plain per-token positions do (``_PACK_MIN_HEAD_ROWS`` lowered to this call's rows, an
+    odd token count): q and k in place in a fused QKV row, every element against the float64
+    oracle, v untouched, and the same bits as rope_rotate."""
+    require("cuda", "torch")
+    tokens, hq, hkv = 1031, 8, 4
+    heads, pairs = hq + 2 * hkv, head_dim // 2
+    neox = layout == "neox"
+    host = random_data(rng, (tokens, heads * head_dim), dtype)
+    sections = {64: ((17, 23, 24), (24, 20, 20)), 32: ((9, 11, 12), (12, 10, 10))}
+    section = sections[pairs][table == "mrope-interleaved"]
+    if table == "cos_sin_cache":
+        cache = rng.uniform(-1.5, 1.5, (300, head_dim)).astype(np.float32)
+        ids = rng.integers(0, 300, tokens)
+    else:
+        ids = rng.integers(0, 1 << 16, (3, tokens))
+
+    def rotate(qkv):
+        q, k = qkv[:, : hq * head_dim], qkv[:, hq * head_dim : (hq + hkv) * head_dim]
+        positions = torch.from_numpy(ids).cuda()
+        if table == "cos_sin_cache":
+            device_cache = torch.from_numpy(cache).cuda()
+            apply_rope_with_cos_sin_cache_inplace(positions, q, k, head_dim, device_cache, neox)
+        else:
+            rope = RoPE(
+                head_dim, hq, hkv, rope_layout=layout, max_position=1 << 16,
+                mrope_section=section, mrope_interleaved=table == "mrope-interleaved",
+            )  # fmt: skip
+            assert_same(rope.forward(q, k, positions=positions), q, k)
+
+    packed = _whole_rows_against_chunks(monkeypatch, host, rotate)
+    before = host.astype(np.float64).reshape(1, tokens, heads, head_dim)
+    after = to_float64(packed).reshape(1, tokens, heads, head_dim)
+    v_after, v_before = (
+        raw_bytes(x).reshape(tokens, heads, -1)[:, hq + hkv :] for x in (packed, host)
+    )
+    assert np.array_equal(v_after, v_before), "v changed"
+    for name, heads_of in (("q", slice(0, hq)), ("k", slice(hq, hq + hkv))):
+        x64, y = before[:, :, heads_of], after[:, :, heads_of]
+        what = f"{table} {dtype} {layout} D{head_dim} {name}"
+        if table == "cos_sin_cache":
+            row = cache[ids][None, :, None, :].astype(np.float64)
+            y64 = rotate_reference(x64, row[..., :pairs], row[..., pairs:], neox=neox)
+            assert_matches_reference(y, y64, x64, head_dim, dtype, what=what)
+        else:
+            per_pair = mrope_pair_positions(ids[:, None, :], section, table != "mrope")
+            assert_matches_oracle(
+                y, x64, per_pair[..., None, :], standard_frequencies(head_dim), dtype,
+                neox=neox, per_pair=True, what=what,
+            )  # fmt: skip
 
 
 # (scheme, per-sequence offsets, max_position, seq): both twins' settings, in both places

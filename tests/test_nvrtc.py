@@ -238,7 +238,7 @@ def test_rows_layout_takes_in_place_rows_with_32_bit_offsets():
 
 
 def test_packs_layout_takes_mid_sized_launches():
-    """rope_rotate_packs takes q, or q and k, at any positions, rotated whole at a
+    """rope_rotate_packs takes q, or q and k, at any positions and table mode, rotated whole at a
     shipped rotary_dim, 16-byte aligned, a multiple of four heads in each operand, from
     _PACK_MIN_HEAD_ROWS head rows in all up to _PACK_MAX_HEAD_ROWS of the element size and
     layout (B1 S8192 and B2 S2048 of 32 heads take it, B8 S4096 does not, nor float32 neox
@@ -284,15 +284,20 @@ def test_packs_layout_takes_mid_sized_launches():
     assert not takes(heads=30, seq=1 << 13)
     assert not takes(rotary_dim=64) and not takes(head_dim=96, rotary_dim=96)
     assert not takes(offset=1)  # (one element in: not 16-byte aligned)
-    assert not takes(mode=_rotate.MROPE) and not takes(mode=_rotate.COS_SIN_CACHE)
+    assert all(takes(mode=mode) for mode in _rotate.PACK_TABLE_MODES)
     assert not takes(head_stride=1 << 26)  # (32 heads: offsets past 2**31 elements)
     assert not takes(heads=4, k_heads=32, head_stride=1 << 26)  # (k's 32 heads: the same)
-    for dtype, rotary_dim, neox in itertools.product(
-        ("bfloat16", "float16", "float32"), _rotate.SHIPPED_ROTARY_DIMS, (True, False)
+    for dtype, rotary_dim, neox, mode in itertools.product(
+        ("bfloat16", "float16", "float32"),
+        _rotate.SHIPPED_ROTARY_DIMS,
+        (True, False),
+        _rotate.PACK_TABLE_MODES,
     ):
-        spec = _rotate.module_spec(dtype, rotary_dim, _rotate.TWO_LEVEL)
+        spec = _rotate.module_spec(dtype, rotary_dim, mode)
         assert spec in CATALOGUE
-        assert _rotate._packs_name(dtype, neox, rotary_dim) in spec.name_expressions
+        assert _rotate._packs_name(dtype, neox, rotary_dim, mode) in spec.name_expressions
+        assert not any("packs" in name for name in _rotate.module_spec(
+            dtype, rotary_dim, mode, norm=True).name_expressions)  # fmt: skip
 
 
 def test_projection_shared_memory_is_the_kernels_own(monkeypatch):

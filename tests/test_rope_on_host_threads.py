@@ -65,9 +65,10 @@ void run(const RopeParams& p, unsigned grid, unsigned bx, unsigned by, unsigned 
                     [&] {{ rope_rotate<T, NEOX, VEC, RD, TABLE, NORM, HEADS>(p); }});
 }}
 
-template <typename T, bool NEOX, int RD, int ROWS>
+template <typename T, bool NEOX, int RD, int ROWS, int TABLE>
 void run_packs(const RopeParams& p, unsigned grid, unsigned bx, unsigned by, unsigned bz) {{
-  launch_on_threads(grid, dim3{{bx, by, bz}}, [&] {{ rope_rotate_packs<T, NEOX, RD, ROWS>(p); }});
+  launch_on_threads(grid, dim3{{bx, by, bz}},
+                    [&] {{ rope_rotate_packs<T, NEOX, RD, ROWS, TABLE>(p); }});
 }}
 
 typedef void (*Runner)(const RopeParams&, unsigned, unsigned, unsigned, unsigned);
@@ -110,9 +111,12 @@ def _name_expressions() -> list[str]:
         )
     ]
     names = [
-        _rotate._packs_name(dtype, neox, rotary_dim)
-        for dtype, neox, rotary_dim in itertools.product(
-            ("bfloat16", "float16", "float32"), (True, False), _rotate.SHIPPED_ROTARY_DIMS
+        _rotate._packs_name(dtype, neox, rotary_dim, mode)
+        for dtype, neox, rotary_dim, mode in itertools.product(
+            ("bfloat16", "float16", "float32"),
+            (True, False),
+            _rotate.SHIPPED_ROTARY_DIMS,
+            _rotate.PACK_TABLE_MODES,
         )
     ]
     for dtype, neox, rotary_dim, mode, norm in launches:
@@ -386,6 +390,55 @@ def test_blocks_of_partial_warps_on_host_threads(kernels, rng, neox):
     assert partial
 
 
+# rope_rotate_packs' positions: sequential, per-token ids (int32, int64), MRoPE's three rows
+# of ids (sections that split a lane's pairs between rows, and the interleaved rows), a
+# cos_sin_cache at ids
+PACK_POSITIONS = ("sequential", "int32", "int64", "mrope", "mrope-interleaved", "cache")
+PACK_SECTIONS = {  # pairs (rotary_dim / 2): (sectioned, interleaved)
+    64: ((17, 23, 24), (24, 20, 20)),
+    32: ((9, 11, 12), (12, 10, 10)),
+}
+
+
+def _pack_positions(rng, kind: str, rotary_dim: int, batch: int, seq: int, offsets) -> dict:
+    """The RopeParams fields of one kind of PACK_POSITIONS and what the oracle needs: per-head
+    ``positions`` ([B, T, 1], or [B, T, 1, pairs] per pair) or a ``cache`` to read."""
+    pairs = rotary_dim // 2
+    if kind == "sequential" or kind in ("int32", "int64"):
+        table = shared_table(Standard(), rotary_dim)
+        table.ensure(POSITION + 700 + 4000)
+        fine, coarse = (np.ascontiguousarray(t) for t in (table.fine32, table.coarse32))
+        ids = None if kind == "sequential" else rng.integers(0, 4000, (batch, seq)).astype(kind)
+        tokens = np.arange(seq) if ids is None else ids
+        fields = dict(
+            fine=fine.ctypes.data, coarse=coarse.ctypes.data, position_offset=POSITION,
+            position_limit=table.capacity, offsets=offsets.ctypes.data, offsets_is_int64=1,
+            ids=0 if ids is None else ids.ctypes.data, ids_is_int64=int(kind == "int64"),
+        )  # fmt: skip
+        positions = (POSITION + offsets[:, None] + tokens)[..., None]
+        return dict(mode=_rotate.TWO_LEVEL, fields=fields, keep=(fine, coarse, ids),
+                    positions=positions, per_pair=False)  # fmt: skip
+    if kind.startswith("mrope"):
+        table = shared_table(Standard(), rotary_dim)
+        table.ensure(1 << 16)
+        fine, coarse = (np.ascontiguousarray(t) for t in (table.fine32, table.coarse32))
+        interleaved = kind.endswith("interleaved")
+        section = PACK_SECTIONS[pairs][interleaved]
+        ids = rng.integers(0, 1 << 16, (3, batch, seq)).astype(np.int64)
+        fields = dict(
+            fine=fine.ctypes.data, coarse=coarse.ctypes.data, position_limit=table.capacity,
+            ids=ids.ctypes.data, ids_is_int64=1, mrope_section=section,
+            mrope_interleaved=int(interleaved),
+        )  # fmt: skip
+        positions = mrope_pair_positions(ids, section, interleaved)[..., None, :]
+        return dict(mode=_rotate.MROPE, fields=fields, keep=(fine, coarse, ids),
+                    positions=positions, per_pair=True)  # fmt: skip
+    cache = rng.uniform(-1.5, 1.5, (CACHE_ROWS, rotary_dim)).astype(np.float32)
+    ids = rng.integers(0, CACHE_ROWS, (batch, seq)).astype(np.int32)
+    fields = dict(cos_sin_cache=cache.ctypes.data, position_limit=CACHE_ROWS, ids=ids.ctypes.data)
+    return dict(mode=_rotate.COS_SIN_CACHE, fields=fields, keep=(cache, ids), cache=cache[ids])
+
+
 @pytest.mark.parametrize("rotary_dim", _rotate.SHIPPED_ROTARY_DIMS)
 @pytest.mark.parametrize("neox", (True, False), ids=("neox", "interleaved"))
 @pytest.mark.parametrize("dtype", ("bfloat16", "float16", "float32"))
@@ -395,8 +448,8 @@ def test_packs_layout_on_host_threads(kernels, rng, dtype, neox, rotary_dim):
     of 4 and 8 heads (one and two row groups a token) and q with k in one launch (k's row
     groups after q's; k in q's rows, or in an array of its own with another token stride), an
     odd token count (the last warp's lanes past the last row write nothing), per-sequence
-    offsets, sequential or per-token positions (int32 or int64 ids), both directions, in place
-    and into new arrays (rows of wider ones: their last heads nothing may touch), every
+    offsets, every kind of positions of PACK_POSITIONS (each table mode), both directions, in
+    place and into new arrays (rows of wider ones: their last heads nothing may touch), every
     element against the oracle and nothing else written."""
     batch, seq = 3, 5
     partial_warps = 0
@@ -404,16 +457,12 @@ def test_packs_layout_on_host_threads(kernels, rng, dtype, neox, rotary_dim):
     operands = ((4, 0, False), (8, 0, False), (4, 4, False), (8, 4, False), (4, 8, False))
     operands += ((8, 4, True),)
     offsets = np.array([0, 700, 3], np.int64)
-    ids_of = {"int32": rng.integers(0, 4000, batch * seq).astype(np.int32)}
-    ids_of["int64"] = ids_of["int32"].astype(np.int64)[::-1].copy()
-    table = shared_table(Standard(), rotary_dim)
-    table.ensure(POSITION + 700 + 4000)
-    fine, coarse = (np.ascontiguousarray(t) for t in (table.fine32, table.coarse32))
-    for (q_heads, k_heads, k_apart), inverse, in_place, ids in itertools.product(
-        operands, (False, True), (False, True), (None, "int32", "int64")
+    for (q_heads, k_heads, k_apart), inverse, in_place, kind in itertools.product(
+        operands, (False, True), (False, True), PACK_POSITIONS
     ):
-        tokens = np.arange(seq) if ids is None else ids_of[ids].reshape(batch, seq)
-        positions = (POSITION + offsets[:, None] + tokens)[..., None]
+        if kind in ("mrope", "mrope-interleaved", "cache") and inverse == in_place:
+            continue  # (the other tables: half the direction and placement pairs)
+        case = _pack_positions(rng, kind, rotary_dim, batch, seq, offsets)
         # each array's rotated heads (name, first head, heads), then two heads left alone
         rotated = {"q": [(0, q_heads)]}
         if k_heads:
@@ -434,32 +483,35 @@ def test_packs_layout_on_host_threads(kernels, rng, dtype, neox, rotary_dim):
             k_array, k_first = ("k", 0) if k_apart else ("q", q_heads)
             k_arrays = (buffers[k_array], results[k_array])
             k_rows = _array_rows(k_arrays, dtype, k_heads, rotary_dim, k_first)
-        lanes = rotary_dim // (16 // hosts["q"].itemsize)  # (one 16-byte pack a lane)
+        lanes = rotary_dim // (16 // hosts["q"].itemsize)  # (16 bytes a lane)
         threads = batch * seq * (q_heads + k_heads) // _rotate._PACK_ROWS * lanes
         partial_warps += threads % 32 != 0
-        name = _rotate._packs_name(dtype, neox, rotary_dim)
+        name = _rotate._packs_name(dtype, neox, rotary_dim, case["mode"])
         _launch(
             kernels[name], (-(-threads // _rotate._PACK_THREADS),), (_rotate._PACK_THREADS, 1, 1),
-            q_rows, k_rows, q_heads=q_heads, k_heads=k_heads,
-            batch=batch, seq=seq, fine=fine.ctypes.data, coarse=coarse.ctypes.data,
-            position_offset=POSITION, position_limit=table.capacity, offsets=offsets.ctypes.data,
-            offsets_is_int64=1, rotary_dim=rotary_dim, tail_chunks=0,
-            ids=0 if ids is None else ids_of[ids].ctypes.data, ids_is_int64=int(ids == "int64"),
-            sin_sign=-1.0 if inverse else 1.0,
+            q_rows, k_rows, q_heads=q_heads, k_heads=k_heads, batch=batch, seq=seq,
+            rotary_dim=rotary_dim, tail_chunks=0, sin_sign=-1.0 if inverse else 1.0,
+            **case["fields"],
         )  # fmt: skip
         for array, runs in rotated.items():
             host, result = hosts[array], results[array]
             what = f"{dtype} neox={neox} D{rotary_dim} {array} of heads={q_heads}+{k_heads} "
-            what += f"k_apart={k_apart} in_place={in_place} ids={ids}"
+            what += f"k_apart={k_apart} in_place={in_place} positions={kind}"
             for first, heads in runs:
                 columns = slice(first * rotary_dim, (first + heads) * rotary_dim)
                 shape = (batch, seq, heads, rotary_dim)
-                assert_matches_oracle(
-                    result[..., columns].astype(np.float64).reshape(shape),
-                    host[..., columns].astype(np.float64).reshape(shape), positions,
-                    standard_frequencies(rotary_dim), dtype, neox=neox, inverse=inverse,
-                    what=what,
-                )  # fmt: skip
+                x64 = host[..., columns].astype(np.float64).reshape(shape)
+                y = result[..., columns].astype(np.float64).reshape(shape)
+                if "cache" in case:
+                    row = case["cache"][:, :, None, :].astype(np.float64)
+                    cos, sin = row[..., : rotary_dim // 2], row[..., rotary_dim // 2 :]
+                    y64 = rotate_reference(x64, cos, sin, neox=neox, inverse=inverse)
+                    assert_matches_reference(y, y64, x64, rotary_dim, dtype, what=what)
+                else:
+                    assert_matches_oracle(
+                        y, x64, case["positions"], standard_frequencies(rotary_dim), dtype,
+                        neox=neox, inverse=inverse, per_pair=case["per_pair"], what=what,
+                    )  # fmt: skip
             end = sum(heads for _, heads in runs) * rotary_dim
             untouched = host if in_place else np.zeros_like(host)
             np.testing.assert_array_equal(result[..., end:], untouched[..., end:], err_msg=what)

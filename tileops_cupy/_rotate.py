@@ -87,10 +87,10 @@ _REGISTERS, _NORM_REGISTERS = 96, 128
 NO_NORM, NORM_CHUNKS, NORM_ROWS = 0, 1, 2
 _ROWS_THREADS, _ROWS_REGISTERS, _ROWS_HEADS = 64, 64, 2
 # The plain rotation's whole-row layout (rope.cu rope_rotate_packs): q, or q and k, at
-# sequential or per-token positions, rotated whole at a shipped rotary_dim, two-level tables,
-# 16-byte rows. 16 bytes of a row a lane (neox: 8 of each half), _PACK_ROWS rows of one operand
-# of a token a lane at once, blocks of _PACK_THREADS at 64 registers (32 warps a
-# multiprocessor).
+# sequential or per-token positions, rotated whole at a shipped rotary_dim, any table mode of
+# PACK_TABLE_MODES, 16-byte rows. 16 bytes of a row a lane (neox: 8 of each half),
+# _PACK_ROWS rows of one operand of a token a lane at once, blocks of _PACK_THREADS at 64
+# registers (32 warps a multiprocessor).
 # Measured on an H200 (D128, % of the copy ceiling, the chunk layout -> this one, in one
 # process). bf16 q alone, H32: neox B1 S8192 82.4 -> 84.5, interleaved 81.3 -> 82.5,
 # backward 82.4 -> 83.3; B2 S2048 67.7 -> 71.1, 67.0 -> 73.3, 69.5 -> 71.1; D64 B2 S2048
@@ -133,6 +133,10 @@ ROPE_PARAMS = _cuda.ParamStruct.declared("rope", "RopeParams")
 TWO_LEVEL, MROPE, COS_SIN_CACHE = 0, 1, 2
 TABLE_MODES = (TWO_LEVEL, MROPE, COS_SIN_CACHE)
 NORM_TABLE_MODES = (TWO_LEVEL, MROPE)  # the cos_sin_cache calls take no fused norm
+# The table modes rope_rotate_packs is compiled (and planned) for: every one. MRoPE and the
+# cos_sin_cache joined with per-token positions (the fourteenth session), before their rows
+# were measured on a device: the next A/B says whether each keeps its place here.
+PACK_TABLE_MODES = (TWO_LEVEL, MROPE, COS_SIN_CACHE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -484,18 +488,18 @@ def module_spec(
         for vec, layout, heads in instantiations(dtype, neox, rotary_dim, norm, mode)
     )
     if _packs_compiled(dtype, rotary_dim, mode, norm):
-        names += tuple(_packs_name(dtype, neox, rotary_dim) for neox in (True, False))
+        names += tuple(_packs_name(dtype, neox, rotary_dim, mode) for neox in (True, False))
     return _cuda.ModuleSpec("rope", names, _DEFINES)
 
 
 def _packs_compiled(dtype: str, rotary_dim: int, mode: int, norm: bool) -> bool:
-    """Whether rope_rotate_packs is compiled into this module (a shipped rotary_dim,
-    two-level tables, no norm)."""
-    return rotary_dim in SHIPPED_ROTARY_DIMS and mode == TWO_LEVEL and not norm
+    """Whether rope_rotate_packs is compiled into this module (a shipped rotary_dim, a table
+    mode of PACK_TABLE_MODES, no norm)."""
+    return rotary_dim in SHIPPED_ROTARY_DIMS and mode in PACK_TABLE_MODES and not norm
 
 
-def _packs_name(dtype: str, neox: bool, rotary_dim: int) -> str:
-    flags = f"{str(neox).lower()}, {rotary_dim}, {_PACK_ROWS}"
+def _packs_name(dtype: str, neox: bool, rotary_dim: int, mode: int) -> str:
+    flags = f"{str(neox).lower()}, {rotary_dim}, {_PACK_ROWS}, {mode}"
     return f"rope_rotate_packs<{_cuda.CUDA_TYPES[dtype]}, {flags}>"
 
 
@@ -706,7 +710,7 @@ def _plan(
     aligned_width = _vector_width(dtype, neox, rotary_dim, head_dim, copy_tail, rows)
     if _packs_layout(dtype, neox, rotary_dim, mode, norm is not None, rows, aligned_width):
         threads = _packs_threads(batch * seq * total_heads, rotary_dim, aligned_width)
-        name = _packs_name(dtype, neox, rotary_dim)
+        name = _packs_name(dtype, neox, rotary_dim, mode)
         kernel = _cuda.function(module_spec(dtype, rotary_dim, mode), name, device)
         step = _cuda.Step(kernel, (-(-threads // _PACK_THREADS), 1, 1), (_PACK_THREADS, 1, 1), 0)
         return _remember_plan(key, _LaunchPlan(steps=(step,), tail_chunks=0))
