@@ -370,6 +370,22 @@ struct alignas(16) RowPack {
   u32 word[4];
 };
 
+// 1/rms of a row of ROW_LENGTH elements spread over aligned groups of LANES lanes, VEC of them
+// in each lane's x: the lane's sum of squares in index order, then a butterfly over its group
+// (every lane of the group ends with the same sum, bit for bit: each step adds a pair in both
+// orders, and float addition commutes). Every lane of the warp must call it.
+template <int LANES, int ROW_LENGTH, int VEC>
+__device__ __forceinline__ float inverse_rms_of_row(const float (&x)[VEC], float eps) {
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) sum = fmaf(x[i], x[i], sum);
+#pragma unroll
+  for (int offset = LANES / 2; offset > 0; offset /= 2) {
+    sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  }
+  return rsqrtf(fmaf(sum, 1.f / ROW_LENGTH, eps));
+}
+
 template <typename T, bool NEOX, int ROTARY_DIM, int HEADS, typename CosSinOf>
 __device__ __forceinline__ void rotate_rows_in_place(T* q_token, T* k_token, int q_head_stride,
                                                      int k_head_stride, int q_heads,
@@ -425,14 +441,7 @@ __device__ __forceinline__ void rotate_rows_in_place(T* q_token, T* k_token, int
         x[2 * w] = word_low<T>(data[u].word[w]);
         x[2 * w + 1] = word_high<T>(data[u].word[w]);
       }
-      float sum = 0.f;
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) sum = fmaf(x[i], x[i], sum);
-#pragma unroll
-      for (int offset = LANES / 2; offset > 0; offset /= 2) {
-        sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-      }
-      const float scale = rsqrtf(fmaf(sum, 1.f / ROTARY_DIM, eps));
+      const float scale = inverse_rms_of_row<LANES, ROTARY_DIM>(x, eps);
       // x * (scale * weight) of this lane's columns (a round past the last row: the last
       // row's weights, staged whether or not there is k); a neox lane takes its partner
       // half's the same way, already scaled (the lanes of a row hold the same sum, so the
@@ -747,8 +756,11 @@ __device__ __forceinline__ u32 pack_word_of(const float* y, int w) {
 // rope_rotate's lanes also pay for 64-bit row indices, 8-byte table loads and rounds. Holding
 // both halves, a neox lane needs VEC/2 pairs' cos/sin, not VEC, and no shuffle: the chain
 // from a token's id through its table rows is half as long, which is what let per-token
-// positions take this layout (_rotate has the measurements).
-template <typename T, bool NEOX, int ROTARY_DIM, int ROWS, int TABLE>
+// positions take this layout (_rotate has the measurements). NORM (16-bit rows): the fused
+// QK-RMSNorm first, each row's sum of squares reduced over its LANES lanes (aligned groups of
+// consecutive lanes: a token's rows are whole groups) by shuffles before any write, the
+// weights of the lane's columns of its operand read once.
+template <typename T, bool NEOX, int ROTARY_DIM, int ROWS, int TABLE, bool NORM>
 __global__ void __launch_bounds__(ROPE_PACK_THREADS, ROPE_PACK_MIN_BLOCKS)
     rope_rotate_packs(const RopeParams p) {
   constexpr int VEC = 16 / sizeof(T);      // elements a lane
@@ -760,8 +772,13 @@ __global__ void __launch_bounds__(ROPE_PACK_THREADS, ROPE_PACK_MIN_BLOCKS)
   const unsigned q_groups = static_cast<unsigned>(p.q_heads) / ROWS;
   const unsigned per_token = (q_groups + static_cast<unsigned>(p.k_heads) / ROWS) * LANES;
   const unsigned threads = static_cast<unsigned>(p.batch) * static_cast<unsigned>(p.seq) * per_token;
-  const unsigned thread = blockIdx.x * ROPE_PACK_THREADS + threadIdx.x;
-  if (thread >= threads) return;  // (no lane waits on another: no shuffles, no barriers)
+  const unsigned flat = blockIdx.x * ROPE_PACK_THREADS + threadIdx.x;
+  // Without the norm no lane waits on another (no shuffles, no barriers). NORM: a lane past the
+  // last row stays for its warp's shuffles (the blocks are whole warps), reading the last row
+  // (always in bounds) and writing nothing; such lanes make whole row groups of their own.
+  if (!NORM && flat >= threads) return;
+  const bool live = flat < threads;
+  const unsigned thread = live ? flat : threads - 1;
   const unsigned token = thread / per_token;
   const unsigned in_token = thread - token * per_token;
   const int lane = static_cast<int>(in_token % LANES);
@@ -787,6 +804,10 @@ __global__ void __launch_bounds__(ROPE_PACK_THREADS, ROPE_PACK_MIN_BLOCKS)
   T* out = static_cast<T*>(of_k ? p.k_out : p.q_out) +
            b * (of_k ? p.k_out_stride[0] : p.q_out_stride[0]) +
            s * (of_k ? p.k_out_stride[1] : p.q_out_stride[1]) + group * out_head + column;
+  // the column of the lane's element i (i % HALF == 0 for neox)
+  auto column_of = [&](int i) {
+    return NEOX ? (i < HALF ? column + i : ROTARY_DIM / 2 + column + i - HALF) : column + i;
+  };
   RowPack data[ROWS];
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
@@ -838,16 +859,35 @@ __global__ void __launch_bounds__(ROPE_PACK_THREADS, ROPE_PACK_MIN_BLOCKS)
       keep(i, make_float2(cache_row[first_pair + i], cache_row[ROTARY_DIM / 2 + first_pair + i]));
     }
   }
+  float weight[NORM ? VEC : 1];  // NORM: (weight + offset) of the lane's columns, its operand
+  if constexpr (NORM) {
+    const void* w = of_k ? p.k_norm_weight : p.q_norm_weight;
+    const bool w_float32 = of_k ? p.k_norm_weight_is_float32 : p.q_norm_weight_is_float32;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      const int c = column_of(i);  // (element loads: the weights may sit at any alignment)
+      weight[i] = (w_float32 ? static_cast<const float*>(w)[c]
+                             : to_float(static_cast<const T*>(w)[c])) + p.norm_weight_offset;
+    }
+  }
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
+    float x[VEC];
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) x[i] = pack_element<T>(data[r], i);
+    if constexpr (NORM) {
+      const float scale = inverse_rms_of_row<LANES, ROTARY_DIM>(x, p.norm_eps);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) x[i] = x[i] * (scale * weight[i]);
+    }
     float y[VEC];
 #pragma unroll
     for (int j = 0; j < PAIRS; ++j) {  // the pair (x0, x1) at elements (a, c) of the lane
       const int a = NEOX ? j : 2 * j, c = NEOX ? j + HALF : 2 * j + 1;
-      const float x0 = pack_element<T>(data[r], a), x1 = pack_element<T>(data[r], c);
-      y[a] = fmaf(x0, cos_v[j], -x1 * sin_v[j]);
-      y[c] = fmaf(x1, cos_v[j], x0 * sin_v[j]);
+      y[a] = fmaf(x[a], cos_v[j], -x[c] * sin_v[j]);
+      y[c] = fmaf(x[c], cos_v[j], x[a] * sin_v[j]);
     }
+    if (NORM && !live) continue;
     T* const row = out + r * groups * out_head;
     if constexpr (NEOX) {
       store_8_bytes(row, pack_word_of<T>(y, 0), pack_word_of<T>(y, 1));

@@ -101,6 +101,11 @@ for dtype in (torch.bfloat16, torch.float32):
         apply_rope_with_cos_sin_cache_inplace(
             ids % 5000, qkv[0, :, :40], qkv[0, :, 40:44], 128, cache, rope_layout == "neox"
         )
+        if dtype != torch.float32:  # the fused norm in the same layout, misaligned weights
+            normed = RoPE(128, 40, 4, rope_layout=rope_layout, max_position=1 << 16)
+            w = torch.rand(2, 129, device=cuda, dtype=dtype)[:, 1:]
+            normed.forward(qkv[0, :, :40], qkv[0, :, 40:44], positions=ids % (1 << 16),
+                           q_norm_weight=w[0], k_norm_weight=w[1])  # fmt: skip
     cache = torch.randn(100, 40, device=cuda)
     tokens = torch.randn(15, 4 * 64 + 1, device=cuda, dtype=dtype)[:, 1:]
     token_ids = torch.tensor([0, 99, 100, -1, 7] * 3, device=cuda)  # two out of range: clamped

@@ -248,7 +248,7 @@ def test_packs_layout_takes_mid_sized_launches():
 
     def takes(batch=1, seq=8192, heads=32, head_dim=128, rotary_dim=128, dtype="bfloat16",
               k_heads=0, offset=0, head_stride=None,
-              mode=_rotate.TWO_LEVEL, neox=True):  # fmt: skip
+              mode=_rotate.TWO_LEVEL, neox=True, norm=False):  # fmt: skip
         stride = head_stride or head_dim
         width = (heads + k_heads) * stride  # (q's heads then k's, of one fused row)
         strides = (seq * width, width, stride, 1)
@@ -259,7 +259,7 @@ def test_packs_layout_takes_mid_sized_launches():
             rows += [k, k]
         copy_tail = rotary_dim < head_dim
         aligned = _rotate._vector_width(dtype, neox, rotary_dim, head_dim, copy_tail, rows)
-        return _rotate._packs_layout(dtype, neox, rotary_dim, mode, False, rows, aligned)
+        return _rotate._packs_layout(dtype, neox, rotary_dim, mode, norm, rows, aligned)
 
     assert takes() and takes(batch=2, seq=2048) and takes(dtype="float16")
     assert takes(dtype="float32") and takes(dtype="float32", batch=2, seq=2048)
@@ -295,9 +295,16 @@ def test_packs_layout_takes_mid_sized_launches():
     ):
         spec = _rotate.module_spec(dtype, rotary_dim, mode)
         assert spec in CATALOGUE
-        assert _rotate._packs_name(dtype, neox, rotary_dim, mode) in spec.name_expressions
-        assert not any("packs" in name for name in _rotate.module_spec(
-            dtype, rotary_dim, mode, norm=True).name_expressions)  # fmt: skip
+        assert _rotate._packs_name(dtype, neox, rotary_dim, mode, False) in spec.name_expressions
+        if mode in _rotate.NORM_TABLE_MODES:  # the fused norm's: 16-bit rows (_PACK_NORM)
+            normed = _rotate.module_spec(dtype, rotary_dim, mode, norm=True)
+            assert normed in CATALOGUE
+            with_norm = _rotate._packs_name(dtype, neox, rotary_dim, mode, True)
+            assert (with_norm in normed.name_expressions) == (dtype != "float32")
+            assert takes(
+                dtype=dtype, head_dim=rotary_dim, rotary_dim=rotary_dim, mode=mode, neox=neox,
+                norm=True,
+            ) == (dtype != "float32")  # fmt: skip
 
 
 def test_projection_shared_memory_is_the_kernels_own(monkeypatch):

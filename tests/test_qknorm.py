@@ -273,6 +273,31 @@ def test_gpu_unaligned_views_take_the_one_element_path(rng, rope_layout, dtype):
     assert to_float64(buffer)[..., 0].tolist() == x64[..., 0].tolist()
 
 
+def _packed_tokens_match_oracle(rng, case: str, dtype: str, weights: str, tokens: int):
+    """The norm and rotation of ``tokens`` packed tokens at random positions (q and k views of
+    one fused buffer) in one launch, every element against the oracle and v untouched; returns
+    the launch's block (which layout took it)."""
+    rope, head_dim, frequencies, neox = _rope(case, weights)
+    width, q_end, k_end = _fused_columns(head_dim)
+    qkv, x64 = _data(rng, (tokens, width), dtype, "cuda")
+    q_weight, q_w64 = _weight(rng, head_dim, dtype, weights, "cuda")
+    k_weight, k_w64 = _weight(rng, head_dim, dtype, weights, "cuda")
+    ids = rng.integers(0, 1 << 20, tokens)
+    _rotate._plans.clear()
+    rope.forward(
+        qkv[:, :q_end], qkv[:, q_end:k_end], positions=torch.from_numpy(ids).cuda(),
+        q_norm_weight=q_weight, k_norm_weight=k_weight,
+    )  # fmt: skip
+    torch.cuda.synchronize()
+    (plan,) = _rotate._plans.values()
+    np.testing.assert_array_equal(to_float64(qkv)[:, k_end:], x64[:, k_end:], "v changed")
+    _check(qkv[:, :q_end], x64[:, :q_end], q_w64, rope, frequencies, neox, ids, dtype, "q")
+    _check(qkv[:, q_end:k_end], x64[:, q_end:k_end], k_w64, rope, frequencies, neox, ids, dtype,
+           "k")  # fmt: skip
+    rope.check()
+    return plan.steps[0].block
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ("bfloat16", "float16", "float32"))
 @pytest.mark.parametrize(
@@ -285,27 +310,28 @@ def test_gpu_large_launches_match_oracle(rng, case, dtype):
     Packed tokens at random positions (an odd count: the last block runs past them), q and k
     views of one fused buffer, a tail past rotary_dim or a row wider than a warp's chunks,
     every element against the oracle."""
-    rope, head_dim, frequencies, neox = _rope(case)
-    tokens = 16385  # (the large layouts start at 16384 of these tokens)
-    width, q_end, k_end = _fused_columns(head_dim)
-    qkv, x64 = _data(rng, (tokens, width), dtype, "cuda")
-    q_weight, q_w64 = _weight(rng, head_dim, dtype, "qwen3", "cuda")
-    k_weight, k_w64 = _weight(rng, head_dim, dtype, "qwen3", "cuda")
-    ids = rng.integers(0, 1 << 20, tokens)
-    _rotate._plans.clear()
-    rope.forward(
-        qkv[:, :q_end], qkv[:, q_end:k_end], positions=torch.from_numpy(ids).cuda(),
-        q_norm_weight=q_weight, k_norm_weight=k_weight,
-    )  # fmt: skip
-    torch.cuda.synchronize()
-    (plan,) = _rotate._plans.values()
+    block = _packed_tokens_match_oracle(rng, case, dtype, "qwen3", 16385)  # (large from 16384)
     rows_layout = dtype != "float32" and case in ("D64-interleaved", "D128-neox")
-    assert (math.prod(plan.steps[0].block) == _rotate._ROWS_THREADS) == rows_layout, plan
-    np.testing.assert_array_equal(to_float64(qkv)[:, k_end:], x64[:, k_end:], "v changed")
-    _check(qkv[:, :q_end], x64[:, :q_end], q_w64, rope, frequencies, neox, ids, dtype, "q")
-    _check(qkv[:, q_end:k_end], x64[:, q_end:k_end], k_w64, rope, frequencies, neox, ids, dtype,
-           "k")  # fmt: skip
-    rope.check()
+    assert (math.prod(block) == _rotate._ROWS_THREADS) == rows_layout, block
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weights", list(WEIGHTS))
+@pytest.mark.parametrize("dtype", ("bfloat16", "float16"))
+@pytest.mark.parametrize("case", ("D64-interleaved", "D128-neox"))
+def test_gpu_mid_sized_launches_take_whole_rows_a_lane(rng, monkeypatch, case, dtype, weights):
+    """16-bit rows rotated whole at mid sizes take rope_rotate_packs with the norm (16 bytes
+    of a row a lane, a neox lane's from both halves, four rows of one operand a lane, each
+    row's sum of squares over its lanes by shuffles; ``_rotate._PACK_MIN_HEAD_ROWS`` lowered
+    here to this call's rows, and 8 q / 4 kv heads: whole groups of four): packed tokens at
+    random positions (an odd count: a last warp past the last row), q and k views of one
+    fused buffer, weights in the data's type and in float32, every element against the
+    oracle, v untouched."""
+    monkeypatch.setattr(_rotate, "_PACK_MIN_HEAD_ROWS", 0)
+    monkeypatch.setitem(globals(), "HEADS", 8)
+    monkeypatch.setitem(globals(), "KV_HEADS", 4)
+    block = _packed_tokens_match_oracle(rng, case, dtype, weights, 1031)
+    assert block == (_rotate._PACK_THREADS, 1, 1), block
 
 
 # --------------------------------------------------------------------------- HF modules

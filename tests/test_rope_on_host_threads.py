@@ -65,10 +65,10 @@ void run(const RopeParams& p, unsigned grid, unsigned bx, unsigned by, unsigned 
                     [&] {{ rope_rotate<T, NEOX, VEC, RD, TABLE, NORM, HEADS>(p); }});
 }}
 
-template <typename T, bool NEOX, int RD, int ROWS, int TABLE>
+template <typename T, bool NEOX, int RD, int ROWS, int TABLE, bool NORM>
 void run_packs(const RopeParams& p, unsigned grid, unsigned bx, unsigned by, unsigned bz) {{
   launch_on_threads(grid, dim3{{bx, by, bz}},
-                    [&] {{ rope_rotate_packs<T, NEOX, RD, ROWS, TABLE>(p); }});
+                    [&] {{ rope_rotate_packs<T, NEOX, RD, ROWS, TABLE, NORM>(p); }});
 }}
 
 typedef void (*Runner)(const RopeParams&, unsigned, unsigned, unsigned, unsigned);
@@ -111,14 +111,14 @@ def _name_expressions() -> list[str]:
         )
     ]
     names = [
-        _rotate._packs_name(dtype, neox, rotary_dim, mode)
-        for dtype, neox, rotary_dim, mode in itertools.product(
-            ("bfloat16", "float16", "float32"),
-            (True, False),
-            _rotate.SHIPPED_ROTARY_DIMS,
-            _rotate.PACK_TABLE_MODES,
+        _rotate._packs_name(dtype, neox, rotary_dim, mode, norm)
+        for dtype, neox, rotary_dim, mode, norm in itertools.product(
+            ("bfloat16", "float16", "float32"), (True, False), _rotate.SHIPPED_ROTARY_DIMS,
+            _rotate.PACK_TABLE_MODES, (False, True),
         )
-    ]
+        if _rotate._packs_compiled(dtype, rotary_dim, mode, norm)
+        and (not norm or mode in _rotate.NORM_TABLE_MODES)
+    ]  # fmt: skip
     for dtype, neox, rotary_dim, mode, norm in launches:
         for vec, layout, heads in _rotate.instantiations(dtype, neox, rotary_dim, norm, mode):
             name = _rotate._kernel(dtype, neox, vec, rotary_dim, mode, layout, heads)[1]
@@ -439,6 +439,68 @@ def _pack_positions(rng, kind: str, rotary_dim: int, batch: int, seq: int, offse
     return dict(mode=_rotate.COS_SIN_CACHE, fields=fields, keep=(cache, ids), cache=cache[ids])
 
 
+def _launch_packs(kernels, rng, dtype, neox, rotary_dim, shape, operands, in_place, case,
+                  norm=False, **fields):  # fmt: skip
+    """One rope_rotate_packs launch over fresh data: ``shape`` (batch, seq), ``operands`` (q
+    heads, k heads, k in an array of its own, else in q's rows), in place or into zeroed
+    arrays; each array holds two more heads that nothing may touch. Returns (the rotated
+    heads of each array {name: [(first head, heads)]}, the data as made {name: array}, the
+    buffers launched on, the arrays written, the launch's threads)."""
+    (batch, seq), (q_heads, k_heads, k_apart) = shape, operands
+    rotated = {"q": [(0, q_heads)]}
+    if k_heads:
+        rotated.setdefault("k" if k_apart else "q", []).append((0 if k_apart else q_heads, k_heads))
+    hosts = {
+        name: random_data(rng, (batch, seq, (sum(h for _, h in runs) + 2) * rotary_dim), dtype)
+        for name, runs in rotated.items()
+    }
+    buffers = {name: host.copy() for name, host in hosts.items()}
+    results = buffers if in_place else {name: np.zeros_like(h) for name, h in hosts.items()}
+    q_rows = _array_rows((buffers["q"], results["q"]), dtype, q_heads, rotary_dim, 0)
+    k_rows = [_rows(dtype, 0, 0, rotary_dim, (0,) * 3)] * 2  # (k_heads 0: never read)
+    if k_heads:
+        k_array, k_first = ("k", 0) if k_apart else ("q", q_heads)
+        k_arrays = (buffers[k_array], results[k_array])
+        k_rows = _array_rows(k_arrays, dtype, k_heads, rotary_dim, k_first)
+    lanes = rotary_dim // (16 // ITEMSIZE[dtype])  # (16 bytes a lane)
+    threads = batch * seq * (q_heads + k_heads) // _rotate._PACK_ROWS * lanes
+    name = _rotate._packs_name(dtype, neox, rotary_dim, case["mode"], norm)
+    _launch(
+        kernels[name], (-(-threads // _rotate._PACK_THREADS),), (_rotate._PACK_THREADS, 1, 1),
+        q_rows, k_rows, q_heads=q_heads, k_heads=k_heads, batch=batch, seq=seq,
+        rotary_dim=rotary_dim, tail_chunks=0, **case["fields"], **fields,
+    )  # fmt: skip
+    return rotated, hosts, buffers, results, threads
+
+
+def _packs_heads(launched, rotary_dim: int, what: str):
+    """Each rotated run of a :func:`_launch_packs` result as (its array's name, its first
+    head, the source heads in float64 ``[B, T, heads, rotary_dim]``, the written heads, the
+    same) after checking that nothing else was written: the two spare heads of each array as
+    they were (zeros, out of place), and an out-of-place source unchanged."""
+    rotated, hosts, buffers, results, _ = launched
+    for array, runs in rotated.items():
+        host, result = hosts[array], results[array]
+        in_place = result is buffers[array]
+        end = sum(heads for _, heads in runs) * rotary_dim
+        untouched = host if in_place else np.zeros_like(host)
+        np.testing.assert_array_equal(result[..., end:], untouched[..., end:], err_msg=what)
+        if not in_place:
+            np.testing.assert_array_equal(buffers[array], host, err_msg=f"{what}: source changed")
+    for array, runs in rotated.items():
+        for first, heads in runs:
+            columns = slice(first * rotary_dim, (first + heads) * rotary_dim)
+            shape = (*hosts[array].shape[:2], heads, rotary_dim)
+            yield (
+                array,
+                first,
+                *(
+                    a[..., columns].astype(np.float64).reshape(shape)
+                    for a in (hosts[array], results[array])
+                ),
+            )
+
+
 @pytest.mark.parametrize("rotary_dim", _rotate.SHIPPED_ROTARY_DIMS)
 @pytest.mark.parametrize("neox", (True, False), ids=("neox", "interleaved"))
 @pytest.mark.parametrize("dtype", ("bfloat16", "float16", "float32"))
@@ -463,63 +525,68 @@ def test_packs_layout_on_host_threads(kernels, rng, dtype, neox, rotary_dim):
         if kind in ("mrope", "mrope-interleaved", "cache") and inverse == in_place:
             continue  # (the other tables: half the direction and placement pairs)
         case = _pack_positions(rng, kind, rotary_dim, batch, seq, offsets)
-        # each array's rotated heads (name, first head, heads), then two heads left alone
-        rotated = {"q": [(0, q_heads)]}
-        if k_heads:
-            rotated.setdefault("k" if k_apart else "q", []).append(
-                (0 if k_apart else q_heads, k_heads)
-            )
-        hosts = {
-            name: random_data(rng, (batch, seq, (sum(h for _, h in runs) + 2) * rotary_dim), dtype)
-            for name, runs in rotated.items()
-        }
-        buffers = {name: host.copy() for name, host in hosts.items()}
-        outputs = {name: np.zeros_like(host) for name, host in hosts.items()}
-
-        results = buffers if in_place else outputs
-        q_rows = _array_rows((buffers["q"], results["q"]), dtype, q_heads, rotary_dim, 0)
-        k_rows = [_rows(dtype, 0, 0, rotary_dim, (0,) * 3)] * 2  # (k_heads 0: never read)
-        if k_heads:
-            k_array, k_first = ("k", 0) if k_apart else ("q", q_heads)
-            k_arrays = (buffers[k_array], results[k_array])
-            k_rows = _array_rows(k_arrays, dtype, k_heads, rotary_dim, k_first)
-        lanes = rotary_dim // (16 // hosts["q"].itemsize)  # (16 bytes a lane)
-        threads = batch * seq * (q_heads + k_heads) // _rotate._PACK_ROWS * lanes
-        partial_warps += threads % 32 != 0
-        name = _rotate._packs_name(dtype, neox, rotary_dim, case["mode"])
-        _launch(
-            kernels[name], (-(-threads // _rotate._PACK_THREADS),), (_rotate._PACK_THREADS, 1, 1),
-            q_rows, k_rows, q_heads=q_heads, k_heads=k_heads, batch=batch, seq=seq,
-            rotary_dim=rotary_dim, tail_chunks=0, sin_sign=-1.0 if inverse else 1.0,
-            **case["fields"],
+        launched = _launch_packs(
+            kernels, rng, dtype, neox, rotary_dim, (batch, seq), (q_heads, k_heads, k_apart),
+            in_place, case, sin_sign=-1.0 if inverse else 1.0,
         )  # fmt: skip
-        for array, runs in rotated.items():
-            host, result = hosts[array], results[array]
-            what = f"{dtype} neox={neox} D{rotary_dim} {array} of heads={q_heads}+{k_heads} "
-            what += f"k_apart={k_apart} in_place={in_place} positions={kind}"
-            for first, heads in runs:
-                columns = slice(first * rotary_dim, (first + heads) * rotary_dim)
-                shape = (batch, seq, heads, rotary_dim)
-                x64 = host[..., columns].astype(np.float64).reshape(shape)
-                y = result[..., columns].astype(np.float64).reshape(shape)
-                if "cache" in case:
-                    row = case["cache"][:, :, None, :].astype(np.float64)
-                    cos, sin = row[..., : rotary_dim // 2], row[..., rotary_dim // 2 :]
-                    y64 = rotate_reference(x64, cos, sin, neox=neox, inverse=inverse)
-                    assert_matches_reference(y, y64, x64, rotary_dim, dtype, what=what)
-                else:
-                    assert_matches_oracle(
-                        y, x64, case["positions"], standard_frequencies(rotary_dim), dtype,
-                        neox=neox, inverse=inverse, per_pair=case["per_pair"], what=what,
-                    )  # fmt: skip
-            end = sum(heads for _, heads in runs) * rotary_dim
-            untouched = host if in_place else np.zeros_like(host)
-            np.testing.assert_array_equal(result[..., end:], untouched[..., end:], err_msg=what)
-            if not in_place:
-                np.testing.assert_array_equal(
-                    buffers[array], host, err_msg=f"{what}: the source changed"
-                )
-    assert partial_warps or lanes == 32  # (float32 D128: a row is a whole warp)
+        partial_warps += launched[-1] % 32 != 0
+        what = f"{dtype} neox={neox} D{rotary_dim} heads={q_heads}+{k_heads} "
+        what += f"k_apart={k_apart} in_place={in_place} positions={kind}"
+        for array, _, x64, y in _packs_heads(launched, rotary_dim, what):
+            if "cache" in case:
+                row = case["cache"][:, :, None, :].astype(np.float64)
+                cos, sin = row[..., : rotary_dim // 2], row[..., rotary_dim // 2 :]
+                y64 = rotate_reference(x64, cos, sin, neox=neox, inverse=inverse)
+                assert_matches_reference(y, y64, x64, rotary_dim, dtype, what=f"{what} {array}")
+            else:
+                assert_matches_oracle(
+                    y, x64, case["positions"], standard_frequencies(rotary_dim), dtype,
+                    neox=neox, inverse=inverse, per_pair=case["per_pair"], what=f"{what} {array}",
+                )  # fmt: skip
+    assert partial_warps or (dtype, rotary_dim) == ("float32", 128)  # (a row: a warp)
+
+
+@pytest.mark.parametrize("rotary_dim", _rotate.SHIPPED_ROTARY_DIMS)
+@pytest.mark.parametrize("neox", (True, False), ids=("neox", "interleaved"))
+@pytest.mark.parametrize("dtype", ("bfloat16", "float16"))
+def test_packs_norm_on_host_threads(kernels, rng, dtype, neox, rotary_dim):
+    """rope_rotate_packs with the fused QK-RMSNorm (16-bit rows): each row's sum of squares
+    over its lanes by shuffles, the weights of a lane's columns (float32 or the data's type,
+    with an offset, one element in: any alignment), q alone and q with k (k in q's rows or
+    apart), an odd token count (a last warp's lanes past the last row stay for the shuffles
+    and write nothing), per-token ids and MRoPE, in place and into new arrays, every element
+    against the float64 norm then rotation, and nothing else written."""
+    batch, seq = 3, 5
+    offsets = np.array([0, 700, 3], np.int64)
+    partial_warps = 0
+    for (q_heads, k_heads, k_apart), in_place, kind, (weight_kind, offset) in itertools.product(
+        ((4, 0, False), (8, 4, False), (4, 8, True)), (False, True), ("int64", "mrope"),
+        (("float32", 0.0), ("data", 1.0)),
+    ):  # fmt: skip
+        case = _pack_positions(rng, kind, rotary_dim, batch, seq, offsets)
+        weights = {}
+        for name in ("q", "k"):
+            w_dtype = np.float32 if weight_kind == "float32" else numpy_dtype(dtype)
+            weights[name] = rng.uniform(0.5, 1.5, rotary_dim + 1).astype(w_dtype)[1:]
+        launched = _launch_packs(
+            kernels, rng, dtype, neox, rotary_dim, (batch, seq), (q_heads, k_heads, k_apart),
+            in_place, case, norm=True, q_norm_weight=weights["q"].ctypes.data,
+            k_norm_weight=weights["k"].ctypes.data if k_heads else 0,
+            q_norm_weight_is_float32=int(weight_kind == "float32"),
+            k_norm_weight_is_float32=int(weight_kind == "float32"), norm_eps=EPS,
+            norm_weight_offset=offset,
+        )  # fmt: skip
+        partial_warps += launched[-1] % 32 != 0
+        what = f"{dtype} neox={neox} D{rotary_dim} heads={q_heads}+{k_heads} "
+        what += f"in_place={in_place} positions={kind} weights={weight_kind}"
+        for array, first, x64, y in _packs_heads(launched, rotary_dim, what):
+            operand = "q" if array == "q" and first == 0 else "k"
+            normed = rms_norm_reference(x64, weights[operand].astype(np.float64), EPS, offset)
+            assert_matches_oracle(
+                y, normed, case["positions"], standard_frequencies(rotary_dim), dtype, neox=neox,
+                per_pair=case["per_pair"], what=f"{what} ({operand})", copied_tail=False,
+            )  # fmt: skip
+    assert partial_warps
 
 
 @pytest.mark.parametrize(

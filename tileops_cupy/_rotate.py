@@ -137,6 +137,10 @@ NORM_TABLE_MODES = (TWO_LEVEL, MROPE)  # the cos_sin_cache calls take no fused n
 # cos_sin_cache joined with per-token positions (the fourteenth session), before their rows
 # were measured on a device: the next A/B says whether each keeps its place here.
 PACK_TABLE_MODES = (TWO_LEVEL, MROPE, COS_SIN_CACHE)
+# Whether the fused QK-norm of 16-bit rows takes rope_rotate_packs too (its NORM argument) where
+# the layout's size bounds allow, ahead of NORM_ROWS: written in the fourteenth session and not
+# yet measured on a device.
+_PACK_NORM = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -488,18 +492,19 @@ def module_spec(
         for vec, layout, heads in instantiations(dtype, neox, rotary_dim, norm, mode)
     )
     if _packs_compiled(dtype, rotary_dim, mode, norm):
-        names += tuple(_packs_name(dtype, neox, rotary_dim, mode) for neox in (True, False))
+        names += tuple(_packs_name(dtype, neox, rotary_dim, mode, norm) for neox in (True, False))
     return _cuda.ModuleSpec("rope", names, _DEFINES)
 
 
 def _packs_compiled(dtype: str, rotary_dim: int, mode: int, norm: bool) -> bool:
     """Whether rope_rotate_packs is compiled into this module (a shipped rotary_dim, a table
-    mode of PACK_TABLE_MODES, no norm)."""
-    return rotary_dim in SHIPPED_ROTARY_DIMS and mode in PACK_TABLE_MODES and not norm
+    mode of PACK_TABLE_MODES; with the norm, 16-bit rows where _PACK_NORM says so)."""
+    norm_rows = not norm or (_PACK_NORM and ITEMSIZE[dtype] == 2)
+    return rotary_dim in SHIPPED_ROTARY_DIMS and mode in PACK_TABLE_MODES and norm_rows
 
 
-def _packs_name(dtype: str, neox: bool, rotary_dim: int, mode: int) -> str:
-    flags = f"{str(neox).lower()}, {rotary_dim}, {_PACK_ROWS}, {mode}"
+def _packs_name(dtype: str, neox: bool, rotary_dim: int, mode: int, norm: bool) -> str:
+    flags = f"{str(neox).lower()}, {rotary_dim}, {_PACK_ROWS}, {mode}, {str(norm).lower()}"
     return f"rope_rotate_packs<{_cuda.CUDA_TYPES[dtype]}, {flags}>"
 
 
@@ -710,8 +715,10 @@ def _plan(
     aligned_width = _vector_width(dtype, neox, rotary_dim, head_dim, copy_tail, rows)
     if _packs_layout(dtype, neox, rotary_dim, mode, norm is not None, rows, aligned_width):
         threads = _packs_threads(batch * seq * total_heads, rotary_dim, aligned_width)
-        name = _packs_name(dtype, neox, rotary_dim, mode)
-        kernel = _cuda.function(module_spec(dtype, rotary_dim, mode), name, device)
+        name = _packs_name(dtype, neox, rotary_dim, mode, norm is not None)
+        kernel = _cuda.function(
+            module_spec(dtype, rotary_dim, mode, norm is not None), name, device
+        )
         step = _cuda.Step(kernel, (-(-threads // _PACK_THREADS), 1, 1), (_PACK_THREADS, 1, 1), 0)
         return _remember_plan(key, _LaunchPlan(steps=(step,), tail_chunks=0))
     vec = access_width(
