@@ -746,7 +746,8 @@ __device__ __forceinline__ u32 pack_word_of(const float* y, int w) {
 // The plain rotation of mid-sized launches of the common case, and of float32 interleaved
 // launches of any size (tileops_cupy._rotate's _packs_layout says which): q, or q and k, at
 // sequential or per-token positions, rows of ROTARY_DIM elements rotated whole, cos/sin from
-// the table TABLE names (as rope_rotate's). A row is LANES lanes of 16 bytes (VEC elements)
+// the two-level tables or a caller's cos_sin_cache (TABLE; MRoPE keeps rope_rotate, whose
+// chunks were 10 points of the copy ceiling ahead: _rotate has the measurements). A row is LANES lanes of 16 bytes (VEC elements)
 // each: a neox lane holds VEC/2 elements of each half (two 8-byte accesses), so both members
 // of its pairs; an interleaved lane one 16-byte pack. A lane takes ROWS rows of one operand of
 // its token (group, group + groups, ...: the same columns, so its cos/sin are formed once for
@@ -763,6 +764,7 @@ __device__ __forceinline__ u32 pack_word_of(const float* y, int w) {
 template <typename T, bool NEOX, int ROTARY_DIM, int ROWS, int TABLE, bool NORM>
 __global__ void __launch_bounds__(ROPE_PACK_THREADS, ROPE_PACK_MIN_BLOCKS)
     rope_rotate_packs(const RopeParams p) {
+  static_assert(TABLE == TABLE_TWO_LEVEL || TABLE == TABLE_COS_SIN_CACHE, "no MRoPE here");
   constexpr int VEC = 16 / sizeof(T);      // elements a lane
   constexpr int HALF = VEC / 2;            // neox: elements a lane in each half of a row
   constexpr int PAIRS = VEC / 2;           // pairs a lane rotates
@@ -822,13 +824,9 @@ __global__ void __launch_bounds__(ROPE_PACK_THREADS, ROPE_PACK_MIN_BLOCKS)
     }
   }
 
-  // position row `row` of the token (rows other than 0 exist under MRoPE only)
-  auto position_of_row = [&](int row) {
-    const long long id = token + row * (static_cast<long long>(p.batch) * p.seq);
-    return token_position(p.ids, p.ids_is_int64, p.offsets, p.offsets_is_int64,
-                          p.position_offset, b, s, id, p.position_limit, p.error_flag);
-  };
-  const long long position = position_of_row(0);
+  const long long position = token_position(p.ids, p.ids_is_int64, p.offsets, p.offsets_is_int64,
+                                            p.position_offset, b, s, token, p.position_limit,
+                                            p.error_flag);
   const int first_pair = lane * PAIRS;
   float cos_v[PAIRS], sin_v[PAIRS];
   auto keep = [&](int i, float2 cos_sin) {
@@ -841,16 +839,6 @@ __global__ void __launch_bounds__(ROPE_PACK_THREADS, ROPE_PACK_MIN_BLOCKS)
       float2 first, second;
       rows.cos_sin_two(first_pair + i, first, second);
       keep(i, first), keep(i + 1, second);
-    }
-  } else if constexpr (TABLE == TABLE_MROPE) {
-    const TwoLevelRows rows[3] = {TwoLevelRows(p.fine, p.coarse, position, ROTARY_DIM / 2),
-                                  TwoLevelRows(p.fine, p.coarse, position_of_row(1), ROTARY_DIM / 2),
-                                  TwoLevelRows(p.fine, p.coarse, position_of_row(2), ROTARY_DIM / 2)};
-#pragma unroll
-    for (int i = 0; i < PAIRS; ++i) {
-      const int j = first_pair + i;
-      const int row = mrope_row(j, p.mrope_section, p.mrope_interleaved);
-      keep(i, (row == 0 ? rows[0] : row == 1 ? rows[1] : rows[2]).cos_sin(j));
     }
   } else {
     const float* cache_row = p.cos_sin_cache + position * ROTARY_DIM;

@@ -79,7 +79,7 @@ for dtype in (torch.bfloat16, torch.float32):
     # row), rows of a wider buffer, both layouts, forward and backward; a prefill of q and k in
     # a fused QKV row (10 q row groups, then 1 of k: in bf16 the last warp half past k's last
     # row); the same at per-token positions, a few past max_position (read clamped, flagged),
-    # under MRoPE (sections that split a lane's pairs between rows) and from a cos_sin_cache
+    # and from a cos_sin_cache; MRoPE at the same size (rope_rotate's chunks)
     wide = torch.randn(1, 4097, 37, 128, device=cuda, dtype=dtype)[:, :, 1:]  # 36 heads
     for rope_layout in ("neox", "interleaved"):
         RoPEFwdOp(rope_layout, "2d")(wide)

@@ -47,7 +47,6 @@ from _oracle import (
     dtype_name,
     llama31_frequencies,
     longrope_frequencies,
-    mrope_pair_positions,
     random_data,
     raw_bytes,
     rotate_reference,
@@ -58,6 +57,7 @@ from _oracle import (
 )
 
 from tileops_cupy import _rotate
+from tileops_cupy import rope as rope_module
 from tileops_cupy.rope import (
     RoPE,
     RoPEFwdOp,
@@ -444,6 +444,8 @@ def _whole_rows_against_chunks(monkeypatch, host: np.ndarray, rotate) -> torch.T
     for packs_from in (1 << 30, 0):
         monkeypatch.setattr(_rotate, "_PACK_MIN_HEAD_ROWS", packs_from)
         _rotate._plans.clear()
+        # (the cos_sin_cache calls' component is kept per configuration, with its launches)
+        rope_module._component.cache_clear()
         qkv = to_place(host, "cuda", "torch")
         rotate(qkv)
         torch.cuda.synchronize()
@@ -507,41 +509,27 @@ def test_mid_sized_prefill_rotates_whole_rows(
 
 
 @GPU
-@pytest.mark.parametrize("table", ["mrope", "mrope-interleaved", "cos_sin_cache"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("head_dim", [128, 64], ids=["D128", "D64"])
-def test_mid_sized_table_modes_rotate_whole_rows(rng, monkeypatch, head_dim, dtype, layout, table):
-    """MRoPE (three position rows; sections that split a lane's pairs between rows, and the
-    interleaved rows) and the cos_sin_cache drop-in take rope_rotate_packs at mid sizes as
-    the plain per-token positions do (``_PACK_MIN_HEAD_ROWS`` lowered to this call's rows, an
-    odd token count): q and k in place in a fused QKV row, every element against the float64
-    oracle, v untouched, and the same bits as rope_rotate."""
+def test_mid_sized_cos_sin_cache_rotates_whole_rows(rng, monkeypatch, head_dim, dtype, layout):
+    """The cos_sin_cache drop-in takes rope_rotate_packs at mid sizes as the plain per-token
+    positions do (``_PACK_MIN_HEAD_ROWS`` lowered to this call's rows, an odd token count):
+    q and k in place in a fused QKV row, every element against the float64 reference, v
+    untouched, and the same bits as rope_rotate. (MRoPE keeps rope_rotate: _rotate's
+    PACK_TABLE_MODES.)"""
     require("cuda", "torch")
     tokens, hq, hkv = 1031, 8, 4
     heads, pairs = hq + 2 * hkv, head_dim // 2
     neox = layout == "neox"
     host = random_data(rng, (tokens, heads * head_dim), dtype)
-    sections = {64: ((17, 23, 24), (24, 20, 20)), 32: ((9, 11, 12), (12, 10, 10))}
-    section = sections[pairs][table == "mrope-interleaved"]
-    if table == "cos_sin_cache":
-        cache = rng.uniform(-1.5, 1.5, (300, head_dim)).astype(np.float32)
-        ids = rng.integers(0, 300, tokens)
-    else:
-        ids = rng.integers(0, 1 << 16, (3, tokens))
+    cache = rng.uniform(-1.5, 1.5, (300, head_dim)).astype(np.float32)
+    ids = rng.integers(0, 300, tokens)
 
     def rotate(qkv):
         q, k = qkv[:, : hq * head_dim], qkv[:, hq * head_dim : (hq + hkv) * head_dim]
-        positions = torch.from_numpy(ids).cuda()
-        if table == "cos_sin_cache":
-            device_cache = torch.from_numpy(cache).cuda()
-            apply_rope_with_cos_sin_cache_inplace(positions, q, k, head_dim, device_cache, neox)
-        else:
-            rope = RoPE(
-                head_dim, hq, hkv, rope_layout=layout, max_position=1 << 16,
-                mrope_section=section, mrope_interleaved=table == "mrope-interleaved",
-            )  # fmt: skip
-            assert_same(rope.forward(q, k, positions=positions), q, k)
+        positions, device_cache = torch.from_numpy(ids).cuda(), torch.from_numpy(cache).cuda()
+        apply_rope_with_cos_sin_cache_inplace(positions, q, k, head_dim, device_cache, neox)
 
     packed = _whole_rows_against_chunks(monkeypatch, host, rotate)
     before = host.astype(np.float64).reshape(1, tokens, heads, head_dim)
@@ -550,19 +538,12 @@ def test_mid_sized_table_modes_rotate_whole_rows(rng, monkeypatch, head_dim, dty
         raw_bytes(x).reshape(tokens, heads, -1)[:, hq + hkv :] for x in (packed, host)
     )
     assert np.array_equal(v_after, v_before), "v changed"
+    row = cache[ids][None, :, None, :].astype(np.float64)
     for name, heads_of in (("q", slice(0, hq)), ("k", slice(hq, hq + hkv))):
         x64, y = before[:, :, heads_of], after[:, :, heads_of]
-        what = f"{table} {dtype} {layout} D{head_dim} {name}"
-        if table == "cos_sin_cache":
-            row = cache[ids][None, :, None, :].astype(np.float64)
-            y64 = rotate_reference(x64, row[..., :pairs], row[..., pairs:], neox=neox)
-            assert_matches_reference(y, y64, x64, head_dim, dtype, what=what)
-        else:
-            per_pair = mrope_pair_positions(ids[:, None, :], section, table != "mrope")
-            assert_matches_oracle(
-                y, x64, per_pair[..., None, :], standard_frequencies(head_dim), dtype,
-                neox=neox, per_pair=True, what=what,
-            )  # fmt: skip
+        y64 = rotate_reference(x64, row[..., :pairs], row[..., pairs:], neox=neox)
+        what = f"cos_sin_cache {dtype} {layout} D{head_dim} {name}"
+        assert_matches_reference(y, y64, x64, head_dim, dtype, what=what)
 
 
 # (scheme, per-sequence offsets, max_position, seq): both twins' settings, in both places

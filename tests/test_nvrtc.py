@@ -285,6 +285,7 @@ def test_packs_layout_takes_mid_sized_launches():
     assert not takes(rotary_dim=64) and not takes(head_dim=96, rotary_dim=96)
     assert not takes(offset=1)  # (one element in: not 16-byte aligned)
     assert all(takes(mode=mode) for mode in _rotate.PACK_TABLE_MODES)
+    assert not takes(mode=_rotate.MROPE) and not takes(mode=_rotate.MROPE, norm=True)
     assert not takes(head_stride=1 << 26)  # (32 heads: offsets past 2**31 elements)
     assert not takes(heads=4, k_heads=32, head_stride=1 << 26)  # (k's 32 heads: the same)
     for dtype, rotary_dim, neox, mode in itertools.product(

@@ -133,13 +133,19 @@ ROPE_PARAMS = _cuda.ParamStruct.declared("rope", "RopeParams")
 TWO_LEVEL, MROPE, COS_SIN_CACHE = 0, 1, 2
 TABLE_MODES = (TWO_LEVEL, MROPE, COS_SIN_CACHE)
 NORM_TABLE_MODES = (TWO_LEVEL, MROPE)  # the cos_sin_cache calls take no fused norm
-# The table modes rope_rotate_packs is compiled (and planned) for: every one. MRoPE and the
-# cos_sin_cache joined with per-token positions (the fourteenth session), before their rows
-# were measured on a device: the next A/B says whether each keeps its place here.
-PACK_TABLE_MODES = (TWO_LEVEL, MROPE, COS_SIN_CACHE)
+# The table modes rope_rotate_packs is compiled (and planned) for. Measured on an H100 (bf16 q
+# and k in place in a fused QKV row, 32q/8kv, D128; % of the copy ceiling, the chunk layout ->
+# this one, one process): per-token positions N4096 78.2 -> 81.1, N8192 87.4 -> 90.2, N16384
+# 92.3 -> 94.7 (fp16 86.8 -> 89.8, float32 93.0 -> 94.6, interleaved 87.6 -> 89.3); the
+# cos_sin_cache 80.4 -> 81.7, 89.5 -> 89.6, 93.7 -> 93.3. MRoPE lost (its three position rows
+# read by every lane, 8-byte table loads a pair): 74.4 -> 70.3, 84.7 -> 75.0, 91.0 -> 77.8,
+# interleaved rows at N8192 84.4 -> 77.4, so it keeps the chunk layout.
+PACK_TABLE_MODES = (TWO_LEVEL, COS_SIN_CACHE)
 # Whether the fused QK-norm of 16-bit rows takes rope_rotate_packs too (its NORM argument) where
-# the layout's size bounds allow, ahead of NORM_ROWS: written in the fourteenth session and not
-# yet measured on a device.
+# the layout's size bounds allow, ahead of NORM_ROWS. H100, bf16 q and k 32q/8kv D128 in a fused
+# QKV row, NORM_ROWS -> packs: N4096 75.2 -> 80.1, N8192 83.3 -> 89.9, N16384 89.9 -> 94.6;
+# interleaved N8192 84.0 -> 89.7, fp16 81.8 -> 89.8, D64 76.0 -> 81.9; N32768 (past
+# _PACK_MAX_HEAD_ROWS) is NORM_ROWS in both, 93.1.
 _PACK_NORM = True
 
 
