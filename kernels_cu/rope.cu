@@ -746,25 +746,24 @@ __device__ __forceinline__ u32 pack_word_of(const float* y, int w) {
 // The plain rotation of mid-sized launches of the common case, and of float32 interleaved
 // launches of any size (tileops_cupy._rotate's _packs_layout says which): q, or q and k, at
 // sequential or per-token positions, rows of ROTARY_DIM elements rotated whole, cos/sin from
-// the two-level tables or a caller's cos_sin_cache (TABLE; MRoPE keeps rope_rotate, whose
-// chunks were 10 points of the copy ceiling ahead: _rotate has the measurements). A row is LANES lanes of 16 bytes (VEC elements)
-// each: a neox lane holds VEC/2 elements of each half (two 8-byte accesses), so both members
-// of its pairs; an interleaved lane one 16-byte pack. A lane takes ROWS rows of one operand of
-// its token (group, group + groups, ...: the same columns, so its cos/sin are formed once for
-// them; the two-level tables by 16-byte loads of two pairs), their loads issued before the
-// position is read. A token's row groups are q's, then k's. Threads are numbered flat: beyond
-// its rows a lane does two 32-bit divisions, one q/k select and the position, where
-// rope_rotate's lanes also pay for 64-bit row indices, 8-byte table loads and rounds. Holding
-// both halves, a neox lane needs VEC/2 pairs' cos/sin, not VEC, and no shuffle: the chain
-// from a token's id through its table rows is half as long, which is what let per-token
-// positions take this layout (_rotate has the measurements). NORM (16-bit rows): the fused
-// QK-RMSNorm first, each row's sum of squares reduced over its LANES lanes (aligned groups of
-// consecutive lanes: a token's rows are whole groups) by shuffles before any write, the
-// weights of the lane's columns of its operand read once.
+// the two-level tables (under MRoPE at the one position row of a lane's pairs, where the
+// sections fall on lane boundaries) or a caller's cos_sin_cache (TABLE). A row is LANES lanes
+// of 16 bytes (VEC elements) each: a neox lane holds VEC/2 elements of each half (two 8-byte
+// accesses), so both members of its pairs; an interleaved lane one 16-byte pack. A lane
+// takes ROWS rows of one operand of its token (group, group + groups, ...: the same columns,
+// so its cos/sin are formed once for them; the two-level tables by 16-byte loads of two
+// pairs), their loads issued before the position is read. A token's row groups are q's, then
+// k's. Threads are numbered flat: beyond its rows a lane does two 32-bit divisions, one q/k
+// select and the position, where rope_rotate's lanes also pay for 64-bit row indices, 8-byte
+// table loads and rounds. Holding both halves, a neox lane needs VEC/2 pairs' cos/sin, not
+// VEC, and no shuffle: the chain from a token's id through its table rows is half as long,
+// which is what let per-token positions take this layout (_rotate has the measurements).
+// NORM (16-bit rows): the fused QK-RMSNorm first, each row's sum of squares reduced over its
+// LANES lanes (aligned groups of consecutive lanes: a token's rows are whole groups) by
+// shuffles before any write, the weights of the lane's columns of its operand read once.
 template <typename T, bool NEOX, int ROTARY_DIM, int ROWS, int TABLE, bool NORM>
 __global__ void __launch_bounds__(ROPE_PACK_THREADS, ROPE_PACK_MIN_BLOCKS)
     rope_rotate_packs(const RopeParams p) {
-  static_assert(TABLE == TABLE_TWO_LEVEL || TABLE == TABLE_COS_SIN_CACHE, "no MRoPE here");
   constexpr int VEC = 16 / sizeof(T);      // elements a lane
   constexpr int HALF = VEC / 2;            // neox: elements a lane in each half of a row
   constexpr int PAIRS = VEC / 2;           // pairs a lane rotates
@@ -824,15 +823,20 @@ __global__ void __launch_bounds__(ROPE_PACK_THREADS, ROPE_PACK_MIN_BLOCKS)
     }
   }
 
-  const long long position = token_position(p.ids, p.ids_is_int64, p.offsets, p.offsets_is_int64,
-                                            p.position_offset, b, s, token, p.position_limit,
-                                            p.error_flag);
   const int first_pair = lane * PAIRS;
+  // MRoPE: the position row of the lane's pairs, all in one section (planned only so:
+  // _rotate's _lanes_in_one_row; never the interleaved rows)
+  const long long tokens = static_cast<long long>(p.batch) * p.seq;
+  const long long id =
+      TABLE == TABLE_MROPE ? token + mrope_row(first_pair, p.mrope_section, 0) * tokens : token;
+  const long long position = token_position(p.ids, p.ids_is_int64, p.offsets, p.offsets_is_int64,
+                                            p.position_offset, b, s, id, p.position_limit,
+                                            p.error_flag);
   float cos_v[PAIRS], sin_v[PAIRS];
   auto keep = [&](int i, float2 cos_sin) {
     cos_v[i] = cos_sin.x, sin_v[i] = cos_sin.y * p.sin_sign;
   };
-  if constexpr (TABLE == TABLE_TWO_LEVEL) {
+  if constexpr (TABLE != TABLE_COS_SIN_CACHE) {
     const TwoLevelRows rows(p.fine, p.coarse, position, ROTARY_DIM / 2);
 #pragma unroll
     for (int i = 0; i < PAIRS; i += 2) {

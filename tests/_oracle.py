@@ -350,16 +350,20 @@ def assert_norm_rope_matches_oracle(
     dtype: str,
     *,
     neox: bool = True,
+    per_pair: bool = False,
     what: str = "output",
 ) -> np.ndarray:
     """Fused QK-RMSNorm + RoPE (SPEC 9): every element of ``y`` within
     :func:`contract_tolerance` of the float64 rotation of the float64 norm of ``x64``
     (``[..., head_dim]``): one rounding of a float32 result, so within one output unit at
-    the normalised data's scale; the columns past rotary_dim normalised, not rotated."""
+    the normalised data's scale; the columns past rotary_dim normalised, not rotated.
+    ``per_pair``: ``positions`` hold one position per pair (MRoPE), as
+    :func:`assert_matches_oracle` takes them."""
     normed64 = rms_norm_reference(x64, weight, eps, weight_offset)
     return assert_matches_oracle(
-        y, normed64, positions, frequencies, dtype, neox=neox, what=what, copied_tail=False
-    )
+        y, normed64, positions, frequencies, dtype, neox=neox, per_pair=per_pair, what=what,
+        copied_tail=False,
+    )  # fmt: skip
 
 
 def assert_within(y: np.ndarray, expected: np.ndarray, tolerance: np.ndarray, what: str) -> None:

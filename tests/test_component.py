@@ -47,6 +47,7 @@ from _oracle import (
     dtype_name,
     llama31_frequencies,
     longrope_frequencies,
+    mrope_pair_positions,
     random_data,
     raw_bytes,
     rotate_reference,
@@ -435,11 +436,13 @@ def test_chunked_prefill_equals_full_forward(rng, place, case, dtype, layout, ch
     assert_rotated(k, k64, positions, frequencies, dtype, layout=layout, what="k")
 
 
-def _whole_rows_against_chunks(monkeypatch, host: np.ndarray, rotate) -> torch.Tensor:
+def _whole_rows_against_chunks(
+    monkeypatch, host: np.ndarray, rotate, packs: bool = True
+) -> torch.Tensor:
     """``rotate(qkv)`` (q and k in place in a CUDA copy of ``host``) twice: in the chunk
     layout, then with ``_rotate._PACK_MIN_HEAD_ROWS`` lowered so that rope_rotate_packs takes
-    the call; asserts that each took its layout and that both wrote the same bits. Returns
-    the second copy."""
+    the call (``packs``; else that the chunk layout keeps it); asserts that each took its
+    layout and that both wrote the same bits. Returns the second copy."""
     results, blocks = {}, {}
     for packs_from in (1 << 30, 0):
         monkeypatch.setattr(_rotate, "_PACK_MIN_HEAD_ROWS", packs_from)
@@ -452,7 +455,8 @@ def _whole_rows_against_chunks(monkeypatch, host: np.ndarray, rotate) -> torch.T
         (plan,) = _rotate._plans.values()
         blocks[packs_from] = plan.steps[0].block
         results[packs_from] = qkv
-    assert blocks[0] == (_rotate._PACK_THREADS, 1, 1) != blocks[1 << 30], blocks
+    assert (blocks[0] == (_rotate._PACK_THREADS, 1, 1)) == packs, blocks
+    assert blocks[1 << 30] != (_rotate._PACK_THREADS, 1, 1), blocks
     assert torch.equal(results[0], results[1 << 30])
     return results[0]
 
@@ -508,42 +512,74 @@ def test_mid_sized_prefill_rotates_whole_rows(
         )  # fmt: skip
 
 
+# pairs (head_dim / 2): MRoPE sections of each kind (_rotate._lanes_in_one_row): boundaries on
+# every lane's boundary (16-bit rows: 4 pairs a lane, float32: 2), boundaries that split a
+# lane's pairs between rows, and the interleaved rows
+MID_SIZED_SECTIONS = {
+    64: {"mrope": (16, 24, 24), "mrope-split": (17, 23, 24), "mrope-interleaved": (24, 20, 20)},
+    32: {"mrope": (8, 12, 12), "mrope-split": (9, 11, 12), "mrope-interleaved": (12, 10, 10)},
+}
+
+
 @GPU
+@pytest.mark.parametrize("table", ["mrope", "mrope-split", "mrope-interleaved", "cos_sin_cache"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("head_dim", [128, 64], ids=["D128", "D64"])
-def test_mid_sized_cos_sin_cache_rotates_whole_rows(rng, monkeypatch, head_dim, dtype, layout):
-    """The cos_sin_cache drop-in takes rope_rotate_packs at mid sizes as the plain per-token
-    positions do (``_PACK_MIN_HEAD_ROWS`` lowered to this call's rows, an odd token count):
-    q and k in place in a fused QKV row, every element against the float64 reference, v
-    untouched, and the same bits as rope_rotate. (MRoPE keeps rope_rotate: _rotate's
-    PACK_TABLE_MODES.)"""
+def test_mid_sized_table_modes_rotate_whole_rows(rng, monkeypatch, head_dim, dtype, layout, table):
+    """The cos_sin_cache drop-in, and MRoPE whose sections fall on lane boundaries, take
+    rope_rotate_packs at mid sizes as the plain per-token positions do
+    (``_PACK_MIN_HEAD_ROWS`` lowered to this call's rows, an odd token count); MRoPE sections
+    that split a lane's pairs, and the interleaved rows, keep rope_rotate. q and k in place in
+    a fused QKV row, every element against the float64 oracle, v untouched, and the same bits
+    in both layouts."""
     require("cuda", "torch")
     tokens, hq, hkv = 1031, 8, 4
     heads, pairs = hq + 2 * hkv, head_dim // 2
     neox = layout == "neox"
     host = random_data(rng, (tokens, heads * head_dim), dtype)
-    cache = rng.uniform(-1.5, 1.5, (300, head_dim)).astype(np.float32)
-    ids = rng.integers(0, 300, tokens)
+    if table == "cos_sin_cache":
+        cache = rng.uniform(-1.5, 1.5, (300, head_dim)).astype(np.float32)
+        ids = rng.integers(0, 300, tokens)
+    else:
+        section = MID_SIZED_SECTIONS[pairs][table]
+        ids = rng.integers(0, 1 << 16, (3, tokens))
 
     def rotate(qkv):
         q, k = qkv[:, : hq * head_dim], qkv[:, hq * head_dim : (hq + hkv) * head_dim]
-        positions, device_cache = torch.from_numpy(ids).cuda(), torch.from_numpy(cache).cuda()
-        apply_rope_with_cos_sin_cache_inplace(positions, q, k, head_dim, device_cache, neox)
+        positions = torch.from_numpy(ids).cuda()
+        if table == "cos_sin_cache":
+            device_cache = torch.from_numpy(cache).cuda()
+            apply_rope_with_cos_sin_cache_inplace(positions, q, k, head_dim, device_cache, neox)
+        else:
+            rope = RoPE(
+                head_dim, hq, hkv, rope_layout=layout, max_position=1 << 16,
+                mrope_section=section, mrope_interleaved=table == "mrope-interleaved",
+            )  # fmt: skip
+            assert_same(rope.forward(q, k, positions=positions), q, k)
 
-    packed = _whole_rows_against_chunks(monkeypatch, host, rotate)
+    packs = table in ("mrope", "cos_sin_cache")
+    packed = _whole_rows_against_chunks(monkeypatch, host, rotate, packs)
     before = host.astype(np.float64).reshape(1, tokens, heads, head_dim)
     after = to_float64(packed).reshape(1, tokens, heads, head_dim)
     v_after, v_before = (
         raw_bytes(x).reshape(tokens, heads, -1)[:, hq + hkv :] for x in (packed, host)
     )
     assert np.array_equal(v_after, v_before), "v changed"
-    row = cache[ids][None, :, None, :].astype(np.float64)
     for name, heads_of in (("q", slice(0, hq)), ("k", slice(hq, hq + hkv))):
         x64, y = before[:, :, heads_of], after[:, :, heads_of]
-        y64 = rotate_reference(x64, row[..., :pairs], row[..., pairs:], neox=neox)
-        what = f"cos_sin_cache {dtype} {layout} D{head_dim} {name}"
-        assert_matches_reference(y, y64, x64, head_dim, dtype, what=what)
+        what = f"{table} {dtype} {layout} D{head_dim} {name}"
+        if table == "cos_sin_cache":
+            row = cache[ids][None, :, None, :].astype(np.float64)
+            y64 = rotate_reference(x64, row[..., :pairs], row[..., pairs:], neox=neox)
+            assert_matches_reference(y, y64, x64, head_dim, dtype, what=what)
+        else:
+            interleaved = table == "mrope-interleaved"
+            per_pair = mrope_pair_positions(ids[:, None, :], section, interleaved)
+            assert_matches_oracle(
+                y, x64, per_pair[..., None, :], standard_frequencies(head_dim), dtype,
+                neox=neox, per_pair=True, what=what,
+            )  # fmt: skip
 
 
 # (scheme, per-sequence offsets, max_position, seq): both twins' settings, in both places

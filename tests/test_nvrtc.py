@@ -248,7 +248,7 @@ def test_packs_layout_takes_mid_sized_launches():
 
     def takes(batch=1, seq=8192, heads=32, head_dim=128, rotary_dim=128, dtype="bfloat16",
               k_heads=0, offset=0, head_stride=None,
-              mode=_rotate.TWO_LEVEL, neox=True, norm=False):  # fmt: skip
+              mode=_rotate.TWO_LEVEL, neox=True, norm=False, one_row=True):  # fmt: skip
         stride = head_stride or head_dim
         width = (heads + k_heads) * stride  # (q's heads then k's, of one fused row)
         strides = (seq * width, width, stride, 1)
@@ -259,7 +259,7 @@ def test_packs_layout_takes_mid_sized_launches():
             rows += [k, k]
         copy_tail = rotary_dim < head_dim
         aligned = _rotate._vector_width(dtype, neox, rotary_dim, head_dim, copy_tail, rows)
-        return _rotate._packs_layout(dtype, neox, rotary_dim, mode, norm, rows, aligned)
+        return _rotate._packs_layout(dtype, neox, rotary_dim, mode, norm, rows, aligned, one_row)
 
     assert takes() and takes(batch=2, seq=2048) and takes(dtype="float16")
     assert takes(dtype="float32") and takes(dtype="float32", batch=2, seq=2048)
@@ -285,7 +285,9 @@ def test_packs_layout_takes_mid_sized_launches():
     assert not takes(rotary_dim=64) and not takes(head_dim=96, rotary_dim=96)
     assert not takes(offset=1)  # (one element in: not 16-byte aligned)
     assert all(takes(mode=mode) for mode in _rotate.PACK_TABLE_MODES)
-    assert not takes(mode=_rotate.MROPE) and not takes(mode=_rotate.MROPE, norm=True)
+    # (MRoPE whose sections split a lane's pairs between rows: _lanes_in_one_row)
+    assert not takes(mode=_rotate.MROPE, one_row=False)
+    assert not takes(mode=_rotate.MROPE, norm=True, one_row=False)
     assert not takes(head_stride=1 << 26)  # (32 heads: offsets past 2**31 elements)
     assert not takes(heads=4, k_heads=32, head_stride=1 << 26)  # (k's 32 heads: the same)
     for dtype, rotary_dim, neox, mode in itertools.product(
@@ -306,6 +308,21 @@ def test_packs_layout_takes_mid_sized_launches():
                 dtype=dtype, head_dim=rotary_dim, rotary_dim=rotary_dim, mode=mode, neox=neox,
                 norm=True,
             ) == (dtype != "float32")  # fmt: skip
+
+
+def test_mrope_takes_whole_rows_where_a_lane_sits_in_one_section():
+    """rope_rotate_packs forms one position row a lane under MRoPE, so the plan gives it only
+    sectioned rows whose boundaries fall on lane boundaries (16 bytes: 4 pairs of 16-bit
+    rows, 2 of float32); the interleaved rows and sections that split a lane's pairs keep
+    rope_rotate; calls without MRoPE are not affected."""
+    one_row = _rotate._lanes_in_one_row
+    for dtype in ("bfloat16", "float16", "float32"):
+        assert one_row(dtype, None, False)
+        assert one_row(dtype, (16, 24, 24), False) and one_row(dtype, (8, 12, 12), False)
+        assert not one_row(dtype, (16, 24, 24), True)  # (interleaved: pair j's row is j % 3)
+        assert not one_row(dtype, (17, 23, 24), False) and not one_row(dtype, (9, 11, 12), False)
+    assert one_row("float32", (18, 22, 24), False) and not one_row("bfloat16", (18, 22, 24), False)
+    assert one_row("float32", (16, 26, 22), False) and not one_row("float16", (16, 26, 22), False)
 
 
 def test_projection_shared_memory_is_the_kernels_own(monkeypatch):

@@ -22,6 +22,7 @@ from _oracle import (
     BF16,
     assert_gradcheck,
     assert_norm_rope_matches_oracle,
+    mrope_pair_positions,
     pair_columns,
     random_data,
     rms_norm_reference,
@@ -111,13 +112,15 @@ def _rows(x64: np.ndarray, head_dim: int) -> np.ndarray:
     return x64.reshape(*x64.shape[:-1], -1, head_dim)
 
 
-def _check(y, x64, w64, rope, frequencies, neox, positions, dtype, what):
+def _check(y, x64, w64, rope, frequencies, neox, positions, dtype, what, per_pair=False):
     """``y`` (any shape whose last dims hold heads*head_dim) against the oracle, positions
-    broadcast over the heads."""
+    (``per_pair``: ``[..., pairs]``, MRoPE's) broadcast over the heads."""
     rows = _rows(x64, rope.head_dim)
+    positions = np.asarray(positions)
+    positions = positions[..., None, :] if per_pair else positions[..., None]  # (over the heads)
     assert_norm_rope_matches_oracle(
         to_float64(y).reshape(rows.shape), rows, w64, rope.norm_eps, rope.norm_weight_offset,
-        np.asarray(positions)[..., None], frequencies, dtype, neox=neox, what=what,
+        positions, frequencies, dtype, neox=neox, per_pair=per_pair, what=what,
     )  # fmt: skip
 
 
@@ -273,16 +276,22 @@ def test_gpu_unaligned_views_take_the_one_element_path(rng, rope_layout, dtype):
     assert to_float64(buffer)[..., 0].tolist() == x64[..., 0].tolist()
 
 
-def _packed_tokens_match_oracle(rng, case: str, dtype: str, weights: str, tokens: int):
+def _packed_tokens_match_oracle(
+    rng, case: str, dtype: str, weights: str, tokens: int, mrope_section=None
+):
     """The norm and rotation of ``tokens`` packed tokens at random positions (q and k views of
-    one fused buffer) in one launch, every element against the oracle and v untouched; returns
-    the launch's block (which layout took it)."""
-    rope, head_dim, frequencies, neox = _rope(case, weights)
+    one fused buffer; ``mrope_section``: MRoPE's three rows of them) in one launch, every
+    element against the oracle and v untouched; returns the launch's block (which layout
+    took it)."""
+    extra = {} if mrope_section is None else {"mrope_section": mrope_section}
+    rope, head_dim, frequencies, neox = _rope(case, weights, **extra)
     width, q_end, k_end = _fused_columns(head_dim)
     qkv, x64 = _data(rng, (tokens, width), dtype, "cuda")
     q_weight, q_w64 = _weight(rng, head_dim, dtype, weights, "cuda")
     k_weight, k_w64 = _weight(rng, head_dim, dtype, weights, "cuda")
-    ids = rng.integers(0, 1 << 20, tokens)
+    ids = rng.integers(0, 1 << 20, tokens if mrope_section is None else (3, tokens))
+    per_pair = mrope_section is not None
+    positions = mrope_pair_positions(ids, mrope_section, False) if per_pair else ids
     _rotate._plans.clear()
     rope.forward(
         qkv[:, :q_end], qkv[:, q_end:k_end], positions=torch.from_numpy(ids).cuda(),
@@ -291,9 +300,11 @@ def _packed_tokens_match_oracle(rng, case: str, dtype: str, weights: str, tokens
     torch.cuda.synchronize()
     (plan,) = _rotate._plans.values()
     np.testing.assert_array_equal(to_float64(qkv)[:, k_end:], x64[:, k_end:], "v changed")
-    _check(qkv[:, :q_end], x64[:, :q_end], q_w64, rope, frequencies, neox, ids, dtype, "q")
-    _check(qkv[:, q_end:k_end], x64[:, q_end:k_end], k_w64, rope, frequencies, neox, ids, dtype,
-           "k")  # fmt: skip
+    for name, columns, w64 in (("q", slice(0, q_end), q_w64), ("k", slice(q_end, k_end), k_w64)):
+        _check(
+            qkv[:, columns], x64[:, columns], w64, rope, frequencies, neox, positions, dtype,
+            name, per_pair,
+        )  # fmt: skip
     rope.check()
     return plan.steps[0].block
 
@@ -316,21 +327,27 @@ def test_gpu_large_launches_match_oracle(rng, case, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("positions", ("ids", "mrope"))
 @pytest.mark.parametrize("weights", list(WEIGHTS))
 @pytest.mark.parametrize("dtype", ("bfloat16", "float16"))
 @pytest.mark.parametrize("case", ("D64-interleaved", "D128-neox"))
-def test_gpu_mid_sized_launches_take_whole_rows_a_lane(rng, monkeypatch, case, dtype, weights):
+def test_gpu_mid_sized_launches_take_whole_rows_a_lane(
+    rng, monkeypatch, case, dtype, weights, positions
+):
     """16-bit rows rotated whole at mid sizes take rope_rotate_packs with the norm (16 bytes
     of a row a lane, a neox lane's from both halves, four rows of one operand a lane, each
     row's sum of squares over its lanes by shuffles; ``_rotate._PACK_MIN_HEAD_ROWS`` lowered
     here to this call's rows, and 8 q / 4 kv heads: whole groups of four): packed tokens at
-    random positions (an odd count: a last warp past the last row), q and k views of one
-    fused buffer, weights in the data's type and in float32, every element against the
-    oracle, v untouched."""
+    random positions (an odd count: a last warp past the last row), or MRoPE's three rows of
+    them in sections on lane boundaries, q and k views of one fused buffer, weights in the
+    data's type and in float32, every element against the oracle, v untouched."""
     monkeypatch.setattr(_rotate, "_PACK_MIN_HEAD_ROWS", 0)
     monkeypatch.setitem(globals(), "HEADS", 8)
     monkeypatch.setitem(globals(), "KV_HEADS", 4)
-    block = _packed_tokens_match_oracle(rng, case, dtype, weights, 1031)
+    section = None
+    if positions == "mrope":
+        section = {64: (8, 12, 12), 128: (16, 24, 24)}[CASES[case][1]]
+    block = _packed_tokens_match_oracle(rng, case, dtype, weights, 1031, section)
     assert block == (_rotate._PACK_THREADS, 1, 1), block
 
 

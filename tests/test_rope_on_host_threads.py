@@ -390,14 +390,18 @@ def test_blocks_of_partial_warps_on_host_threads(kernels, rng, neox):
     assert partial
 
 
-# rope_rotate_packs' positions: sequential, per-token ids (int32, int64), a cos_sin_cache at
-# ids (the table modes of _rotate.PACK_TABLE_MODES)
-PACK_POSITIONS = ("sequential", "int32", "int64", "cache")
+# rope_rotate_packs' positions: sequential, per-token ids (int32, int64), MRoPE's three rows
+# of ids in sections on lane boundaries (the only MRoPE it is planned for:
+# _rotate._lanes_in_one_row), a cos_sin_cache at ids (every mode of _rotate.PACK_TABLE_MODES)
+PACK_POSITIONS = ("sequential", "int32", "int64", "mrope", "cache")
+# pairs (rotary_dim / 2): sections whose boundaries fall on 4-pair (16-bit) and 2-pair
+# (float32) lane boundaries
+PACK_SECTIONS = {64: (16, 24, 24), 32: (8, 12, 12)}
 
 
 def _pack_positions(rng, kind: str, rotary_dim: int, batch: int, seq: int, offsets) -> dict:
     """The RopeParams fields of one kind of PACK_POSITIONS and what the oracle needs: per-head
-    ``positions`` ([B, T, 1]) or a ``cache`` to read."""
+    ``positions`` ([B, T, 1], or [B, T, 1, pairs] per pair) or a ``cache`` to read."""
     if kind == "sequential" or kind in ("int32", "int64"):
         table = shared_table(Standard(), rotary_dim)
         table.ensure(POSITION + 700 + 4000)
@@ -411,7 +415,20 @@ def _pack_positions(rng, kind: str, rotary_dim: int, batch: int, seq: int, offse
         )  # fmt: skip
         positions = (POSITION + offsets[:, None] + tokens)[..., None]
         return dict(mode=_rotate.TWO_LEVEL, fields=fields, keep=(fine, coarse, ids),
-                    positions=positions)  # fmt: skip
+                    positions=positions, per_pair=False)  # fmt: skip
+    if kind == "mrope":
+        table = shared_table(Standard(), rotary_dim)
+        table.ensure(1 << 16)
+        fine, coarse = (np.ascontiguousarray(t) for t in (table.fine32, table.coarse32))
+        section = PACK_SECTIONS[rotary_dim // 2]
+        ids = rng.integers(0, 1 << 16, (3, batch, seq)).astype(np.int64)
+        fields = dict(
+            fine=fine.ctypes.data, coarse=coarse.ctypes.data, position_limit=table.capacity,
+            ids=ids.ctypes.data, ids_is_int64=1, mrope_section=section, mrope_interleaved=0,
+        )  # fmt: skip
+        positions = mrope_pair_positions(ids, section, False)[..., None, :]
+        return dict(mode=_rotate.MROPE, fields=fields, keep=(fine, coarse, ids),
+                    positions=positions, per_pair=True)  # fmt: skip
     cache = rng.uniform(-1.5, 1.5, (CACHE_ROWS, rotary_dim)).astype(np.float32)
     ids = rng.integers(0, CACHE_ROWS, (batch, seq)).astype(np.int32)
     fields = dict(cos_sin_cache=cache.ctypes.data, position_limit=CACHE_ROWS, ids=ids.ctypes.data)
@@ -501,8 +518,8 @@ def test_packs_layout_on_host_threads(kernels, rng, dtype, neox, rotary_dim):
     for (q_heads, k_heads, k_apart), inverse, in_place, kind in itertools.product(
         operands, (False, True), (False, True), PACK_POSITIONS
     ):
-        if kind == "cache" and inverse == in_place:
-            continue  # (the other table: half the direction and placement pairs)
+        if kind in ("mrope", "cache") and inverse == in_place:
+            continue  # (the other tables: half the direction and placement pairs)
         case = _pack_positions(rng, kind, rotary_dim, batch, seq, offsets)
         launched = _launch_packs(
             kernels, rng, dtype, neox, rotary_dim, (batch, seq), (q_heads, k_heads, k_apart),
@@ -520,7 +537,7 @@ def test_packs_layout_on_host_threads(kernels, rng, dtype, neox, rotary_dim):
             else:
                 assert_matches_oracle(
                     y, x64, case["positions"], standard_frequencies(rotary_dim), dtype,
-                    neox=neox, inverse=inverse, what=f"{what} {array}",
+                    neox=neox, inverse=inverse, per_pair=case["per_pair"], what=f"{what} {array}",
                 )  # fmt: skip
     assert partial_warps or (dtype, rotary_dim) == ("float32", 128)  # (a row: a warp)
 
@@ -533,13 +550,13 @@ def test_packs_norm_on_host_threads(kernels, rng, dtype, neox, rotary_dim):
     over its lanes by shuffles, the weights of a lane's columns (float32 or the data's type,
     with an offset, one element in: any alignment), q alone and q with k (k in q's rows or
     apart), an odd token count (a last warp's lanes past the last row stay for the shuffles
-    and write nothing), sequential positions and per-token ids, in place and into new arrays,
+    and write nothing), per-token ids and MRoPE sections, in place and into new arrays,
     every element against the float64 norm then rotation, and nothing else written."""
     batch, seq = 3, 5
     offsets = np.array([0, 700, 3], np.int64)
     partial_warps = 0
     for (q_heads, k_heads, k_apart), in_place, kind, (weight_kind, offset) in itertools.product(
-        ((4, 0, False), (8, 4, False), (4, 8, True)), (False, True), ("sequential", "int64"),
+        ((4, 0, False), (8, 4, False), (4, 8, True)), (False, True), ("int64", "mrope"),
         (("float32", 0.0), ("data", 1.0)),
     ):  # fmt: skip
         case = _pack_positions(rng, kind, rotary_dim, batch, seq, offsets)
@@ -563,7 +580,7 @@ def test_packs_norm_on_host_threads(kernels, rng, dtype, neox, rotary_dim):
             normed = rms_norm_reference(x64, weights[operand].astype(np.float64), EPS, offset)
             assert_matches_oracle(
                 y, normed, case["positions"], standard_frequencies(rotary_dim), dtype, neox=neox,
-                what=f"{what} ({operand})", copied_tail=False,
+                per_pair=case["per_pair"], what=f"{what} ({operand})", copied_tail=False,
             )  # fmt: skip
     assert partial_warps
 

@@ -137,10 +137,12 @@ NORM_TABLE_MODES = (TWO_LEVEL, MROPE)  # the cos_sin_cache calls take no fused n
 # and k in place in a fused QKV row, 32q/8kv, D128; % of the copy ceiling, the chunk layout ->
 # this one, one process): per-token positions N4096 78.2 -> 81.1, N8192 87.4 -> 90.2, N16384
 # 92.3 -> 94.7 (fp16 86.8 -> 89.8, float32 93.0 -> 94.6, interleaved 87.6 -> 89.3); the
-# cos_sin_cache 80.4 -> 81.7, 89.5 -> 89.6, 93.7 -> 93.3. MRoPE lost (its three position rows
-# read by every lane, 8-byte table loads a pair): 74.4 -> 70.3, 84.7 -> 75.0, 91.0 -> 77.8,
-# interleaved rows at N8192 84.4 -> 77.4, so it keeps the chunk layout.
-PACK_TABLE_MODES = (TWO_LEVEL, COS_SIN_CACHE)
+# cos_sin_cache 80.4 -> 81.7, 89.5 -> 89.6, 93.7 -> 93.3. MRoPE with every lane forming its
+# pairs' three position rows lost: 74.4 -> 70.3, 84.7 -> 75.0, 91.0 -> 77.8 (interleaved rows
+# at N8192 84.4 -> 77.4; ncu: 1.7x the plain kernel's instructions). So MRoPE takes it only
+# where each lane's pairs sit in one section (_lanes_in_one_row: one position row a lane, the
+# plain kernel's work), and the interleaved rows keep the chunk layout.
+PACK_TABLE_MODES = (TWO_LEVEL, MROPE, COS_SIN_CACHE)
 # Whether the fused QK-norm of 16-bit rows takes rope_rotate_packs too (its NORM argument) where
 # the layout's size bounds allow, ahead of NORM_ROWS. H100, bf16 q and k 32q/8kv D128 in a fused
 # QKV row, NORM_ROWS -> packs: N4096 75.2 -> 80.1, N8192 83.3 -> 89.9, N16384 89.9 -> 94.6;
@@ -698,9 +700,11 @@ def _plan(
     rows: list[HeadRows],
     copy_tail: bool,
     norm: RowNorm | None = None,
+    lanes_in_one_row: bool = True,
 ) -> _LaunchPlan:
     """The launch of one layout (computed once): rope_rotate_packs where it takes the launch
-    (_packs_layout), else rope_rotate's geometry."""
+    (_packs_layout; ``lanes_in_one_row``: :func:`_lanes_in_one_row` of the call's MRoPE
+    sections), else rope_rotate's geometry."""
     q_in = rows[0]
     dtype, device = q_in.operand.dtype, q_in.operand.device
     alignment = 0
@@ -709,7 +713,7 @@ def _plan(
     rows_in_place = norm is not None and _rows_in_place(rows)  # (only the norm has two layouts)
     key = (
         dtype, neox, rotary_dim, mode, device, copy_tail, alignment, norm is not None,
-        rows_in_place,
+        rows_in_place, lanes_in_one_row,
         tuple((r.shape, r.strides) for r in rows),
     )  # fmt: skip
     plan = _plans.get(key)
@@ -719,12 +723,11 @@ def _plan(
     copy_tail = copy_tail or norm is not None  # a normed tail is always written
     total_heads = q_heads + (rows[2].shape[2] if len(rows) > 2 else 0)
     aligned_width = _vector_width(dtype, neox, rotary_dim, head_dim, copy_tail, rows)
-    if _packs_layout(dtype, neox, rotary_dim, mode, norm is not None, rows, aligned_width):
+    normed = norm is not None
+    if _packs_layout(dtype, neox, rotary_dim, mode, normed, rows, aligned_width, lanes_in_one_row):
         threads = _packs_threads(batch * seq * total_heads, rotary_dim, aligned_width)
-        name = _packs_name(dtype, neox, rotary_dim, mode, norm is not None)
-        kernel = _cuda.function(
-            module_spec(dtype, rotary_dim, mode, norm is not None), name, device
-        )
+        name = _packs_name(dtype, neox, rotary_dim, mode, normed)
+        kernel = _cuda.function(module_spec(dtype, rotary_dim, mode, normed), name, device)
         step = _cuda.Step(kernel, (-(-threads // _PACK_THREADS), 1, 1), (_PACK_THREADS, 1, 1), 0)
         return _remember_plan(key, _LaunchPlan(steps=(step,), tail_chunks=0))
     vec = access_width(
@@ -756,13 +759,15 @@ def _packs_layout(
     norm: bool,
     rows: list[HeadRows],
     aligned_width: int,
+    lanes_in_one_row: bool = True,
 ) -> bool:
     """Whether rope_rotate_packs takes the launch (_PACK_* above): q, or q and k (``rows``:
-    their (in, out) pairs), at any positions, 16-byte-aligned rows rotated whole at a
-    compiled rotary_dim, a multiple of _PACK_ROWS heads in each operand, head offsets within
-    32 bits, from _PACK_MIN_HEAD_ROWS head rows in all to _PACK_MAX_HEAD_ROWS of the dtype's
-    element size and the layout, fewer than _PACK_MAX_THREADS threads."""
-    if aligned_width * ITEMSIZE[dtype] != 16:
+    their (in, out) pairs), at any positions (MRoPE where ``lanes_in_one_row``:
+    :func:`_lanes_in_one_row`), 16-byte-aligned rows rotated whole at a compiled rotary_dim,
+    a multiple of _PACK_ROWS heads in each operand, head offsets within 32 bits, from
+    _PACK_MIN_HEAD_ROWS head rows in all to _PACK_MAX_HEAD_ROWS of the dtype's element size
+    and the layout, fewer than _PACK_MAX_THREADS threads."""
+    if aligned_width * ITEMSIZE[dtype] != 16 or not lanes_in_one_row:
         return False
     batch, seq, _, head_dim = rows[0].shape
     head_rows = batch * seq * sum(r.shape[2] for r in rows[::2])
@@ -774,6 +779,18 @@ def _packs_layout(
         and _packs_threads(head_rows, rotary_dim, aligned_width) < _PACK_MAX_THREADS
         and all(r.strides[2] > 0 and r.strides[2] * r.shape[2] < 1 << 31 for r in rows)
     )
+
+
+def _lanes_in_one_row(dtype: str, section: tuple[int, ...] | None, interleaved: bool) -> bool:
+    """Whether every lane of rope_rotate_packs (16 bytes: 8 // itemsize pairs of a row, neox
+    or not) takes all its pairs from one MRoPE position row, as the kernel assumes: sectioned
+    rows whose boundaries fall on lane boundaries (Qwen2-VL's (16, 24, 24), for one). True
+    without MRoPE."""
+    if section is None:
+        return True
+    pairs_a_lane = 8 // ITEMSIZE[dtype]
+    first, second = section[0], section[0] + section[1]
+    return not interleaved and first % pairs_a_lane == 0 and second % pairs_a_lane == 0
 
 
 def _packs_threads(head_rows: int, rotary_dim: int, aligned_width: int) -> int:
@@ -807,7 +824,10 @@ def _rotate_cuda(
     else:
         mode = TWO_LEVEL if positions.mrope_section is None else MROPE
         fine_ptr, coarse_ptr, capacity = table.device_tables(device, positions.cover)
-    plan = _plan(rotary_dim, mode, neox, rows, copy_tail, norm)
+    one_row = _lanes_in_one_row(
+        q_in.operand.dtype, positions.mrope_section, positions.mrope_interleaved
+    )  # fmt: skip
+    plan = _plan(rotary_dim, mode, neox, rows, copy_tail, norm, one_row)
     k_weight = None if norm is None else norm.k_weight
 
     k_in, k_out = (None, None) if k is None else k  # k_heads = 0: the kernel never reads k
