@@ -141,7 +141,11 @@ NORM_TABLE_MODES = (TWO_LEVEL, MROPE)  # the cos_sin_cache calls take no fused n
 # pairs' three position rows lost: 74.4 -> 70.3, 84.7 -> 75.0, 91.0 -> 77.8 (interleaved rows
 # at N8192 84.4 -> 77.4; ncu: 1.7x the plain kernel's instructions). So MRoPE takes it only
 # where each lane's pairs sit in one section (_lanes_in_one_row: one position row a lane, the
-# plain kernel's work), and the interleaved rows keep the chunk layout.
+# plain kernel's work), and the interleaved rows keep the chunk layout. Sections (16, 24, 24)
+# so, chunks -> packs on the H100, bit-identical: N4096 75.0 -> 81.9, N8192 84.3 -> 89.7,
+# N16384 91.4 -> 94.7 (fp16 N8192 84.8 -> 89.4, float32 91.5 -> 95.2, interleaved layout 83.7
+# -> 89.6, D64 (8, 12, 12) 73.6 -> 81.4); with the fused norm (NORM_ROWS -> packs) N4096
+# 73.0 -> 79.9, N8192 82.1 -> 89.3, N16384 88.4 -> 93.6.
 PACK_TABLE_MODES = (TWO_LEVEL, MROPE, COS_SIN_CACHE)
 # Whether the fused QK-norm of 16-bit rows takes rope_rotate_packs too (its NORM argument) where
 # the layout's size bounds allow, ahead of NORM_ROWS. H100, bf16 q and k 32q/8kv D128 in a fused
