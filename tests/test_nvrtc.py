@@ -284,7 +284,7 @@ def test_packs_layout_takes_mid_sized_launches():
     assert not takes(heads=30, seq=1 << 13)
     assert not takes(rotary_dim=64) and not takes(head_dim=96, rotary_dim=96)
     assert not takes(offset=1)  # (one element in: not 16-byte aligned)
-    assert all(takes(mode=mode) for mode in _rotate.PACK_TABLE_MODES)
+    assert all(takes(mode=mode) for mode in _rotate.TABLE_MODES)
     # (MRoPE whose sections split a lane's pairs between rows: _lanes_in_one_row)
     assert not takes(mode=_rotate.MROPE, one_row=False)
     assert not takes(mode=_rotate.MROPE, norm=True, one_row=False)
@@ -294,12 +294,12 @@ def test_packs_layout_takes_mid_sized_launches():
         ("bfloat16", "float16", "float32"),
         _rotate.SHIPPED_ROTARY_DIMS,
         (True, False),
-        _rotate.PACK_TABLE_MODES,
+        _rotate.TABLE_MODES,
     ):
         spec = _rotate.module_spec(dtype, rotary_dim, mode)
         assert spec in CATALOGUE
         assert _rotate._packs_name(dtype, neox, rotary_dim, mode, False) in spec.name_expressions
-        if mode in _rotate.NORM_TABLE_MODES:  # the fused norm's: 16-bit rows (_PACK_NORM)
+        if mode in _rotate.NORM_TABLE_MODES:  # the fused norm's: 16-bit rows
             normed = _rotate.module_spec(dtype, rotary_dim, mode, norm=True)
             assert normed in CATALOGUE
             with_norm = _rotate._packs_name(dtype, neox, rotary_dim, mode, True)

@@ -114,9 +114,9 @@ def _name_expressions() -> list[str]:
         _rotate._packs_name(dtype, neox, rotary_dim, mode, norm)
         for dtype, neox, rotary_dim, mode, norm in itertools.product(
             ("bfloat16", "float16", "float32"), (True, False), _rotate.SHIPPED_ROTARY_DIMS,
-            _rotate.PACK_TABLE_MODES, (False, True),
+            _rotate.TABLE_MODES, (False, True),
         )
-        if _rotate._packs_compiled(dtype, rotary_dim, mode, norm)
+        if _rotate._packs_compiled(dtype, rotary_dim, norm)
         and (not norm or mode in _rotate.NORM_TABLE_MODES)
     ]  # fmt: skip
     for dtype, neox, rotary_dim, mode, norm in launches:
@@ -392,7 +392,7 @@ def test_blocks_of_partial_warps_on_host_threads(kernels, rng, neox):
 
 # rope_rotate_packs' positions: sequential, per-token ids (int32, int64), MRoPE's three rows
 # of ids in sections on lane boundaries (the only MRoPE it is planned for:
-# _rotate._lanes_in_one_row), a cos_sin_cache at ids (every mode of _rotate.PACK_TABLE_MODES)
+# _rotate._lanes_in_one_row), a cos_sin_cache at ids (every table mode)
 PACK_POSITIONS = ("sequential", "int32", "int64", "mrope", "cache")
 # pairs (rotary_dim / 2): sections whose boundaries fall on 4-pair (16-bit) and 2-pair
 # (float32) lane boundaries

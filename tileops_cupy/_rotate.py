@@ -87,10 +87,10 @@ _REGISTERS, _NORM_REGISTERS = 96, 128
 NO_NORM, NORM_CHUNKS, NORM_ROWS = 0, 1, 2
 _ROWS_THREADS, _ROWS_REGISTERS, _ROWS_HEADS = 64, 64, 2
 # The plain rotation's whole-row layout (rope.cu rope_rotate_packs): q, or q and k, at
-# sequential or per-token positions, rotated whole at a shipped rotary_dim, any table mode of
-# PACK_TABLE_MODES, 16-byte rows. 16 bytes of a row a lane (neox: 8 of each half),
-# _PACK_ROWS rows of one operand of a token a lane at once, blocks of _PACK_THREADS at 64
-# registers (32 warps a multiprocessor).
+# sequential or per-token positions, rotated whole at a shipped rotary_dim, any table mode
+# (MRoPE where _lanes_in_one_row), 16-byte rows, with the fused norm of 16-bit rows. 16 bytes
+# of a row a lane (neox: 8 of each half), _PACK_ROWS rows of one operand of a token a lane at
+# once, blocks of _PACK_THREADS at 64 registers (32 warps a multiprocessor).
 # Measured on an H200 (D128, % of the copy ceiling, the chunk layout -> this one, in one
 # process). bf16 q alone, H32: neox B1 S8192 82.4 -> 84.5, interleaved 81.3 -> 82.5,
 # backward 82.4 -> 83.3; B2 S2048 67.7 -> 71.1, 67.0 -> 73.3, 69.5 -> 71.1; D64 B2 S2048
@@ -133,7 +133,7 @@ ROPE_PARAMS = _cuda.ParamStruct.declared("rope", "RopeParams")
 TWO_LEVEL, MROPE, COS_SIN_CACHE = 0, 1, 2
 TABLE_MODES = (TWO_LEVEL, MROPE, COS_SIN_CACHE)
 NORM_TABLE_MODES = (TWO_LEVEL, MROPE)  # the cos_sin_cache calls take no fused norm
-# The table modes rope_rotate_packs is compiled (and planned) for. Measured on an H100 (bf16 q
+# rope_rotate_packs is compiled into every table mode's module. Measured on an H100 (bf16 q
 # and k in place in a fused QKV row, 32q/8kv, D128; % of the copy ceiling, the chunk layout ->
 # this one, one process): per-token positions N4096 78.2 -> 81.1, N8192 87.4 -> 90.2, N16384
 # 92.3 -> 94.7 (fp16 86.8 -> 89.8, float32 93.0 -> 94.6, interleaved 87.6 -> 89.3); the
@@ -146,13 +146,11 @@ NORM_TABLE_MODES = (TWO_LEVEL, MROPE)  # the cos_sin_cache calls take no fused n
 # N16384 91.4 -> 94.7 (fp16 N8192 84.8 -> 89.4, float32 91.5 -> 95.2, interleaved layout 83.7
 # -> 89.6, D64 (8, 12, 12) 73.6 -> 81.4); with the fused norm (NORM_ROWS -> packs) N4096
 # 73.0 -> 79.9, N8192 82.1 -> 89.3, N16384 88.4 -> 93.6.
-PACK_TABLE_MODES = (TWO_LEVEL, MROPE, COS_SIN_CACHE)
-# Whether the fused QK-norm of 16-bit rows takes rope_rotate_packs too (its NORM argument) where
-# the layout's size bounds allow, ahead of NORM_ROWS. H100, bf16 q and k 32q/8kv D128 in a fused
-# QKV row, NORM_ROWS -> packs: N4096 75.2 -> 80.1, N8192 83.3 -> 89.9, N16384 89.9 -> 94.6;
+# The fused QK-norm of 16-bit rows takes it too (its NORM argument) where the layout's size
+# bounds allow, ahead of NORM_ROWS. H100, bf16 q and k 32q/8kv D128 in a fused QKV row,
+# NORM_ROWS -> packs: N4096 75.2 -> 80.1, N8192 83.3 -> 89.9, N16384 89.9 -> 94.6;
 # interleaved N8192 84.0 -> 89.7, fp16 81.8 -> 89.8, D64 76.0 -> 81.9; N32768 (past
 # _PACK_MAX_HEAD_ROWS) is NORM_ROWS in both, 93.1.
-_PACK_NORM = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -503,16 +501,15 @@ def module_spec(
         for neox in (True, False)
         for vec, layout, heads in instantiations(dtype, neox, rotary_dim, norm, mode)
     )
-    if _packs_compiled(dtype, rotary_dim, mode, norm):
+    if _packs_compiled(dtype, rotary_dim, norm):
         names += tuple(_packs_name(dtype, neox, rotary_dim, mode, norm) for neox in (True, False))
     return _cuda.ModuleSpec("rope", names, _DEFINES)
 
 
-def _packs_compiled(dtype: str, rotary_dim: int, mode: int, norm: bool) -> bool:
-    """Whether rope_rotate_packs is compiled into this module (a shipped rotary_dim, a table
-    mode of PACK_TABLE_MODES; with the norm, 16-bit rows where _PACK_NORM says so)."""
-    norm_rows = not norm or (_PACK_NORM and ITEMSIZE[dtype] == 2)
-    return rotary_dim in SHIPPED_ROTARY_DIMS and mode in PACK_TABLE_MODES and norm_rows
+def _packs_compiled(dtype: str, rotary_dim: int, norm: bool) -> bool:
+    """Whether rope_rotate_packs is compiled into this module (any table mode): a shipped
+    rotary_dim; with the norm, 16-bit rows."""
+    return rotary_dim in SHIPPED_ROTARY_DIMS and (not norm or ITEMSIZE[dtype] == 2)
 
 
 def _packs_name(dtype: str, neox: bool, rotary_dim: int, mode: int, norm: bool) -> str:
@@ -703,8 +700,8 @@ def _plan(
     neox: bool,
     rows: list[HeadRows],
     copy_tail: bool,
-    norm: RowNorm | None = None,
-    lanes_in_one_row: bool = True,
+    norm: RowNorm | None,
+    lanes_in_one_row: bool,
 ) -> _LaunchPlan:
     """The launch of one layout (computed once): rope_rotate_packs where it takes the launch
     (_packs_layout; ``lanes_in_one_row``: :func:`_lanes_in_one_row` of the call's MRoPE
@@ -763,7 +760,7 @@ def _packs_layout(
     norm: bool,
     rows: list[HeadRows],
     aligned_width: int,
-    lanes_in_one_row: bool = True,
+    lanes_in_one_row: bool,
 ) -> bool:
     """Whether rope_rotate_packs takes the launch (_PACK_* above): q, or q and k (``rows``:
     their (in, out) pairs), at any positions (MRoPE where ``lanes_in_one_row``:
@@ -777,7 +774,7 @@ def _packs_layout(
     head_rows = batch * seq * sum(r.shape[2] for r in rows[::2])
     return (
         rotary_dim == head_dim
-        and _packs_compiled(dtype, rotary_dim, mode, norm)
+        and _packs_compiled(dtype, rotary_dim, norm)
         and all(r.shape[2] % _PACK_ROWS == 0 for r in rows)
         and _PACK_MIN_HEAD_ROWS <= head_rows < _PACK_MAX_HEAD_ROWS[ITEMSIZE[dtype], neox]
         and _packs_threads(head_rows, rotary_dim, aligned_width) < _PACK_MAX_THREADS
