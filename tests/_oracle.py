@@ -188,6 +188,12 @@ def rotate_reference(
     return y
 
 
+# MRoPE sections by pairs (rotary_dim / 2) whose boundaries fall on the 16-byte lanes of the
+# whole-row kernel (4 pairs of 16-bit rows, 2 of float32): the sections it takes
+# (tileops_cupy._rotate._lanes_in_one_row), as Qwen2-VL's (16, 24, 24)
+LANE_ALIGNED_SECTIONS = {32: (8, 12, 12), 64: (16, 24, 24)}
+
+
 def mrope_pair_positions(
     positions: np.ndarray, section: tuple[int, int, int], interleaved: bool
 ) -> np.ndarray:

@@ -38,6 +38,7 @@ from _cases import (
 )
 from _oracle import (
     DEVICE_DTYPES,
+    LANE_ALIGNED_SECTIONS,
     Frequencies,
     assert_gradcheck,
     assert_matches_oracle,
@@ -516,8 +517,16 @@ def test_mid_sized_prefill_rotates_whole_rows(
 # every lane's boundary (16-bit rows: 4 pairs a lane, float32: 2), boundaries that split a
 # lane's pairs between rows, and the interleaved rows
 MID_SIZED_SECTIONS = {
-    64: {"mrope": (16, 24, 24), "mrope-split": (17, 23, 24), "mrope-interleaved": (24, 20, 20)},
-    32: {"mrope": (8, 12, 12), "mrope-split": (9, 11, 12), "mrope-interleaved": (12, 10, 10)},
+    64: {
+        "mrope": LANE_ALIGNED_SECTIONS[64],
+        "mrope-split": (17, 23, 24),
+        "mrope-interleaved": (24, 20, 20),
+    },
+    32: {
+        "mrope": LANE_ALIGNED_SECTIONS[32],
+        "mrope-split": (9, 11, 12),
+        "mrope-interleaved": (12, 10, 10),
+    },
 }
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from _oracle import (
+    LANE_ALIGNED_SECTIONS,
     assert_matches_oracle,
     assert_matches_reference,
     assert_norm_rope_matches_oracle,
@@ -394,9 +395,6 @@ def test_blocks_of_partial_warps_on_host_threads(kernels, rng, neox):
 # of ids in sections on lane boundaries (the only MRoPE it is planned for:
 # _rotate._lanes_in_one_row), a cos_sin_cache at ids (every table mode)
 PACK_POSITIONS = ("sequential", "int32", "int64", "mrope", "cache")
-# pairs (rotary_dim / 2): sections whose boundaries fall on 4-pair (16-bit) and 2-pair
-# (float32) lane boundaries
-PACK_SECTIONS = {64: (16, 24, 24), 32: (8, 12, 12)}
 
 
 def _pack_positions(rng, kind: str, rotary_dim: int, batch: int, seq: int, offsets) -> dict:
@@ -420,7 +418,7 @@ def _pack_positions(rng, kind: str, rotary_dim: int, batch: int, seq: int, offse
         table = shared_table(Standard(), rotary_dim)
         table.ensure(1 << 16)
         fine, coarse = (np.ascontiguousarray(t) for t in (table.fine32, table.coarse32))
-        section = PACK_SECTIONS[rotary_dim // 2]
+        section = LANE_ALIGNED_SECTIONS[rotary_dim // 2]
         ids = rng.integers(0, 1 << 16, (3, batch, seq)).astype(np.int64)
         fields = dict(
             fine=fine.ctypes.data, coarse=coarse.ctypes.data, position_limit=table.capacity,
