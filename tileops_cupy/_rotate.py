@@ -145,7 +145,9 @@ NORM_TABLE_MODES = (TWO_LEVEL, MROPE)  # the cos_sin_cache calls take no fused n
 # so, chunks -> packs on the H100, bit-identical: N4096 75.0 -> 81.9, N8192 84.3 -> 89.7,
 # N16384 91.4 -> 94.7 (fp16 N8192 84.8 -> 89.4, float32 91.5 -> 95.2, interleaved layout 83.7
 # -> 89.6, D64 (8, 12, 12) 73.6 -> 81.4); with the fused norm (NORM_ROWS -> packs) N4096
-# 73.0 -> 79.9, N8192 82.1 -> 89.3, N16384 88.4 -> 93.6.
+# 73.0 -> 79.9, N8192 82.1 -> 89.3, N16384 88.4 -> 93.6. For the other rows, cos/sin staged
+# per block in shared memory won on an H100 and lost on an H200 (interleaved N16384 87.8 ->
+# 82.8): not kept (docs/performance-log.md, seventeenth session).
 # The fused QK-norm of 16-bit rows takes it too (its NORM argument) where the layout's size
 # bounds allow, ahead of NORM_ROWS. H100, bf16 q and k 32q/8kv D128 in a fused QKV row,
 # NORM_ROWS -> packs: N4096 75.2 -> 80.1, N8192 83.3 -> 89.9, N16384 89.9 -> 94.6;
