@@ -16,6 +16,7 @@ import re
 import numpy as np
 import pytest
 import torch
+from _cases import GPU, PLACES, require
 
 from tileops_cupy import bench
 from tileops_cupy._arrays import as_operand, overlapping, self_overlapping
@@ -505,6 +506,82 @@ def test_in_place_under_autograd_refuses_before_any_write(rng, which, kind):
     with pytest.raises(ValueError, match=f"^{which} cannot be rotated in place here: "):
         _rope().forward(tensors["q"], tensors["k"])
     assert _bytes(*tensors.values()) == before
+
+
+# the in-place calls and the names they give q and k, on tensors of one device
+INFERENCE_CALLS = {
+    "forward": (
+        ("q", "k"),
+        lambda rope, q, k: rope.forward(
+            q, k, positions=torch.randint(0, 1000, (B, T), device=q.device)
+        ),
+    ),
+    "prefill": (("q", "k"), lambda rope, q, k: rope.prefill(q, k, 4)),
+    "decode": (
+        ("q", "k"),
+        lambda rope, q, k: rope.decode(q[:, :1], k[:, :1], torch.tensor([3, 9], device=q.device)),
+    ),
+    "cos_sin_cache": (
+        ("query", "key"),
+        lambda rope, q, k: apply_rope_with_cos_sin_cache_inplace(
+            torch.arange(T, device=q.device),
+            q[0],
+            k[0],
+            HEAD_DIM,
+            torch.randn(T, HEAD_DIM, device=q.device),
+        ),  # fmt: skip
+    ),
+}
+
+
+@pytest.mark.parametrize("which", (0, 1), ids=("q", "k"))
+@pytest.mark.parametrize("call", list(INFERENCE_CALLS))
+@pytest.mark.parametrize("place", PLACES)
+def test_an_inference_tensor_outside_inference_mode_is_refused_before_any_write(
+    rng, place, call, which
+):
+    """Torch refuses to write an inference tensor (made under ``torch.inference_mode``) in
+    place outside inference mode, and so does every in-place call where no autograd is
+    involved (the direct path): a ValueError naming q or k before either changes. Under
+    inference mode the same call rotates both."""
+    require(place, "torch")
+    names, rotate = INFERENCE_CALLS[call]
+    tensors = []
+    for i, width in enumerate((Q_WIDTH, K_WIDTH)):
+        values = torch.from_numpy(_random(rng, (B, T, width))).to(place)
+        if i == which:
+            with torch.inference_mode():
+                values = values.clone()
+        tensors.append(values)
+    q, k = tensors
+    assert tensors[which].is_inference() and not tensors[1 - which].is_inference()
+    before = [t.clone() for t in tensors]
+    with pytest.raises(ValueError, match=f"^{names[which]} is an inference tensor .* forbids"):
+        rotate(_rope(), q, k)
+    assert all(torch.equal(t, b) for t, b in zip(tensors, before, strict=True))
+    with torch.inference_mode():
+        rotate(_rope(), q, k)
+    assert not any(torch.equal(t, b) for t, b in zip(tensors, before, strict=True))
+
+
+@GPU
+def test_a_recorded_launch_is_not_rerun_on_an_inference_tensor_outside_inference_mode(rng):
+    """A decode step's launch, recorded by calls under inference mode on inference tensors,
+    is not re-run for the same layout once inference mode is off: that call takes the
+    validated path, which refuses q before anything is written."""
+    require("cuda", "torch")
+    rope = _rope()
+    positions = torch.tensor([3, 9], device="cuda")
+    with torch.inference_mode():
+        q = torch.randn(B, 1, Q_WIDTH, device="cuda")
+        k = torch.randn(B, 1, K_WIDTH, device="cuda")
+        for _ in range(2):  # (the first call records the launch, the second re-runs it)
+            rope.decode(q, k, positions)
+    assert rope._relaunches, "the calls under inference mode recorded no launch"
+    before = (q.clone(), k.clone())
+    with pytest.raises(ValueError, match="^q is an inference tensor"):
+        rope.decode(q, k, positions)
+    assert torch.equal(q, before[0]) and torch.equal(k, before[1])
 
 
 @pytest.mark.parametrize("transform", ("vjp", "vmap"))

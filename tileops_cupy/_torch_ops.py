@@ -121,13 +121,14 @@ _jit_tracing: Any = None
 _functorch_wrapped: Any = None
 _functorch_unwrapped: Any = None
 _has_storage: Any = None
+_inference_mode: Any = None
 
 
 def _bind(torch: Any) -> None:
     global _Tensor, _Parameter, _is_compiling, _dispatch_depth, _profiling, _grad_enabled
     global _increment_version, _raw_stream, _empty_like, _contiguous_format
     global _functorch_active, _interpreter_stack, _differentiating_transforms, _forward_ad
-    global _jit_tracing, _functorch_wrapped, _functorch_unwrapped, _has_storage
+    global _jit_tracing, _functorch_wrapped, _functorch_unwrapped, _has_storage, _inference_mode
     _is_compiling, _dispatch_depth = torch.compiler.is_compiling, torch._C._len_torch_dispatch_stack
     _profiling, _jit_tracing = torch._C._autograd._profiler_enabled, torch._C._is_tracing
     _functorch_active = torch._C._are_functorch_transforms_active
@@ -135,6 +136,7 @@ def _bind(torch: Any) -> None:
     _functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
     _functorch_unwrapped = torch._C._functorch.get_unwrapped
     _has_storage = torch._C._has_storage
+    _inference_mode = torch.is_inference_mode_enabled
     transform = torch._C._functorch.TransformType
     _differentiating_transforms = frozenset((transform.Grad, transform.Jvp))
     _forward_ad = torch.autograd.forward_ad  # (its _current_level: -1 outside a dual_level)
@@ -325,6 +327,31 @@ def differentiated(tensor: Any) -> bool:
     if tensor.requires_grad and _grad_enabled():
         return True
     return _forward_ad._current_level >= 0 and _forward_ad.unpack_dual(tensor).tangent is not None
+
+
+def inference_write_refused(tensor: Any) -> bool:
+    """True for a torch inference tensor (made under ``torch.inference_mode``) while
+    inference mode is off: torch refuses to write one in place there, and so does every
+    in-place call of this package, before writing anything."""
+    return tensor.is_inference() and _torch_bound() and not _inference_mode()
+
+
+def inference_writes_refused(q: Any, k: Any) -> bool:
+    """:func:`inference_write_refused` of torch tensors ``q`` or ``k`` (k may be None), the
+    mode read first (under it, what serving runs in, no tensor is asked): the in-place
+    relaunch's test. Torch bound."""
+    if _inference_mode():
+        return False
+    return q.is_inference() or (k is not None and k.is_inference())
+
+
+def inference_write_message(name: str) -> str:
+    """The ValueError text for :func:`inference_write_refused` ``name``."""
+    return (
+        f"{name} is an inference tensor (made under torch.inference_mode) and this call "
+        "writes into it in place outside inference mode, which torch forbids; call it under "
+        f"torch.inference_mode(), or pass {name}.clone()"
+    )
 
 
 def bump_torch_versions(tensors: tuple) -> None:

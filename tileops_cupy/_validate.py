@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _torch_ops as torch_ops
 from ._arrays import (
     FLOAT_DTYPES,
     TARGETS,
@@ -249,11 +250,14 @@ def check_dtype(operand: Operand, name: str, allowed: tuple[str, ...]) -> None:
 
 def check_in_place(operands: dict[str, Operand]) -> None:
     """Refuse, before anything is written, operands that an in-place call cannot write
-    each element of exactly once: read-only memory, an operand that addresses an element
-    twice (:func:`self_overlapping`), or two operands that share memory
+    each element of exactly once, or may not write: read-only memory, a torch inference
+    tensor outside inference mode (torch forbids writing it), an operand that addresses an
+    element twice (:func:`self_overlapping`), or two operands that share memory
     (:func:`overlapping`). Raises ValueError naming the argument(s)."""
     items = list(operands.items())
     for name, operand in items:
+        if operand.framework == "torch" and torch_ops.inference_write_refused(operand.obj):
+            raise ValueError(torch_ops.inference_write_message(name))
         if operand.host is not None and not operand.host.flags.writeable:
             raise ValueError(
                 f"{name} is read-only (a {operand.framework} array with writeable=False); "

@@ -575,10 +575,11 @@ class RoPE(ProcessLocal):
     takes no weights (it is the transpose rotation alone); under autograd (torch) the
     gradient flows through the norm too, to the data and to both weights.
 
-    In place: q and k must be writable, must not share memory, and neither may address an
-    element twice (an expanded view); under autograd they must be tensors torch lets change
-    in place (not a leaf that requires grad, a view of one, one of the views ``split``
-    returns, an inference tensor). Each is refused with a ValueError naming it before
+    In place: q and k must be writable (not read-only, nor an inference tensor outside
+    ``torch.inference_mode``, which torch forbids to change), must not share memory, and
+    neither may address an element twice (an expanded view); under autograd they must be
+    tensors torch lets change in place (not a leaf that requires grad, a view of one, one of
+    the views ``split`` returns). Each is refused with a ValueError naming it before
     anything is written; torch.func transforms included. Under ``torch.compile`` the traced
     graph has no memory to compare, so q and k sharing memory are not detected there.
 
@@ -871,7 +872,12 @@ class RoPE(ProcessLocal):
             for weight_ptr in (q_weight_ptr, k_weight_ptr) if q_weight_ptr else ():
                 for start, size in ((q_ptr, q_bytes), (k_ptr, k_bytes)):
                     apart &= not (start - self.head_dim * 4 < weight_ptr < start + size)
-            if apart and (not int_position or 0 <= position <= last_position):
+            # (an inference tensor outside inference mode: the validated path refuses it)
+            if (
+                apart
+                and (not int_position or 0 <= position <= last_position)
+                and not torch_ops.inference_writes_refused(q, k)
+            ):
                 self._flag.raise_if_set(self._flagged_message)
                 launch.relaunch(
                     torch_ops.current_stream(launch.device), RELAUNCH_QK, q_ptr, q_ptr, k_ptr,
