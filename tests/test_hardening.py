@@ -564,6 +564,22 @@ def test_an_inference_tensor_outside_inference_mode_is_refused_before_any_write(
     assert not any(torch.equal(t, b) for t, b in zip(tensors, before, strict=True))
 
 
+def test_the_relaunch_test_refuses_exactly_inference_tensors_outside_inference_mode():
+    """The recorded in-place launch's test (``_torch_ops.inference_writes_refused``, which
+    the GPU test below exercises through a decode step): true when q or k is an inference
+    tensor and inference mode is off; false under inference mode, for either tensor."""
+    from tileops_cupy import _torch_ops
+
+    normal = torch.zeros(2)
+    with torch.inference_mode():
+        inference = torch.zeros(2)
+    refused = _torch_ops.inference_writes_refused
+    assert not refused(normal, None) and not refused(normal, normal)
+    assert refused(inference, None) and refused(normal, inference) and refused(inference, normal)
+    with torch.inference_mode():
+        assert not refused(inference, inference) and not refused(normal, inference)
+
+
 @GPU
 def test_a_recorded_launch_is_not_rerun_on_an_inference_tensor_outside_inference_mode(rng):
     """A decode step's launch, recorded by calls under inference mode on inference tensors,
