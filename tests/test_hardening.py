@@ -18,7 +18,7 @@ import pytest
 import torch
 from _cases import GPU, PLACES, require
 
-from tileops_cupy import bench
+from tileops_cupy import _torch_ops, bench
 from tileops_cupy._arrays import as_operand, overlapping, self_overlapping
 from tileops_cupy._rotate import check_token_counts
 from tileops_cupy._validate import check_in_place
@@ -568,8 +568,6 @@ def test_the_relaunch_test_refuses_exactly_inference_tensors_outside_inference_m
     """The recorded in-place launch's test (``_torch_ops.inference_writes_refused``, which
     the GPU test below exercises through a decode step): true when q or k is an inference
     tensor and inference mode is off; false under inference mode, for either tensor."""
-    from tileops_cupy import _torch_ops
-
     normal = torch.zeros(2)
     with torch.inference_mode():
         inference = torch.zeros(2)
