@@ -529,7 +529,7 @@ INFERENCE_CALLS = {
             k[0],
             HEAD_DIM,
             torch.randn(T, HEAD_DIM, device=q.device),
-        ),  # fmt: skip
+        ),
     ),
 }
 
