@@ -329,24 +329,21 @@ def differentiated(tensor: Any) -> bool:
     return _forward_ad._current_level >= 0 and _forward_ad.unpack_dual(tensor).tangent is not None
 
 
-def inference_write_refused(tensor: Any) -> bool:
-    """True for a torch inference tensor (made under ``torch.inference_mode``) while
-    inference mode is off: torch refuses to write one in place there, and so does every
-    in-place call of this package, before writing anything."""
-    return tensor.is_inference() and _torch_bound() and not _inference_mode()
-
-
-def inference_writes_refused(q: Any, k: Any) -> bool:
-    """:func:`inference_write_refused` of torch tensors ``q`` or ``k`` (k may be None), the
-    mode read first (under it, what serving runs in, no tensor is asked): the in-place
-    relaunch's test. Torch bound."""
+def inference_writes_refused(q: Any, k: Any = None) -> bool:
+    """True when torch tensor ``q`` or ``k`` (k may be None) is an inference tensor (made
+    under ``torch.inference_mode``) while inference mode is off: torch refuses to write one
+    in place there, and so does every in-place call of this package, before writing
+    anything (the validated path's check and the in-place relaunch's). The mode is read
+    first: under it, what serving runs in, no tensor is asked."""
+    if _inference_mode is None:
+        _torch_bound()
     if _inference_mode():
         return False
     return q.is_inference() or (k is not None and k.is_inference())
 
 
 def inference_write_message(name: str) -> str:
-    """The ValueError text for :func:`inference_write_refused` ``name``."""
+    """The ValueError text for :func:`inference_writes_refused` of ``name``."""
     return (
         f"{name} is an inference tensor (made under torch.inference_mode) and this call "
         "writes into it in place outside inference mode, which torch forbids; call it under "

@@ -256,7 +256,7 @@ def check_in_place(operands: dict[str, Operand]) -> None:
     (:func:`overlapping`). Raises ValueError naming the argument(s)."""
     items = list(operands.items())
     for name, operand in items:
-        if operand.framework == "torch" and torch_ops.inference_write_refused(operand.obj):
+        if operand.framework == "torch" and torch_ops.inference_writes_refused(operand.obj):
             raise ValueError(torch_ops.inference_write_message(name))
         if operand.host is not None and not operand.host.flags.writeable:
             raise ValueError(
