@@ -248,7 +248,7 @@ def test_packs_layout_takes_mid_sized_launches():
 
     def takes(batch=1, seq=8192, heads=32, head_dim=128, rotary_dim=128, dtype="bfloat16",
               k_heads=0, offset=0, head_stride=None,
-              mode=_rotate.TWO_LEVEL, neox=True, norm=False, one_row=True):  # fmt: skip
+              neox=True, norm=False, one_row=True):  # fmt: skip
         stride = head_stride or head_dim
         width = (heads + k_heads) * stride  # (q's heads then k's, of one fused row)
         strides = (seq * width, width, stride, 1)
@@ -259,7 +259,7 @@ def test_packs_layout_takes_mid_sized_launches():
             rows += [k, k]
         copy_tail = rotary_dim < head_dim
         aligned = _rotate._vector_width(dtype, neox, rotary_dim, head_dim, copy_tail, rows)
-        return _rotate._packs_layout(dtype, neox, rotary_dim, mode, norm, rows, aligned, one_row)
+        return _rotate._packs_layout(dtype, neox, rotary_dim, norm, rows, aligned, one_row)
 
     assert takes() and takes(batch=2, seq=2048) and takes(dtype="float16")
     assert takes(dtype="float32") and takes(dtype="float32", batch=2, seq=2048)
@@ -284,10 +284,9 @@ def test_packs_layout_takes_mid_sized_launches():
     assert not takes(heads=30, seq=1 << 13)
     assert not takes(rotary_dim=64) and not takes(head_dim=96, rotary_dim=96)
     assert not takes(offset=1)  # (one element in: not 16-byte aligned)
-    assert all(takes(mode=mode) for mode in _rotate.TABLE_MODES)
-    # (MRoPE whose sections split a lane's pairs between rows: _lanes_in_one_row)
-    assert not takes(mode=_rotate.MROPE, one_row=False)
-    assert not takes(mode=_rotate.MROPE, norm=True, one_row=False)
+    # (any table mode: the plan passes none; MRoPE whose sections split a lane's pairs
+    # between rows: _lanes_in_one_row)
+    assert not takes(one_row=False) and not takes(norm=True, one_row=False)
     assert not takes(head_stride=1 << 26)  # (32 heads: offsets past 2**31 elements)
     assert not takes(heads=4, k_heads=32, head_stride=1 << 26)  # (k's 32 heads: the same)
     for dtype, rotary_dim, neox, mode in itertools.product(
@@ -305,8 +304,7 @@ def test_packs_layout_takes_mid_sized_launches():
             with_norm = _rotate._packs_name(dtype, neox, rotary_dim, mode, True)
             assert (with_norm in normed.name_expressions) == (dtype != "float32")
             assert takes(
-                dtype=dtype, head_dim=rotary_dim, rotary_dim=rotary_dim, mode=mode, neox=neox,
-                norm=True,
+                dtype=dtype, head_dim=rotary_dim, rotary_dim=rotary_dim, neox=neox, norm=True,
             ) == (dtype != "float32")  # fmt: skip
 
 

@@ -727,7 +727,7 @@ def _plan(
     total_heads = q_heads + (rows[2].shape[2] if len(rows) > 2 else 0)
     aligned_width = _vector_width(dtype, neox, rotary_dim, head_dim, copy_tail, rows)
     normed = norm is not None
-    if _packs_layout(dtype, neox, rotary_dim, mode, normed, rows, aligned_width, lanes_in_one_row):
+    if _packs_layout(dtype, neox, rotary_dim, normed, rows, aligned_width, lanes_in_one_row):
         threads = _packs_threads(batch * seq * total_heads, rotary_dim, aligned_width)
         name = _packs_name(dtype, neox, rotary_dim, mode, normed)
         kernel = _cuda.function(module_spec(dtype, rotary_dim, mode, normed), name, device)
@@ -758,14 +758,13 @@ def _packs_layout(
     dtype: str,
     neox: bool,
     rotary_dim: int,
-    mode: int,
     norm: bool,
     rows: list[HeadRows],
     aligned_width: int,
     lanes_in_one_row: bool,
 ) -> bool:
     """Whether rope_rotate_packs takes the launch (_PACK_* above): q, or q and k (``rows``:
-    their (in, out) pairs), at any positions (MRoPE where ``lanes_in_one_row``:
+    their (in, out) pairs), at any positions and table mode (MRoPE where ``lanes_in_one_row``:
     :func:`_lanes_in_one_row`), 16-byte-aligned rows rotated whole at a compiled rotary_dim,
     a multiple of _PACK_ROWS heads in each operand, head offsets within 32 bits, from
     _PACK_MIN_HEAD_ROWS head rows in all to _PACK_MAX_HEAD_ROWS of the dtype's element size
