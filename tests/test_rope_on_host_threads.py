@@ -111,14 +111,15 @@ def _name_expressions() -> list[str]:
             ("float32", "bfloat16"), (True, False), TABLE_CASES
         )
     ]
-    names = [
-        _rotate._packs_name(dtype, neox, rotary_dim, mode, norm)
-        for dtype, neox, rotary_dim, mode, norm in itertools.product(
-            ("bfloat16", "float16", "float32"), (True, False), _rotate.SHIPPED_ROTARY_DIMS,
-            _rotate.TABLE_MODES, (False, True),
+    names = [  # (the packs kernels each shipped module holds)
+        name
+        for dtype, rotary_dim, mode, norm in itertools.product(
+            ("bfloat16", "float16", "float32"), _rotate.SHIPPED_ROTARY_DIMS, _rotate.TABLE_MODES,
+            (False, True),
         )
-        if _rotate._packs_compiled(dtype, rotary_dim, norm)
-        and (not norm or mode in _rotate.NORM_TABLE_MODES)
+        if not norm or mode in _rotate.NORM_TABLE_MODES
+        for name in _rotate.module_spec(dtype, rotary_dim, mode, norm).name_expressions
+        if name.startswith("rope_rotate_packs<")
     ]  # fmt: skip
     for dtype, neox, rotary_dim, mode, norm in launches:
         for vec, layout, heads in _rotate.instantiations(dtype, neox, rotary_dim, norm, mode):
