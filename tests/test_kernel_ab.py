@@ -1,0 +1,87 @@
+"""tools/kernel_ab.py, the A/B of kernel source variants: its variant loading, its table and
+its export on the host; one run of its rows on the GPU, so that the tool keeps up with the ops."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kernels_cu
+
+ROOT = Path(__file__).resolve().parent.parent
+TOOL = ROOT / "tools" / "kernel_ab.py"
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("kernel_ab", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_variant_folder_replaces_only_the_files_it_holds(tmp_path):
+    (tmp_path / "rope.cu").write_text("// variant rope\n")
+    script = (
+        "import sys, importlib.util as u\n"
+        f"spec = u.spec_from_file_location('kernel_ab', {str(TOOL)!r})\n"
+        "tool = u.module_from_spec(spec); spec.loader.exec_module(tool)\n"
+        f"tool.use_variant({str(tmp_path)!r})\n"
+        "import kernels_cu\n"
+        "print(kernels_cu.source('rope') == '// variant rope\\n')\n"
+        f"print(kernels_cu.source('mhc') == open({str(ROOT / 'kernels_cu' / 'mhc.cu')!r}).read())\n"
+        f"print(kernels_cu.common() == open({str(ROOT / 'kernels_cu' / 'common.cuh')!r}).read())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, check=True, capture_output=True, text=True
+    ).stdout.split()
+    assert out == ["True", "True", "True"]
+
+
+def test_tree_is_the_shipped_sources_and_a_missing_folder_is_refused():
+    tool = _tool()
+    tool.use_variant("tree")  # (no change to this process)
+    assert kernels_cu.source("rope") == (ROOT / "kernels_cu" / "rope.cu").read_text()
+    with pytest.raises(SystemExit, match="neither 'tree' nor a folder"):
+        tool.use_variant(str(ROOT / "no such folder"))
+
+
+def test_table_gives_each_row_its_median_and_range_beside_a_copy():
+    runs = {
+        "base": [
+            {"ceiling GB/s": 4160.0, "rope A": 90.0, "rope A copy": 95.0},
+            {"ceiling GB/s": 4150.0, "rope A": 92.0, "rope A copy": 95.1},
+            {"ceiling GB/s": 4155.0, "rope A": 91.0, "rope A copy": 95.2},
+        ],
+        "tree": [
+            {"ceiling GB/s": 4160.0, "rope A": 93.5, "rope A copy": 95.0},
+            {"ceiling GB/s": 4158.0, "rope A": 94.5, "rope A copy": 95.0},
+            {"ceiling GB/s": 4157.0, "rope A": 93.0, "rope A copy": 95.0},
+        ],
+    }
+    lines = _tool().table(runs).splitlines()
+    assert lines[0].split() == ["row", "base", "tree", "copy"]
+    assert lines[1].split() == ["rope", "A", "91.0", "(90.0-92.0)", "93.5", "(93.0-94.5)", "95.0"]
+    assert lines[2].startswith("copy ceilings (GB/s): {'base': [4160.0, 4150.0, 4155.0]")
+
+
+def test_export_writes_a_revisions_kernel_files(tmp_path):
+    status = subprocess.run(
+        ["git", "status", "--porcelain", "--", "kernels_cu"],
+        cwd=ROOT, capture_output=True, text=True,
+    )  # fmt: skip
+    if status.returncode or status.stdout.strip():
+        pytest.skip("not a git checkout, or kernels_cu differs from HEAD")
+    tool = _tool()
+    tool.export("HEAD", tmp_path)
+    for name in tool.KERNEL_FILES:
+        assert (tmp_path / name).read_text() == (ROOT / "kernels_cu" / name).read_text()
+
+
+@pytest.mark.gpu
+def test_every_row_runs_on_the_device():
+    """Each group's rows built and run once (compiling their kernels; nothing timed)."""
+    tool = _tool()
+    out = tool.measure("tree", list(tool.GROUPS), warm_only=True)
+    assert out == {"ceiling GB/s": 1.0}

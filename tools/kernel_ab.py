@@ -1,0 +1,281 @@
+"""A/B of kernel source variants on one GPU, in alternating processes: what to run, in one
+device call, before a kernel change lands (device time is short; run it on the card the
+targets are set on, since the H100 and the H200 have ranked layouts differently).
+
+    python tools/kernel_ab.py export main prof/base       # a revision's kernels_cu, as a folder
+    python tools/kernel_ab.py run --rounds 2 prof/base tree            # the rows of every group
+    python tools/kernel_ab.py run --rows rope,norm prof/base prof/try  # some groups
+
+A variant is ``tree`` (the checkout's own ``kernels_cu``) or a folder whose files
+(``rope.cu``, ``mhc.cu``, ``mhc_backward.cu``, ``common.cuh``) replace the shipped ones of the
+same name. Every variant's kernels are compiled first, in parallel processes (the disk cache
+of ``tileops_cupy._cuda`` keeps them). Then each round runs every variant once, one process
+each, in turn, so that drift of the machine during the run moves every variant alike. A
+process times the rows as the bench does (``median_us``: CUDA events, L2 flushed between
+runs) and prints one JSON line; the table gives each row's median over the rounds (min-max)
+in % of the copy ceiling, and what a copy of the same bytes reaches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNEL_FILES = ("common.cuh", "rope.cu", "mhc.cu", "mhc_backward.cu")
+
+# (fn, bytes moved) of each row, built on the device; rows of a group share one builder
+Row = tuple[Callable[[], object], int]
+
+
+def use_variant(variant: str) -> None:
+    """Make ``kernels_cu`` read ``variant``'s files (see the module docstring) in this
+    process; call it before any kernel is compiled."""
+    if variant == "tree":
+        return
+    folder = Path(variant)
+    if not folder.is_dir():
+        raise SystemExit(f"variant {variant!r} is neither 'tree' nor a folder")
+    import kernels_cu
+
+    shipped_source = kernels_cu.source.__wrapped__
+    shipped_common = kernels_cu.common.__wrapped__
+
+    def source(name: str) -> str:
+        path = folder / f"{name}.cu"
+        return path.read_text() if path.exists() else shipped_source(name)
+
+    def common() -> str:
+        path = folder / "common.cuh"
+        return path.read_text() if path.exists() else shipped_common()
+
+    kernels_cu.source, kernels_cu.common = source, common
+
+
+def export(revision: str, folder: Path) -> None:
+    """Write ``revision``'s kernel files into ``folder`` (git, here: the device machine gets
+    the working tree without the repository)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in KERNEL_FILES:
+        text = subprocess.run(
+            ["git", "show", f"{revision}:kernels_cu/{name}"],
+            cwd=ROOT, check=True, capture_output=True, text=True,
+        ).stdout  # fmt: skip
+        (folder / name).write_text(text)
+
+
+# ------------------------------------------------------------------------------ the rows
+
+
+def _rope_rows(torch) -> dict[str, Row]:
+    from tileops_cupy.rope import RoPEFwdOp
+
+    rows = {}
+    for layout in ("neox", "interleaved"):
+        for batch, seq in ((8, 4096), (1, 8192), (2, 2048)):
+            x = torch.randn(batch, seq, 32, 128, device="cuda").bfloat16()
+            op = RoPEFwdOp(layout, "2d")
+            name = f"rope {layout} B{batch} S{seq} H32 D128"
+            rows[name] = (lambda op=op, x=x: op(x), 4 * x.numel())  # bf16 x read, y written
+    return rows
+
+
+def _qkv(torch, tokens: int):
+    """q [N, 32*128] and k [N, 8*128] bf16 as views of one fused QKV buffer, and their bytes
+    read plus written."""
+    qkv = torch.randn(tokens, 48 * 128, device="cuda").bfloat16()
+    q, k = qkv[:, : 32 * 128], qkv[:, 32 * 128 : 40 * 128]
+    return q, k, 2 * 2 * (q.numel() + k.numel())
+
+
+def _component_rows(torch) -> dict[str, Row]:
+    from tileops_cupy.rope import RoPE, apply_rope_with_cos_sin_cache_inplace
+
+    rows = {}
+    for tokens in (8192, 32768):
+        q, k, moved = _qkv(torch, tokens)
+        positions = torch.randint(0, 32768, (tokens,), device="cuda")
+        rope = RoPE(128, 32, 8, max_position=1 << 16)
+        rows[f"positions N{tokens}"] = (
+            lambda rope=rope, q=q, k=k, p=positions: rope.forward(q, k, positions=p),
+            moved + 8 * tokens,
+        )
+    q, k, moved = _qkv(torch, 8192)
+    angles = torch.rand(1 << 17, 64, device="cuda") * 1e4
+    cache = torch.cat([angles.cos(), angles.sin()], -1).contiguous()
+    ids = torch.randint(0, 1 << 17, (8192,), device="cuda")
+    rows["cos_sin_cache N8192"] = (
+        lambda: apply_rope_with_cos_sin_cache_inplace(ids, q, k, 128, cache),
+        moved,
+    )
+    thw = torch.randint(0, 1 << 20, (3, 8192), device="cuda")
+    for name, rope in (
+        ("sectioned", RoPE(128, 32, 8, mrope_section=(16, 24, 24))),
+        ("interleaved", RoPE(128, 32, 8, mrope_section=(24, 20, 20), mrope_interleaved=True)),
+    ):
+        rows[f"MRoPE {name} N8192"] = (
+            lambda rope=rope: rope.forward(q, k, positions=thw),
+            moved,
+        )
+    return rows
+
+
+def _norm_rows(torch) -> dict[str, Row]:
+    from tileops_cupy.rope import RoPE
+
+    rope = RoPE(128, 32, 8, norm_eps=1e-6)
+    q_weight, k_weight = ((1 + 0.1 * torch.randn(128, device="cuda")).bfloat16() for _ in "qk")
+    rows = {}
+    for tokens in (8192, 32768):
+        q, k, moved = _qkv(torch, tokens)
+        positions = torch.randint(0, 1 << 16, (tokens,), device="cuda")
+
+        def fused(q=q, k=k, positions=positions):
+            rope.forward(q, k, positions=positions, q_norm_weight=q_weight, k_norm_weight=k_weight)
+
+        rows[f"qk-norm N{tokens}"] = (fused, moved)
+    return rows
+
+
+def _mhc_rows(torch) -> dict[str, Row]:
+    from tileops_cupy.sequence_modeling import MHCPostBwdOp, MHCPostFwdOp, MHCPreFwdOp
+
+    n, rows = 4, {}
+    for batch, c_x in ((4096, 4096), (16384, 7168)):
+        layer = torch.randn(batch, c_x, device="cuda").bfloat16()
+        gates = 2 * torch.rand(batch, n, device="cuda")
+        res = torch.randn(batch, n * c_x, device="cuda").bfloat16()
+        grad = torch.randn(batch, n * c_x, device="cuda").bfloat16()
+        post, post_bwd = MHCPostFwdOp(), MHCPostBwdOp()
+        rows[f"mhc post B{batch} c_x{c_x}"] = (
+            lambda post=post, a=(layer, gates, res): post(*a),
+            2 * layer.numel() + 4 * gates.numel() + 4 * res.numel(),
+        )
+        rows[f"mhc post-bwd B{batch} c_x{c_x}"] = (
+            lambda op=post_bwd, a=(layer, gates, res, grad): op(*a),
+            4 * layer.numel() + 8 * gates.numel() + 2 * grad.numel(),
+        )
+        phi = torch.randn(n * c_x, n * n + 2 * n, device="cuda") / (n * c_x) ** 0.5
+        b = torch.randn(n * n + 2 * n, device="cuda")
+        x = res
+        pre = MHCPreFwdOp(1.0, 1.0, 1.0, 20)
+        # (its one-pass floor's bytes, as the bench's: x, phi and b read, x_res, x_layer and
+        # h_post written)
+        rows[f"mhc pre B{batch} c_x{c_x}"] = (
+            lambda pre=pre, a=(phi, x, b): pre(*a),
+            4 * x.numel() + 4 * (phi.numel() + b.numel()) + 2 * layer.numel() + 4 * gates.numel(),
+        )
+    return rows
+
+
+GROUPS = {
+    "rope": _rope_rows,
+    "component": _component_rows,
+    "norm": _norm_rows,
+    "mhc": _mhc_rows,
+}
+
+
+def measure(variant: str, groups: Iterable[str], warm_only: bool) -> dict[str, float]:
+    """{row: % of the copy ceiling} (and ``"<row> copy"``: a copy of its bytes) of ``groups``
+    under ``variant``; ``warm_only``: run each row once (compiling its kernels), time nothing."""
+    sys.path.insert(0, str(ROOT))
+    use_variant(variant)
+    import torch
+
+    from tileops_cupy._bench_harness import copy_ceiling_gbs, copy_pct, median_us
+
+    torch.manual_seed(0)
+    ceiling = copy_ceiling_gbs() if not warm_only else 1.0
+    result: dict[str, float] = {"ceiling GB/s": round(ceiling, 1)}
+    for group in groups:
+        for name, (fn, moved) in GROUPS[group](torch).items():
+            fn()
+            torch.cuda.synchronize()
+            if warm_only:
+                continue
+            result[name] = round(100 * moved / (median_us(fn) * 1e-6) / 1e9 / ceiling, 2)
+            result[f"{name} copy"] = round(copy_pct(moved, ceiling), 2)
+    return result
+
+
+def table(runs: dict[str, list[dict[str, float]]]) -> str:
+    """Each row's median over the rounds (min-max) for every variant, beside a copy."""
+    variants = list(runs)
+    first = runs[variants[0]][0]
+    names = [name for name in first if not name.endswith(" copy") and name != "ceiling GB/s"]
+    width = max(len(name) for name in names) + 2
+    lines = ["row".ljust(width) + "".join(v[-20:].rjust(22) for v in variants) + "copy".rjust(8)]
+    for name in names:
+        cells = ""
+        for variant in variants:
+            values = [run[name] for run in runs[variant] if name in run]
+            spread = f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
+            cells += spread.rjust(22)
+        lines.append(name.ljust(width) + cells + f"{first[name + ' copy']:8.1f}")
+    ceilings = {v: [run["ceiling GB/s"] for run in runs[v]] for v in variants}
+    lines.append(f"copy ceilings (GB/s): {ceilings}")
+    return "\n".join(lines)
+
+
+def run(variants: list[str], groups: list[str], rounds: int) -> str:
+    """Warm every variant in parallel, then ``rounds`` rounds of one process a variant."""
+    me = [sys.executable, str(Path(__file__).resolve())]
+    rows = ["--rows", ",".join(groups)]
+    warming = [
+        subprocess.Popen([*me, "measure", variant, *rows, "--warm"], stdout=subprocess.DEVNULL)
+        for variant in variants
+    ]
+    if any([process.wait() for process in warming]):  # (every process waited for)
+        raise SystemExit("a variant failed to build or run (its error is above)")
+    runs: dict[str, list[dict[str, float]]] = {variant: [] for variant in variants}
+    for _ in range(rounds):
+        for variant in variants:
+            line = (
+                subprocess.run(
+                    [*me, "measure", variant, *rows], check=True, stdout=subprocess.PIPE, text=True
+                )
+                .stdout.strip()
+                .splitlines()[-1]
+            )  # (its errors pass through to stderr)
+            runs[variant].append(json.loads(line))
+            print(variant, line, flush=True)
+    return table(runs)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    export_command = commands.add_parser("export", help="a revision's kernels_cu into a folder")
+    export_command.add_argument("revision")
+    export_command.add_argument("folder", type=Path)
+    run_command = commands.add_parser("run", help="the A/B: a table of the variants' rows")
+    run_command.add_argument("variants", nargs="+", help="'tree' or folders of kernel files")
+    run_command.add_argument("--rounds", type=int, default=2)
+    measure_command = commands.add_parser("measure", help="one variant's rows, as JSON (run's)")
+    measure_command.add_argument("variant")
+    measure_command.add_argument("--warm", action="store_true", help="compile only, time nothing")
+    groups_help = "comma-separated groups of rows: " + ", ".join(GROUPS)
+    for command in (run_command, measure_command):
+        command.add_argument("--rows", default=",".join(GROUPS), help=groups_help)
+    args = parser.parse_args(argv)
+    if args.command == "export":
+        export(args.revision, args.folder)
+        return
+    groups = args.rows.split(",")
+    unknown = sorted(set(groups) - set(GROUPS))
+    if unknown:
+        raise SystemExit(f"unknown row groups {unknown}; known: {sorted(GROUPS)}")
+    if args.command == "measure":
+        print(json.dumps(measure(args.variant, groups, args.warm)))
+    else:
+        print(run(args.variants, groups, args.rounds))
+
+
+if __name__ == "__main__":
+    main()
