@@ -27,7 +27,6 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-KERNEL_FILES = ("common.cuh", "rope.cu", "mhc.cu", "mhc_backward.cu")
 
 # (fn, bytes moved) of each row, built on the device; rows of a group share one builder
 Row = tuple[Callable[[], object], int]
@@ -57,16 +56,22 @@ def use_variant(variant: str) -> None:
     kernels_cu.source, kernels_cu.common = source, common
 
 
-def export(revision: str, folder: Path) -> None:
-    """Write ``revision``'s kernel files into ``folder`` (git, here: the device machine gets
-    the working tree without the repository)."""
+def _git(*arguments: str) -> str:
+    return subprocess.run(
+        ["git", *arguments], cwd=ROOT, check=True, capture_output=True, text=True
+    ).stdout
+
+
+def export(revision: str, folder: Path) -> list[str]:
+    """Write ``revision``'s kernel sources (every ``.cu`` and ``.cuh`` of its ``kernels_cu``)
+    into ``folder`` (git, here: the device machine gets the working tree without the
+    repository); returns their names."""
     folder.mkdir(parents=True, exist_ok=True)
-    for name in KERNEL_FILES:
-        text = subprocess.run(
-            ["git", "show", f"{revision}:kernels_cu/{name}"],
-            cwd=ROOT, check=True, capture_output=True, text=True,
-        ).stdout  # fmt: skip
-        (folder / name).write_text(text)
+    paths = _git("ls-tree", "--name-only", revision, "kernels_cu/").split()
+    names = [Path(path).name for path in paths if path.endswith((".cu", ".cuh"))]
+    for name in names:
+        (folder / name).write_text(_git("show", f"{revision}:kernels_cu/{name}"))
+    return names
 
 
 # ------------------------------------------------------------------------------ the rows
