@@ -48,22 +48,21 @@ def test_tree_is_the_shipped_sources_and_a_missing_folder_is_refused():
 
 
 def test_table_gives_each_row_its_median_and_range_beside_a_copy():
+    def run(ceiling, rope, copy, decode):
+        row = {"ceiling GB/s": ceiling, "rope A": rope, "rope A copy": copy}
+        return row | {"decode B": decode, "decode B copy": None}  # a latency row (µs)
+
     runs = {
-        "base": [
-            {"ceiling GB/s": 4160.0, "rope A": 90.0, "rope A copy": 95.0},
-            {"ceiling GB/s": 4150.0, "rope A": 92.0, "rope A copy": 95.1},
-            {"ceiling GB/s": 4155.0, "rope A": 91.0, "rope A copy": 95.2},
-        ],
-        "tree": [
-            {"ceiling GB/s": 4160.0, "rope A": 93.5, "rope A copy": 95.0},
-            {"ceiling GB/s": 4158.0, "rope A": 94.5, "rope A copy": 95.0},
-            {"ceiling GB/s": 4157.0, "rope A": 93.0, "rope A copy": 95.0},
-        ],
+        "base": [run(4160.0, 90.0, 95.0, 12.0), run(4150.0, 92.0, 95.1, 11.0)],
+        "tree": [run(4160.0, 93.5, 95.0, 9.0), run(4158.0, 94.5, 95.0, 9.5)],
     }
+    runs["base"].append(run(4155.0, 91.0, 95.2, 13.5))
+    runs["tree"].append(run(4157.0, 93.0, 95.0, 8.5))
     lines = _tool().table(runs).splitlines()
     assert lines[0].split() == ["row", "base", "tree", "copy"]
     assert lines[1].split() == ["rope", "A", "91.0", "(90.0-92.0)", "93.5", "(93.0-94.5)", "95.0"]
-    assert lines[2].startswith("copy ceilings (GB/s): {'base': [4160.0, 4150.0, 4155.0]")
+    assert lines[2].split() == ["decode", "B", "12.0", "(11.0-13.5)", "9.0", "(8.5-9.5)", "-"]
+    assert lines[3].startswith("copy ceilings (GB/s): {'base': [4160.0, 4150.0, 4155.0]")
 
 
 def test_export_writes_a_revisions_kernel_files(tmp_path):

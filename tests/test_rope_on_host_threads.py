@@ -547,22 +547,27 @@ def test_packs_layout_on_host_threads(kernels, rng, dtype, neox, rotary_dim):
 def test_packs_norm_on_host_threads(kernels, rng, dtype, neox, rotary_dim):
     """rope_rotate_packs with the fused QK-RMSNorm (16-bit rows): each row's sum of squares
     over its lanes by shuffles, the weights of a lane's columns (float32 or the data's type,
-    with an offset, one element in: any alignment), q alone and q with k (k in q's rows or
-    apart), an odd token count (a last warp's lanes past the last row stay for the shuffles
-    and write nothing), per-token ids and MRoPE sections, in place and into new arrays,
-    every element against the float64 norm then rotation, and nothing else written."""
+    with an offset, read one element at a time: 16-byte-aligned or one element past), q
+    alone and q with k (k in q's rows or apart), an odd token count (a last warp's lanes
+    past the last row stay for the shuffles and write nothing), per-token ids and MRoPE
+    sections, in place and into new arrays, every element against the float64 norm then
+    rotation, and nothing else written."""
     batch, seq = 3, 5
     offsets = np.array([0, 700, 3], np.int64)
     partial_warps = 0
-    for (q_heads, k_heads, k_apart), in_place, kind, (weight_kind, offset) in itertools.product(
-        ((4, 0, False), (8, 4, False), (4, 8, True)), (False, True), ("int64", "mrope"),
-        (("float32", 0.0), ("data", 1.0)),
+    for (q_heads, k_heads, k_apart), in_place, kind, (weight_kind, offset), aligned in (
+        itertools.product(
+            ((4, 0, False), (8, 4, False), (4, 8, True)), (False, True), ("int64", "mrope"),
+            (("float32", 0.0), ("data", 1.0)), (True, False),
+        )
     ):  # fmt: skip
         case = _pack_positions(rng, kind, rotary_dim, batch, seq, offsets)
         weights = {}
         for name in ("q", "k"):
-            w_dtype = np.float32 if weight_kind == "float32" else numpy_dtype(dtype)
-            weights[name] = rng.uniform(0.5, 1.5, rotary_dim + 1).astype(w_dtype)[1:]
+            w_dtype = np.dtype(np.float32 if weight_kind == "float32" else numpy_dtype(dtype))
+            spare = rng.uniform(0.5, 1.5, rotary_dim + 16).astype(w_dtype)
+            start = -spare.ctypes.data % 16 // w_dtype.itemsize + (not aligned)
+            weights[name] = spare[start : start + rotary_dim]
         launched = _launch_packs(
             kernels, rng, dtype, neox, rotary_dim, (batch, seq), (q_heads, k_heads, k_apart),
             in_place, case, norm=True, q_norm_weight=weights["q"].ctypes.data,
@@ -573,7 +578,7 @@ def test_packs_norm_on_host_threads(kernels, rng, dtype, neox, rotary_dim):
         )  # fmt: skip
         partial_warps += launched[-1] % 32 != 0
         what = f"{dtype} neox={neox} D{rotary_dim} heads={q_heads}+{k_heads} "
-        what += f"in_place={in_place} positions={kind} weights={weight_kind}"
+        what += f"in_place={in_place} positions={kind} weights={weight_kind} aligned={aligned}"
         for array, first, x64, y in _packs_heads(launched, rotary_dim, what):
             operand = "q" if array == "q" and first == 0 else "k"
             normed = rms_norm_reference(x64, weights[operand].astype(np.float64), EPS, offset)

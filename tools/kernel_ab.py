@@ -13,7 +13,7 @@ of ``tileops_cupy._cuda`` keeps them). Then each round runs every variant once, 
 each, in turn, so that drift of the machine during the run moves every variant alike. A
 process times the rows as the bench does (``median_us``: CUDA events, L2 flushed between
 runs) and prints one JSON line; the table gives each row's median over the rounds (min-max)
-in % of the copy ceiling, and what a copy of the same bytes reaches.
+in % of the copy ceiling, and what a copy of the same bytes reaches (decode rows: device µs).
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# (fn, bytes moved) of each row, built on the device; rows of a group share one builder
+# (fn, bytes moved) of each row, built on the device; rows of a group share one builder. A
+# row that moves too little for bandwidth to mean anything (decode) has 0 bytes: its figure
+# is device µs, not % of the copy ceiling.
 Row = tuple[Callable[[], object], int]
 
 
@@ -178,17 +180,32 @@ def _mhc_rows(torch) -> dict[str, Row]:
     return rows
 
 
+def _decode_rows(torch) -> dict[str, Row]:
+    """mHC pre at decode batches (bf16 n4), as the bench's decode rows: device µs."""
+    from tileops_cupy.sequence_modeling import MHCPreFwdOp
+
+    n, pre, rows = 4, MHCPreFwdOp(1.0, 1.0, 1.0, 20), {}
+    for batch, c_x in ((1, 1280), (4, 7168), (16, 4096), (64, 1280), (128, 4096)):
+        phi = torch.randn(n * c_x, n * n + 2 * n, device="cuda") / (n * c_x) ** 0.5
+        x = torch.randn(batch, n * c_x, device="cuda").bfloat16()
+        b = 0.5 * torch.randn(n * n + 2 * n, device="cuda")
+        rows[f"mhc pre B{batch} c_x{c_x} (µs)"] = (lambda a=(phi, x, b): pre(*a), 0)
+    return rows
+
+
 GROUPS = {
     "rope": _rope_rows,
     "component": _component_rows,
     "norm": _norm_rows,
     "mhc": _mhc_rows,
+    "decode": _decode_rows,
 }
 
 
 def measure(variant: str, groups: Iterable[str], warm_only: bool) -> dict[str, float]:
-    """{row: % of the copy ceiling} (and ``"<row> copy"``: a copy of its bytes) of ``groups``
-    under ``variant``; ``warm_only``: run each row once (compiling its kernels), time nothing."""
+    """{row: % of the copy ceiling, or device µs for a latency row} (and ``"<row> copy"``: a
+    copy of its bytes, None for a latency row) of ``groups`` under ``variant``; ``warm_only``:
+    run each row once (compiling its kernels), time nothing."""
     sys.path.insert(0, str(ROOT))
     use_variant(variant)
     import torch
@@ -203,6 +220,9 @@ def measure(variant: str, groups: Iterable[str], warm_only: bool) -> dict[str, f
             fn()
             torch.cuda.synchronize()
             if warm_only:
+                continue
+            if not moved:  # a latency row: device µs
+                result[name], result[f"{name} copy"] = round(median_us(fn), 2), None
                 continue
             result[name] = round(100 * moved / (median_us(fn) * 1e-6) / 1e9 / ceiling, 2)
             result[f"{name} copy"] = round(copy_pct(moved, ceiling), 2)
@@ -222,7 +242,8 @@ def table(runs: dict[str, list[dict[str, float]]]) -> str:
             values = [run[name] for run in runs[variant] if name in run]
             spread = f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
             cells += spread.rjust(22)
-        lines.append(name.ljust(width) + cells + f"{first[name + ' copy']:8.1f}")
+        copy = first[name + " copy"]
+        lines.append(name.ljust(width) + cells + ("-" if copy is None else f"{copy:.1f}").rjust(8))
     ceilings = {v: [run["ceiling GB/s"] for run in runs[v]] for v in variants}
     lines.append(f"copy ceilings (GB/s): {ceilings}")
     return "\n".join(lines)
