@@ -413,6 +413,28 @@ def test_component_decode_and_apply_rope_compile(rng, place):
 
 
 @pytest.mark.parametrize("place", PLACES)
+def test_compiled_in_place_call_refuses_overlapping_q_and_k_before_any_write(rng, place):
+    """Compiled, the in-place rotation of q and k that share memory is refused when the graph
+    runs (the op sees the caller's tensors), before any write; disjoint views of the same
+    buffer rotate as in eager mode."""
+    rope = RoPE(HEAD_DIM, 2, 2)
+
+    def rotate(rows, k_start):
+        q, k = rows[..., : 2 * HEAD_DIM], rows[..., k_start : k_start + 2 * HEAD_DIM]
+        rope.prefill(q, k, 5)
+        return rows + 0
+
+    for backend in backends(place):
+        compiled, _ = compile_counting(rotate, backend=backend)
+        rows = random_tensor(rng, (2, 3, 4 * HEAD_DIM), place)
+        before = rows.clone()
+        with pytest.raises(ValueError, match="^q and k overlap in memory"):
+            compiled(rows, HEAD_DIM)
+        assert torch.equal(rows, before)
+        torch.testing.assert_close(compiled(rows, 2 * HEAD_DIM), rotate(before, 2 * HEAD_DIM))
+
+
+@pytest.mark.parametrize("place", PLACES)
 def test_mhc_ops_compile(rng, place):
     pre, post = MHCPreFwdOp(0.8, 1.1, 0.9, 5), MHCPostFwdOp()
 

@@ -580,8 +580,10 @@ class RoPE(ProcessLocal):
     neither may address an element twice (an expanded view); under autograd they must be
     tensors torch lets change in place (not a leaf that requires grad, a view of one, one of
     the views ``split`` returns). Each is refused with a ValueError naming it before
-    anything is written; torch.func transforms included. Under ``torch.compile`` the traced
-    graph has no memory to compare, so q and k sharing memory are not detected there.
+    anything is written; torch.func transforms included, and ``torch.compile`` when the
+    graph runs. One case goes unchecked: a compiled call that autograd records (q or k
+    requires grad) rotates copies and writes them back, traced with no memory to compare,
+    so q and k sharing memory are not detected there (the later write wins).
 
     Positions: ``position_offset``/``position`` is a Python int or an integer tensor
     ``[B]`` (one per sequence). ``forward(q, k, positions=...)`` (and ``backward``,
