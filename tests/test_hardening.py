@@ -799,6 +799,80 @@ def test_mhc_fake_implementations_refuse_what_eager_refuses(call):
     )
 
 
+def _component_cases() -> dict:
+    """(call, argument shapes and dtypes) of component calls with one fault each: what the
+    component checks without memory (``RoPE._checked``)."""
+    rope, normed = _rope(), RoPE(HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, norm_eps=1e-6)
+    q, k = ((B, T, Q_WIDTH), torch.float32), ((B, T, K_WIDTH), torch.float32)
+    ids, offsets = ((B, T), torch.int64), ((B,), torch.int32)
+    weight = ((HEAD_DIM,), torch.float32)
+    packed_q, packed_k = ((5, Q_WIDTH), torch.float32), ((5, K_WIDTH), torch.float32)
+
+    def cache_call(positions, query, key, cache):
+        apply_rope_with_cos_sin_cache_inplace(positions, query, key, HEAD_DIM, cache)
+
+    return {
+        "q of other heads": (rope.prefill, [((B, T, Q_WIDTH + HEAD_DIM), torch.float32), k, 0]),
+        "k of other tokens": (rope.prefill, [q, ((B, T + 1, K_WIDTH), torch.float32), 0]),
+        "k of another dtype": (rope.prefill, [q, ((B, T, K_WIDTH), torch.bfloat16), 0]),
+        "q of integers": (rope.prefill, [((B, T, Q_WIDTH), torch.int32), k, 0]),
+        "offsets of another batch": (rope.prefill, [q, k, ((B + 1,), torch.int32)]),
+        "float offsets": (rope.prefill, [q, k, ((B,), torch.float32)]),
+        "decode of two tokens": (rope.decode, [q, k, offsets]),
+        "positions of another length": (
+            lambda q, k, p: rope.forward(q, k, positions=p),
+            [q, k, ((B, T + 1), torch.int64)],
+        ),
+        "float positions": (
+            lambda q, k, p: rope.forward(q, k, positions=p),
+            [q, k, ((B, T), torch.float32)],
+        ),
+        "positions and an offset": (
+            lambda q, k, p: apply_rope(q, k, rope, 4, positions=p),
+            [q, k, ids],
+        ),
+        "norm weight of another size": (
+            lambda q, k, wq, wk: normed.forward(q, k, q_norm_weight=wq, k_norm_weight=wk),
+            [q, k, ((HEAD_DIM + 1,), torch.float32), weight],
+        ),
+        "norm weight of another dtype": (
+            lambda q, k, wq, wk: normed.forward(q, k, q_norm_weight=wq, k_norm_weight=wk),
+            [q, k, weight, ((HEAD_DIM,), torch.float16)],
+        ),
+        "q's norm weight alone": (
+            lambda q, k, wq: normed.forward(q, k, q_norm_weight=wq),
+            [q, k, weight],
+        ),
+        "cos_sin_cache of an odd width": (
+            cache_call,
+            [((5,), torch.int64), packed_q, packed_k, ((64, HEAD_DIM - 1), torch.float32)],
+        ),
+        "cos_sin_cache of doubles": (
+            cache_call,
+            [((5,), torch.int64), packed_q, packed_k, ((64, HEAD_DIM), torch.float64)],
+        ),
+    }
+
+
+_COMPONENT_CALLS = _component_cases()
+
+
+@pytest.mark.parametrize("call", list(_COMPONENT_CALLS))
+def test_component_fake_implementations_refuse_what_eager_refuses(call):
+    """On meta tensors (and under torch.compile) the component's calls run the fake
+    implementations of its custom ops, which check what needs no memory as the direct path
+    does: the same error, not made-up shapes."""
+    op, arguments = _COMPONENT_CALLS[call]
+
+    def made(device):
+        return [
+            a if isinstance(a, int) else torch.zeros(a[0], dtype=a[1], device=device)
+            for a in arguments
+        ]
+
+    _assert_meta_refuses_as_eager(op, made)
+
+
 # --------------------------------------------------------------------------- item 7: bench --json
 
 

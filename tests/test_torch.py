@@ -434,6 +434,25 @@ def test_compiled_in_place_call_refuses_overlapping_q_and_k_before_any_write(rng
         torch.testing.assert_close(compiled(rows, 2 * HEAD_DIM), rotate(before, 2 * HEAD_DIM))
 
 
+def test_compiled_component_call_refuses_bad_shapes_when_traced(rng):
+    """A component call that its eager form refuses (here k of other tokens than q) is
+    refused as torch.compile traces it, by the op's fake implementation (torch wraps the
+    error), before any graph runs: nothing is written."""
+    rope = RoPE(HEAD_DIM, HEADS, KV_HEADS)
+
+    def rotate(q, k):
+        rope.prefill(q, k, 0)
+        return q + 0
+
+    compiled, _ = compile_counting(rotate)
+    q = random_tensor(rng, (2, 3, HEADS * HEAD_DIM), "cpu")
+    k = random_tensor(rng, (2, 4, KV_HEADS * HEAD_DIM), "cpu")
+    before = q.clone(), k.clone()
+    with pytest.raises(torch._dynamo.exc.TorchRuntimeError, match="q and k must share"):
+        compiled(q, k)
+    assert torch.equal(q, before[0]) and torch.equal(k, before[1])
+
+
 @pytest.mark.parametrize("place", PLACES)
 def test_mhc_ops_compile(rng, place):
     pre, post = MHCPreFwdOp(0.8, 1.1, 0.9, 5), MHCPostFwdOp()

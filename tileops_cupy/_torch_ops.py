@@ -530,7 +530,28 @@ def _rope_qk_impl(
 
 
 def _rope_qk_fake(q, k, *arguments_and_config):
+    _check_rope_qk(q, k, *arguments_and_config, in_place=False)
     return q.new_empty(q.shape), (q.new_empty(0) if k is None else k.new_empty(k.shape))
+
+
+def _check_rope_qk(
+    q, k, offsets, offset, positions, cache, inverse, decode, q_weight, k_weight, *config,
+    in_place,
+):  # fmt: skip
+    """The component's checks that need no memory (``RoPE._checked``) on the arguments of
+    rope_qk or rope_qk_: a traced call (or one on meta tensors) refuses what an eager one
+    does, with the same error."""
+    from .rope import component
+
+    def described_or_none(tensor):
+        return None if tensor is None else described(tensor)
+
+    position = offset if offsets is None else described(offsets)
+    weights = (described_or_none(q_weight), described_or_none(k_weight))
+    component(config)._checked(
+        described(q), described_or_none(k), position, inverse, decode, in_place,
+        described_or_none(positions), weights, described_or_none(cache),
+    )  # fmt: skip
 
 
 def _rope_qk_setup(ctx, inputs, output):
@@ -606,7 +627,7 @@ def _rope_qk__impl(
 
 
 def _rope_qk__fake(q, k, *arguments_and_config):
-    return None
+    _check_rope_qk(q, k, *arguments_and_config, in_place=True)
 
 
 def _rope_qk__autograd(*arguments):

@@ -175,10 +175,9 @@ def check_mrope_section(section: Any, rotary_dim: int) -> tuple[int, int, int] |
     return tuple(int(v) for v in values)
 
 
-def check_cos_sin_cache(obj: Any, head_dim: int) -> Operand:
+def check_cos_sin_cache(cache: Operand, head_dim: int) -> Operand:
     """A caller's cos/sin table: float32 ``[max_position, rotary_dim]``, C-contiguous (the
     kernel reads row ``p`` at ``p * rotary_dim``), rotary_dim even and <= head_dim."""
-    cache = as_operand(obj, "cos_sin_cache")
     if cache.dtype != "float32":
         raise TypeError(f"cos_sin_cache must be float32, got {cache.dtype}")
     if cache.ndim != 2 or cache.shape[0] < 1:
@@ -211,6 +210,29 @@ def check_float_dtype(operand: Operand, name: str) -> None:
         raise TypeError(f"{name} is float64 on a CUDA device; float64 runs on the host path only")
 
 
+def check_float_layout(operand: Operand, name: str, *, in_place: bool = False) -> None:
+    """The checks of :func:`check_float_operand` that need no memory: a float dtype (float64
+    on the host only); written in place, a contiguous last dimension and not a JAX array
+    (which cannot change)."""
+    if in_place and operand.framework == "jax":
+        raise TypeError(
+            f"{name} is a JAX array, which cannot change in place; use an out-of-place call "
+            "(apply_rope, apply_rope_with_cos_sin_cache, the seed ops), which returns copies"
+        )
+    check_float_dtype(operand, name)
+    if in_place and not operand.last_dim_contiguous:
+        raise ValueError(
+            f"{name} must have a contiguous last dimension to be rotated in place, "
+            f"got strides {operand.strides}"
+        )
+
+
+def with_contiguous_last_dim(operand: Operand, template: Operand | None = None) -> Operand:
+    """``operand``, or where its last dimension is strided a copy made once (on
+    ``template``'s stream: see contiguous), for a read-only input."""
+    return operand if operand.last_dim_contiguous else contiguous(operand, template)
+
+
 def check_float_operand(
     obj: Any, name: str, *, in_place: bool = False, template: Operand | None = None
 ) -> Operand:
@@ -218,20 +240,8 @@ def check_float_operand(
     contiguous: a read-only input with a strided last dimension is copied once; an operand
     written in place must already be so (and not a JAX array, which cannot change)."""
     operand = as_operand(obj, name)
-    if in_place and operand.framework == "jax":
-        raise TypeError(
-            f"{name} is a JAX array, which cannot change in place; use an out-of-place call "
-            "(apply_rope, apply_rope_with_cos_sin_cache, the seed ops), which returns copies"
-        )
-    check_float_dtype(operand, name)
-    if operand.last_dim_contiguous:
-        return operand
-    if in_place:
-        raise ValueError(
-            f"{name} must have a contiguous last dimension to be rotated in place, "
-            f"got strides {operand.strides}"
-        )
-    return contiguous(operand, template)  # (on the launch's stream: see contiguous)
+    check_float_layout(operand, name, in_place=in_place)
+    return with_contiguous_last_dim(operand, template)
 
 
 def check_ndim(operand: Operand, name: str, ndim: int, layout: str) -> None:

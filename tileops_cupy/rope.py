@@ -21,7 +21,7 @@ import dataclasses
 import functools
 import inspect
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -54,6 +54,7 @@ from ._validate import (
     check_choice,
     check_cos_sin_cache,
     check_float_dtype,
+    check_float_layout,
     check_float_operand,
     check_head_dim_rotary_dim,
     check_host_positions,
@@ -66,6 +67,7 @@ from ._validate import (
     check_rotary_dim,
     check_target,
     is_dense,
+    with_contiguous_last_dim,
 )
 from .schemes import Llama31, LongRoPE, Scheme, Standard, YaRN, scheme_args, scheme_from_args
 
@@ -523,6 +525,15 @@ RoPENeoxPositionIdsBwdOp = _make_backward(RoPENeoxPositionIdsFwdOp)
 # --------------------------------------------------------------------------- Q/K component
 
 
+class _CheckedCall(NamedTuple):
+    """What :meth:`RoPE._checked` learned of a call: whether its tokens are packed ([N]
+    positions), and q's and k's head rows (k's None without k), before any copy."""
+
+    packed: bool
+    q_rows: HeadRows
+    k_rows: HeadRows | None
+
+
 class RoPE(ProcessLocal):
     """In-place rotary embedding of Q and K for inference and training stacks.
 
@@ -948,30 +959,19 @@ class RoPE(ProcessLocal):
             f"with per-token positions of shape [N], got shape {shape}"
         )
 
-    def _operand(
-        self, obj: Any, name: str, heads: int, in_place: bool, packed: bool = False,
-        template: Operand | None = None,
-    ) -> HeadRows:  # fmt: skip
-        """``obj`` as head rows; a strided copy of it is made on ``template``'s stream."""
-        operand = check_float_operand(obj, name, in_place=in_place, template=template)
-        return self._rows(operand, name, heads, packed)
-
     def _positions(self, value, name, rows: HeadRows, place, ids=None, packed=False, limit=None):
-        """Positions for a call: ints and host tensors checked here, device tensors bounded
-        by the kernel (by ``limit``: max_position, or 2**24 without one). ``ids``: per-token
-        positions (an Operand) of shape [B, T] (or [N] for ``packed`` rows; a leading 3
-        under MRoPE), with ``value`` 0."""
+        """Positions for a call that :meth:`_checked` passed: ints and host tensors checked
+        here, device tensors bounded by the kernel (by ``limit``: max_position, or 2**24
+        without one). ``value``: an int or the offsets' Operand; ``ids``: per-token positions
+        (an Operand), with ``value`` 0."""
         batch, seq = rows.shape[:2]
         limit = limit or self.max_position or MAX_POSITIONS
         if ids is not None:
-            shape, layout = ((seq,), "[N]") if packed else ((batch, seq), "[B, T]")
             mrope = {}
             if self.mrope_section is not None:
-                shape, layout = (3, *shape), "[3, " + layout[1:]
                 mrope = dict(
                     mrope_section=self.mrope_section, mrope_interleaved=self.mrope_interleaved
                 )
-            ids = check_position_ids("positions", ids, shape, layout)
             if not ids.is_cuda:
                 check_host_positions("positions", ids.host, limit)
                 highest = int(ids.host.max(initial=0)) + 1
@@ -983,21 +983,14 @@ class RoPE(ProcessLocal):
             if not is_dense(ids):  # the kernel reads ids[b*T + s]: copied once, as torch does
                 ids = contiguous(ids, rows.operand)
             return Positions(ids=ids, limit=limit, cover=limit, **mrope)
-        if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        if not isinstance(value, Operand):
             value = int(value)
             if value < 0 or value + seq > limit:
                 raise ValueError(
                     f"{name} must keep positions in [0, {limit}): got {name}={value} with T={seq}"
                 )
             return Positions(offset=value, limit=limit, cover=value + seq)
-        _refuse_scalar_position(value, name)
-        offsets = as_operand(value, name)
-        if offsets.dtype not in ("int32", "int64"):
-            raise TypeError(f"{name} must be an int or an int32/int64 tensor, got {offsets.dtype}")
-        if offsets.shape != (batch,):
-            raise ValueError(
-                f"{name} must be an int or a tensor of shape [B] = ({batch},), got {offsets.shape}"
-            )
+        offsets = value
         if not offsets.is_cuda:
             check_host_positions(name, offsets.host, limit)  # (first: the sum below can wrap)
             check_host_positions(name, offsets.host.astype(np.int64) + seq - 1, limit)
@@ -1011,33 +1004,33 @@ class RoPE(ProcessLocal):
             raise ValueError(f"{name} must be contiguous, got strides {offsets.strides}")
         return Positions(offsets=offsets, limit=limit, cover=limit)
 
-    def _apply(
+    def _checked(
         self,
-        q: Any,
-        k: Any,
+        q: Operand,
+        k: Operand | None,
         position: Any,
         inverse: bool,
-        decode: bool = False,
-        out: tuple[Any, Any] | None = None,
-        ids: Any = None,
-        weights: tuple[Any, Any] = (None, None),
-        cache: Any = None,
-    ) -> Any:
-        """Rotate (q, k) at ``position`` (or at per-token positions ``ids``, ``position``
-        then 0), each head row first normalised when norm ``weights`` (of q, of k) are given:
-        in place, or into ``out`` (same shapes, contiguous), with the scheme's table or a
-        caller's cos_sin_cache ``cache`` (per-token positions only). Returns the CUDA launch
-        (None on the host or for an empty call)."""
-        self._flag.raise_if_set(self._flagged_message)
-        in_place = out is None
-        if ids is not None and not (_is_int(position) and position == 0):
+        decode: bool,
+        in_place: bool,
+        ids: Operand | None = None,
+        weights: tuple[Operand | None, Operand | None] = (None, None),
+        cache: Operand | None = None,
+    ) -> _CheckedCall:
+        """Every check of a call that needs no memory, in the order its errors are raised:
+        the shapes, dtypes and layouts of the arguments and which of them go together. What
+        :meth:`_apply` runs first, and what the custom ops' fake implementations run alone
+        (meta tensors, torch.compile), so that both refuse alike. ``position``: an int (or
+        a traced one) or the offsets' Operand; the rest as :meth:`_apply` takes them, as
+        Operands."""
+        offsets = position if isinstance(position, Operand) else None
+        if ids is not None and (offsets is not None or position != 0):
+            given = "a tensor" if offsets is not None else repr(position)
             raise ValueError(
                 "positions (one per token) and a position offset cannot be combined: "
-                f"got position_offset={position!r}; add the offset to the positions"
+                f"got position_offset={given}; add the offset to the positions"
             )
         # positions of one token dim ([N], or [3, N] under MRoPE): packed q and k; the
         # cos_sin_cache calls take packed tokens only, as FlashInfer's (query [N, ...])
-        ids = None if ids is None else as_operand(ids, "positions")  # (described once)
         token_dims = (0 if ids is None else ids.ndim) - (self.mrope_section is not None)
         if self.mrope_section is not None and ids is not None and ids.shape[:1] != (3,):
             token_dims = 0  # (no leading row of 3: [B, T] is no [3, N])
@@ -1055,50 +1048,118 @@ class RoPE(ProcessLocal):
             raise ValueError(
                 f"positions must be {rows}, one position per token, got shape {tuple(ids.shape)}"
             )
-        table = self.table
         if cache is not None:
-            table = CosSinCache(check_cos_sin_cache(cache, self.head_dim))
-            if table.rotary_dim != self.rotary_dim:
+            width = check_cos_sin_cache(cache, self.head_dim).shape[1]
+            if width != self.rotary_dim:
                 raise ValueError(
-                    f"cos_sin_cache has width {table.rotary_dim}; this component rotates "
+                    f"cos_sin_cache has width {width}; this component rotates "
                     f"rotary_dim={self.rotary_dim}"
                 )
         q_name, k_name = _argument_names(cache)
-        q_rows = self._operand(q, q_name, self.num_heads, in_place, packed)
+        check_float_layout(q, q_name, in_place=in_place)
+        q_rows = self._rows(q, q_name, self.num_heads, packed)
         k_rows = None
         if k is not None:
-            k_rows = self._operand(
-                k, k_name, self.num_kv_heads, in_place, packed, template=q_rows.operand
-            )
-        operands = {q_name: q_rows.operand}
-        if k_rows is not None:
-            operands[k_name] = k_rows.operand
+            check_float_layout(k, k_name, in_place=in_place)
+            k_rows = self._rows(k, k_name, self.num_kv_heads, packed)
             if k_rows.shape[:2] != q_rows.shape[:2]:
                 tokens, first = ("[N]", 1) if packed else ("[B, T]", 0)  # (packed: B = 1)
                 raise ValueError(
                     f"{q_name} and {k_name} must share {tokens}, got {q_name} "
                     f"{q_rows.shape[first:2]} and {k_name} {k_rows.shape[first:2]}"
                 )
-            if k_rows.operand.dtype != q_rows.operand.dtype:
+            if k.dtype != q.dtype:
                 raise TypeError(
-                    f"{q_name} and {k_name} must share a dtype, got {q_rows.operand.dtype} and "
-                    f"{k_rows.operand.dtype}"
+                    f"{q_name} and {k_name} must share a dtype, got {q.dtype} and {k.dtype}"
                 )
+        self._check_norm_weights(weights, q.dtype, k is not None, inverse)
+        batch, seq = q_rows.shape[:2]
+        if decode and seq != 1:
+            raise ValueError(f"decode takes one token per sequence (T == 1), got T={seq}")
+        if ids is not None:
+            shape, layout = ((seq,), "[N]") if packed else ((batch, seq), "[B, T]")
+            if self.mrope_section is not None:
+                shape, layout = (3, *shape), "[3, " + layout[1:]
+            check_position_ids("positions", ids, shape, layout)
+        if offsets is not None:
+            name = "position" if decode else "position_offset"
+            if offsets.dtype not in ("int32", "int64"):
+                raise TypeError(
+                    f"{name} must be an int or an int32/int64 tensor, got {offsets.dtype}"
+                )
+            if offsets.shape != (batch,):
+                raise ValueError(
+                    f"{name} must be an int or a tensor of shape [B] = ({batch},), got "
+                    f"{offsets.shape}"
+                )
+        return _CheckedCall(packed, q_rows, k_rows)
+
+    def _apply(
+        self,
+        q: Any,
+        k: Any,
+        position: Any,
+        inverse: bool,
+        decode: bool = False,
+        out: tuple[Any, Any] | None = None,
+        ids: Any = None,
+        weights: tuple[Any, Any] = (None, None),
+        cache: Any = None,
+    ) -> Any:
+        """Rotate (q, k) at ``position`` (or at per-token positions ``ids``, ``position``
+        then 0), each head row first normalised when norm ``weights`` (of q, of k) are given:
+        in place, or into ``out`` (same shapes, contiguous), with the scheme's table or a
+        caller's cos_sin_cache ``cache`` (per-token positions only). Returns the CUDA launch
+        (None on the host or for an empty call). :meth:`_checked` first, then what needs the
+        memory: strided inputs copied, in-place operands and norm weights checked apart,
+        host positions' values."""
+        self._flag.raise_if_set(self._flagged_message)
+        in_place = out is None
+        name = "position" if decode else "position_offset"
+        q_name, k_name = _argument_names(cache)
+        q_op = as_operand(q, q_name)
+        k_op = None if k is None else as_operand(k, k_name)
+        ids = None if ids is None else as_operand(ids, "positions")  # (described once)
+        cache = None if cache is None else as_operand(cache, "cos_sin_cache")
+        weight_names = ("q_norm_weight", "k_norm_weight")
+        weights = tuple(
+            None if w is None else as_operand(w, n)
+            for w, n in zip(weights, weight_names, strict=True)
+        )
+        if not _is_int(position) and type(position).__name__ != "SymInt":
+            _refuse_scalar_position(position, name)
+            position = as_operand(position, name)
+        packed, q_rows, k_rows = self._checked(
+            q_op, k_op, position, inverse, decode, in_place, ids, weights, cache
+        )
+        if not in_place:  # a read-only input with a strided last dimension: copied once
+            q_rows = self._rows(with_contiguous_last_dim(q_op), q_name, self.num_heads, packed)
+            if k_rows is not None:
+                k_copy = with_contiguous_last_dim(k_op, template=q_rows.operand)
+                k_rows = self._rows(k_copy, k_name, self.num_kv_heads, packed)
+        operands = {q_name: q_rows.operand}
+        if k_rows is not None:
+            operands[k_name] = k_rows.operand
         if in_place:  # every operand checked before anything is written
             check_in_place(operands)
+        written = dict(operands) if in_place else {}
+        table = self.table
         if cache is not None:
-            operands["cos_sin_cache"] = table.operand
-        norm = self._norm(weights, q_rows.operand, k_rows, inverse, in_place)
-        if norm is not None:
-            operands["q_norm_weight"] = norm.q_weight
-            if norm.k_weight is not None:
-                operands["k_norm_weight"] = norm.k_weight
+            table = CosSinCache(cache)
+            operands["cos_sin_cache"] = cache
+        norm = None
+        if weights[0] is not None:
+            for weight_name, weight in zip(weight_names, weights, strict=True):
+                for target_name, target in written.items():
+                    if weight is not None and overlapping(weight, target):
+                        raise ValueError(
+                            f"{weight_name} overlaps {target_name} in memory, which this call "
+                            "writes; expected a weight apart from the data"
+                        )
+            norm = RowNorm(weights[0], weights[1], self.norm_eps, self.norm_weight_offset)
+            named = zip(weight_names, weights, strict=True)
+            operands.update((n, w) for n, w in named if w is not None)
         place = select_place(self.target, operands)
-        name = "position" if decode else "position_offset"
-        if decode and q_rows.shape[1] != 1:
-            raise ValueError(
-                f"decode takes one token per sequence (T == 1), got T={q_rows.shape[1]}"
-            )
         limit = table.capacity if cache is not None else None
         positions = self._positions(position, name, q_rows, place, ids, packed, limit)
         if cache is None:
@@ -1116,21 +1177,20 @@ class RoPE(ProcessLocal):
             norm=norm,
         )  # fmt: skip
 
-    def _norm(
+    def _check_norm_weights(
         self,
-        weights: tuple[Any, Any],
-        q: Operand,
-        k_rows: HeadRows | None,
+        weights: tuple[Operand | None, Operand | None],
+        dtype: str,
+        has_k: bool,
         inverse: bool,
-        in_place: bool,
-    ) -> RowNorm | None:
-        """The fused norm of a call with norm ``weights`` (of q, of k; None without),
-        validated: both or neither (k's only with k), ``[head_dim]``, q's dtype or float32,
-        contiguous, apart from what an in-place call writes. The place is checked with the
-        data's."""
+    ) -> None:
+        """The fused norm's weights (of q, of k; None without), validated: both or neither
+        (k's only with k), ``[head_dim]``, the data's ``dtype`` or float32, contiguous. (That
+        they lie apart from what an in-place call writes, :meth:`_apply` checks; their place
+        is checked with the data's.)"""
         q_weight, k_weight = weights
         if q_weight is None and k_weight is None:
-            return None
+            return
         if inverse:
             raise ValueError(
                 "q_norm_weight/k_norm_weight apply to the forward rotation only; the backward "
@@ -1141,38 +1201,26 @@ class RoPE(ProcessLocal):
                 "k_norm_weight was given without q_norm_weight; expected both (q and k are "
                 "normalised together, as in HF Qwen3)"
             )
-        if k_weight is not None and k_rows is None:
+        if k_weight is not None and not has_k:
             raise ValueError("k_norm_weight was given without k; expected None")
-        if k_weight is None and k_rows is not None:
+        if k_weight is None and has_k:
             raise ValueError(
                 "k_norm_weight is None but k was given; expected both norm weights (q and k "
                 "are normalised together, as in HF Qwen3)"
             )
-        checked = []
         for name, weight in (("q_norm_weight", q_weight), ("k_norm_weight", k_weight)):
             if weight is None:
-                checked.append(None)
                 continue
-            operand = as_operand(weight, name)
-            if operand.dtype not in (q.dtype, "float32"):
+            if weight.dtype not in (dtype, "float32"):
                 raise TypeError(
-                    f"{name} must be float32 or the data's dtype {q.dtype}, got {operand.dtype}"
+                    f"{name} must be float32 or the data's dtype {dtype}, got {weight.dtype}"
                 )
-            if operand.shape != (self.head_dim,):
+            if weight.shape != (self.head_dim,):
                 raise ValueError(
-                    f"{name} must have shape [head_dim] = ({self.head_dim},), got {operand.shape}"
+                    f"{name} must have shape [head_dim] = ({self.head_dim},), got {weight.shape}"
                 )
-            if operand.strides != (1,) and self.head_dim > 1:
-                raise ValueError(f"{name} must be contiguous, got strides {operand.strides}")
-            written = {"q": q, "k": None if k_rows is None else k_rows.operand}
-            for target_name, target in written.items() if in_place else ():
-                if target is not None and overlapping(operand, target):
-                    raise ValueError(
-                        f"{name} overlaps {target_name} in memory, which this call writes; "
-                        "expected a weight apart from the data"
-                    )
-            checked.append(operand)
-        return RowNorm(checked[0], checked[1], self.norm_eps, self.norm_weight_offset)
+            if weight.strides != (1,) and self.head_dim > 1:
+                raise ValueError(f"{name} must be contiguous, got strides {weight.strides}")
 
 
 def _in_place_call(
