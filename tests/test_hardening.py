@@ -816,6 +816,8 @@ def _component_cases() -> dict:
         "k of other tokens": (rope.prefill, [q, ((B, T + 1, K_WIDTH), torch.float32), 0]),
         "k of another dtype": (rope.prefill, [q, ((B, T, K_WIDTH), torch.bfloat16), 0]),
         "q of integers": (rope.prefill, [((B, T, Q_WIDTH), torch.int32), k, 0]),
+        "offset past max_position": (rope.prefill, [q, k, 1000 - T + 1]),
+        "negative offset": (rope.prefill, [q, k, -1]),
         "offsets of another batch": (rope.prefill, [q, k, ((B + 1,), torch.int32)]),
         "float offsets": (rope.prefill, [q, k, ((B,), torch.float32)]),
         "decode of two tokens": (rope.decode, [q, k, offsets]),

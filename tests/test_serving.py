@@ -164,6 +164,23 @@ def test_per_token_positions_match_oracle(rng, case, layout, ids_dtype, dtype, p
 
 @pytest.mark.parametrize("place", PLACES)
 @pytest.mark.parametrize("layout", LAYOUTS)
+def test_more_tokens_than_max_position(rng, layout, place):
+    """max_position bounds the positions, not the tokens: a call with more tokens than it
+    (packed, or B*T) at positions below it rotates every token."""
+    max_position = 8
+    rope, frequencies, neox = _rope("standard-neox", max_position=max_position)
+    q, q64 = _data(rng, layout, HEADS, "float32", place, seq=3 * max_position)
+    k, k64 = _data(rng, layout, KV_HEADS, "float32", place, seq=3 * max_position)
+    positions, ids = _positions(rng, layout, place, limit=max_position, seq=3 * max_position)
+    rope.forward(q, k, positions=positions)
+    _synchronize(place)
+    _assert_rotated(q, q64, ids, frequencies, neox, "float32", "q")
+    _assert_rotated(k, k64, ids, frequencies, neox, "float32", "k")
+    rope.check()
+
+
+@pytest.mark.parametrize("place", PLACES)
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_without_k_and_apply_rope_equals_in_place(rng, layout, place):
     rope, frequencies, neox = _rope("yarn-partial", max_position=1 << 20)
     q, q64 = _data(rng, layout, HEADS, "float32", place)

@@ -983,12 +983,8 @@ class RoPE(ProcessLocal):
             if not is_dense(ids):  # the kernel reads ids[b*T + s]: copied once, as torch does
                 ids = contiguous(ids, rows.operand)
             return Positions(ids=ids, limit=limit, cover=limit, **mrope)
-        if not isinstance(value, Operand):
+        if not isinstance(value, Operand):  # (its range: _checked)
             value = int(value)
-            if value < 0 or value + seq > limit:
-                raise ValueError(
-                    f"{name} must keep positions in [0, {limit}): got {name}={value} with T={seq}"
-                )
             return Positions(offset=value, limit=limit, cover=value + seq)
         offsets = value
         if not offsets.is_cuda:
@@ -1081,8 +1077,15 @@ class RoPE(ProcessLocal):
             if self.mrope_section is not None:
                 shape, layout = (3, *shape), "[3, " + layout[1:]
             check_position_ids("positions", ids, shape, layout)
+        name = "position" if decode else "position_offset"
+        if ids is None and _is_int(position):  # (a traced int is checked as the graph runs)
+            limit = self.max_position or MAX_POSITIONS
+            if position < 0 or position + seq > limit:
+                raise ValueError(
+                    f"{name} must keep positions in [0, {limit}): got {name}={position} with "
+                    f"T={seq}"
+                )
         if offsets is not None:
-            name = "position" if decode else "position_offset"
             if offsets.dtype not in ("int32", "int64"):
                 raise TypeError(
                     f"{name} must be an int or an int32/int64 tensor, got {offsets.dtype}"
