@@ -202,7 +202,7 @@ GROUPS = {
 }
 
 
-def measure(variant: str, groups: Iterable[str], warm_only: bool) -> dict[str, float]:
+def measure(variant: str, groups: Iterable[str], warm_only: bool) -> dict[str, float | None]:
     """{row: % of the copy ceiling, or device µs for a latency row} (and ``"<row> copy"``: a
     copy of its bytes, None for a latency row) of ``groups`` under ``variant``; ``warm_only``:
     run each row once (compiling its kernels), time nothing."""
@@ -229,7 +229,7 @@ def measure(variant: str, groups: Iterable[str], warm_only: bool) -> dict[str, f
     return result
 
 
-def table(runs: dict[str, list[dict[str, float]]]) -> str:
+def table(runs: dict[str, list[dict[str, float | None]]]) -> str:
     """Each row's median over the rounds (min-max) for every variant, beside a copy."""
     variants = list(runs)
     first = runs[variants[0]][0]
@@ -259,7 +259,7 @@ def run(variants: list[str], groups: list[str], rounds: int) -> str:
     ]
     if any([process.wait() for process in warming]):  # (every process waited for)
         raise SystemExit("a variant failed to build or run (its error is above)")
-    runs: dict[str, list[dict[str, float]]] = {variant: [] for variant in variants}
+    runs: dict[str, list[dict[str, float | None]]] = {variant: [] for variant in variants}
     for _ in range(rounds):
         for variant in variants:
             line = (
