@@ -1129,7 +1129,7 @@ class RoPE(ProcessLocal):
             None if w is None else as_operand(w, n)
             for w, n in zip(weights, weight_names, strict=True)
         )
-        if not _is_int(position) and type(position).__name__ != "SymInt":
+        if not _is_int(position):  # (real values here: a traced int reaches only the fakes)
             _refuse_scalar_position(position, name)
             position = as_operand(position, name)
         packed, q_rows, k_rows = self._checked(
