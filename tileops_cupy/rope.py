@@ -1077,7 +1077,7 @@ class RoPE(ProcessLocal):
             if self.mrope_section is not None:
                 shape, layout = (3, *shape), "[3, " + layout[1:]
             check_position_ids("positions", ids, shape, layout)
-        name = "position" if decode else "position_offset"
+        name = _position_name(decode)
         if ids is None and _is_int(position):  # (a traced int is checked as the graph runs)
             limit = self.max_position or MAX_POSITIONS
             if position < 0 or position + seq > limit:
@@ -1118,7 +1118,7 @@ class RoPE(ProcessLocal):
         host positions' values."""
         self._flag.raise_if_set(self._flagged_message)
         in_place = out is None
-        name = "position" if decode else "position_offset"
+        name = _position_name(decode)
         q_name, k_name = _argument_names(cache)
         q_op = as_operand(q, q_name)
         k_op = None if k is None else as_operand(k, k_name)
@@ -1248,7 +1248,7 @@ def _in_place_call(
             q_norm_weight=weights[0], k_norm_weight=weights[1],
         )  # fmt: skip
         return
-    offsets, offset = _split_position(position, "position" if decode else "position_offset")
+    offsets, offset = _split_position(position, _position_name(decode))
     _refuse_differentiated_cache(cache)
     if not torch_ops.requires_grad(q, k, *weights) and not torch_ops.transformed():
         arguments = (q, k, offsets, offset, ids, cache, inverse, decode, *weights)
@@ -1454,6 +1454,12 @@ def _refuse_differentiated_cache(cache: Any) -> None:
             "flows to it (the rotation is differentiated with respect to query and key only); "
             "pass cos_sin_cache.detach()"
         )
+
+
+def _position_name(decode: bool) -> str:
+    """What the caller's API calls the position argument, for its errors: ``decode``'s
+    ``position`` (one per sequence), ``position_offset`` elsewhere."""
+    return "position" if decode else "position_offset"
 
 
 def _argument_names(cache: Any) -> tuple[str, str]:
