@@ -933,6 +933,34 @@ def test_apply_rope_without_k_and_on_fused_views(rng):
     assert_rotated(q_rot, q64, token_positions(1, 4, 2), frequencies, "float64")
 
 
+@pytest.mark.parametrize("with_k", [False, True])
+@pytest.mark.parametrize("place", PLACES)
+def test_apply_rope_on_a_strided_last_dimension(rng, place, with_k):
+    """Out of place, q and k whose last dimension is strided are read through a copy made
+    once, and rotated as the oracle says; the inputs stay as they were."""
+    head_dim = HEAD_DIMS[place]
+    rope = RoPE(head_dim, NUM_HEADS, NUM_KV_HEADS)
+    frequencies = SCHEMES["standard"].frequencies(head_dim)
+    wide = {
+        name: random_data(rng, (2, 5, 2 * heads * head_dim), "float32")
+        for name, heads in (("q", NUM_HEADS), ("k", NUM_KV_HEADS))
+    }
+    q, k = (to_place(wide[name], place, "torch")[..., ::2] for name in ("q", "k"))
+
+    q_rot, k_rot = apply_rope(q, k if with_k else None, rope, 30)
+    synchronize(place)
+    rope.check()
+
+    positions = token_positions(2, 5, 30)
+    for name, heads, got in (("q", NUM_HEADS, q_rot), ("k", NUM_KV_HEADS, k_rot)):
+        x64 = wide[name][..., ::2].astype(np.float64).reshape(2, 5, heads, head_dim)
+        if got is not None:
+            assert_rotated(got, x64, positions, frequencies, "float32", what=name)
+    assert (k_rot is not None) == with_k
+    for name, tensor in (("q", q), ("k", k)):
+        assert np.array_equal(raw_bytes(tensor), raw_bytes(wide[name][..., ::2])), name
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(("rotary_fraction", "layout"), [(0.75, "neox"), (0.5, "interleaved")])
 @pytest.mark.parametrize("place", PLACES)

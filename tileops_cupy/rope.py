@@ -1136,9 +1136,11 @@ class RoPE(ProcessLocal):
             q_op, k_op, position, inverse, decode, in_place, ids, weights, cache
         )
         if not in_place:  # a read-only input with a strided last dimension: copied once
-            q_rows = self._rows(with_contiguous_last_dim(q_op), q_name, self.num_heads, packed)
-            if k_rows is not None:
-                k_copy = with_contiguous_last_dim(k_op, template=q_rows.operand)
+            q_copy = with_contiguous_last_dim(q_op)
+            if q_copy is not q_op:
+                q_rows = self._rows(q_copy, q_name, self.num_heads, packed)
+            k_copy = k_op if k_op is None else with_contiguous_last_dim(k_op, q_rows.operand)
+            if k_copy is not k_op:
                 k_rows = self._rows(k_copy, k_name, self.num_kv_heads, packed)
         operands = {q_name: q_rows.operand}
         if k_rows is not None:
