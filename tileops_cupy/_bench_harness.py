@@ -58,8 +58,9 @@ _copy_pct: dict[tuple[int, float], float] = {}
 def copy_pct(bytes_moved: int, ceiling: float) -> float:
     """% of the ceiling that ``y.copy_(x)`` reaches moving ``bytes_moved`` (read plus
     written), timed as the rows are: what a kernel of that size can hope for, since the L2
-    flush between runs leaves dirty lines whose write-back (~6 µs) lands in every timed launch
-    and weighs more the less it moves (67 MB: about 75-82%). Once per size."""
+    flush between runs leaves dirty lines whose write-back (2-6 µs) lands in every timed
+    launch, and a launch's ramp-up and last wave weigh more the less it moves (67 MB: about
+    75-82%). Once per size."""
     key = (bytes_moved, ceiling)
     if key not in _copy_pct:
         torch = torch_module()
