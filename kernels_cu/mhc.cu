@@ -4,7 +4,7 @@
 //
 // Pre is one kernel per call for small batches (decode; _mhc._pre_plan says how small): on
 // sm_90 mhc_pre_cluster (thread block clusters, below) where a block's slice of x is small,
-// else mhc_pre_small (below); otherwise four kernels, two when the batch is up to 256 tokens:
+// else mhc_pre_small (below); otherwise four kernels, one when the batch is up to 256 tokens:
 //   mhc_phi_pieces  phi as bf16 B fragments (below), once per call.
 //   mhc_project  h = x @ phi and sum(x*x) for a tile of 128 tokens over one range of K.
 //                phi is split into three bf16 pieces (hi + mid + lo == phi exactly), x into
@@ -20,9 +20,10 @@
 // On sm_90, from 512 tokens, mhc_project and mhc_apply start and load their first x while
 // the kernel before them runs (programmatic dependent launch, below).
 // With `fuse` set (small batches, decode) the blocks of one cooperative mhc_project launch
-// split K over every multiprocessor, meet at a grid barrier, compute the coefficients of
-// one token each, meet again, and apply them to a share of the columns: no mhc_apply
-// launch, and no host synchronisation anywhere.
+// split K over every multiprocessor (each block splitting its own range of phi into
+// fragments: no mhc_phi_pieces launch), meet at a grid barrier, compute the coefficients of
+// a run of tokens each, meet again, and apply them to a share of the columns: one launch,
+// and no host synchronisation anywhere.
 //
 // Post (mhc_post) is one pass: each thread reads 8 columns of x_layer_out once and reuses
 // them for the n streams of x_res.
@@ -255,7 +256,7 @@ struct PreParams {
   const float* phi;       // [n*c_x, Q] through (phi_stride_k, phi_stride_q)
   const float* bias;      // [Q] through bias_stride
   float* partial;         // scratch [k_splits, batch, Q+1] (small: slices, see there)
-  unsigned int* counter;  // COUNTER_GROUPS words, zeroed by mhc_phi_pieces (small: see there)
+  unsigned int* counter;  // COUNTER_GROUPS words, zeroed by mhc_phi_pieces (else see there)
   float* coef;            // scratch [batch, n + n*n]: h_pre, then M row-major
   u32* pieces;            // scratch: phi as bf16 B fragments, K block by K block (mhc_phi_pieces)
   void* x_res;            // [batch, n*c_x], contiguous
@@ -263,11 +264,12 @@ struct PreParams {
   float* h_post;          // [batch, n], contiguous
   i64 x_stride, phi_stride_k, phi_stride_q, bias_stride;
   i64 batch, c_x, k_range, k_splits;
-  int vector_io, fuse, repeat, phi_dense;  // phi_dense: [n*c_x, Q] rows packed, 16-byte aligned
+  int vector_io, repeat, phi_dense;  // phi_dense: [n*c_x, Q] rows packed, 16-byte aligned
   float alpha_pre, alpha_post, alpha_res, eps;
   // mhc_pre_cluster: tokens a cluster, columns a block, clusters splitting K for one group of
   // tokens (1: a cluster takes all of K)
-  int cluster_rows, cluster_columns, cluster_groups, unused;
+  int cluster_rows, cluster_columns, cluster_groups;
+  int unused[2];  // (192 bytes: _cuda.ParamStruct packs no tail padding)
 };
 
 static_assert(sizeof(PreParams) == 192, "PreParams changed size: update this number");
@@ -302,12 +304,13 @@ struct Dims {
 //                    (mhc_coefficients: PROJECT_THREADS)
 //   COEF_ROWS        tokens per mhc_coefficients block
 //   COUNTER_GROUPS   counter words before mhc_pre_small's per-group ones: [0], [1] fused
-//                    mhc_project: blocks past the two grid barriers (small: see there)
+//                    mhc_project: blocks past the two grid barriers, [2] blocks finished
+//                    (small: see there)
 //   CLUSTER_BLOCKS   the most blocks an mhc_pre_cluster cluster has (16: sm_90's largest,
 //                    non-portable)
 static_assert(TILE_ROWS == 128 && PROJECT_THREADS == 256, "mhc_project's warp layout");
-static_assert(BLOCK_K == 64, "4 k-steps a fragment block (build_pieces, piece_words)");
-static_assert(COUNTER_GROUPS >= 2, "counters");
+static_assert(BLOCK_K == 64, "4 k-steps a fragment block (split_phi, piece_words)");
+static_assert(COUNTER_GROUPS >= 3, "counters");
 static_assert(CLUSTER_BLOCKS >= 1 && CLUSTER_BLOCKS <= 16, "sm_90 clusters");
 
 
@@ -493,13 +496,15 @@ __device__ __attribute__((noinline)) void tile_coefficients(const PreParams& p, 
 
 // The coefficients of rows row0 .. row0+rows-1 from mhc_project's partials: summed, the
 // RMS, then the gates and Sinkhorn matrix. Every thread of the block calls it.
+// b is read at `bias`, `bias_stride` floats apart (p.bias, or a copy in shared memory).
 template <typename T, int N>
 __device__ __forceinline__ void partials_to_coefficients(const PreParams& p, i64 row0, int rows,
-                                                         float* sh_h, float* sh_scratch) {
+                                                         float* sh_h, float* sh_scratch,
+                                                         const float* bias, i64 bias_stride) {
   sum_partials<N>(p, row0, rows, sh_h, sh_scratch);
   rows_rms<T, N>(p, sh_h, row0, rows);
-  tile_coefficients<N>(p, sh_h, rows, p.coef + row0 * Dims<N>::NC, p.h_post + row0 * N, p.bias,
-                       p.bias_stride);
+  tile_coefficients<N>(p, sh_h, rows, p.coef + row0 * Dims<N>::NC, p.h_post + row0 * N, bias,
+                       bias_stride);
 }
 
 // 8 consecutive elements in their storage format: one 16-byte word for 16-bit types, two
@@ -692,26 +697,32 @@ __device__ __forceinline__ void mma_x_phi(const typename Io<T>::elem* stage, con
 // (kk within the K block; 0 outside phi). Slot = (kstep, n-tile, lane, half): two consecutive
 // K rows of one h column. Layout: [kstep][n-tile NT][piece 3][lane 32] x (b0, b1), one 8-byte
 // load per mma. The backward's mhc_bwd_pieces builds its fragments with it too.
-template <int NT, typename PhiAt>
-__device__ __forceinline__ void build_piece_slot(u32* pieces, int slot, PhiAt phi_at) {
+// (kk, q): where a slot's phi values lie, rows kk and kk + 1 of column q.
+template <int NT>
+__device__ __forceinline__ void piece_slot_position(int slot, int& kk, int& q) {
+  const int half = slot & 1, lane = (slot >> 1) & 31, rest = slot >> 6;
+  q = rest % NT * 8 + (lane >> 2);
+  kk = rest / NT * 16 + half * 8 + 2 * (lane & 3);
+}
+
+// A slot's two phi values (rows kk and kk + 1), split and stored.
+template <int NT>
+__device__ __forceinline__ void store_piece_slot(u32* pieces, int slot, float first, float second) {
   const int half = slot & 1, lane = (slot >> 1) & 31, rest = slot >> 6;
   const int nt = rest % NT, ks = rest / NT;
-  const int q = nt * 8 + (lane >> 2);
-  const int kk = ks * 16 + half * 8 + 2 * (lane & 3);
   u32 lo[3], hi[3];
-  split_bf16<3>(phi_at(kk, q), lo);
-  split_bf16<3>(phi_at(kk + 1, q), hi);
+  split_bf16<3>(first, lo);
+  split_bf16<3>(second, hi);
 #pragma unroll
   for (int piece = 0; piece < 3; ++piece)
     pieces[(((ks * NT + nt) * 3 + piece) * 32 + lane) * 2 + half] = lo[piece] | (hi[piece] << 16);
 }
 
-// The B fragments of one K block (4 k-steps): NT slots per thread.
-template <int N, typename PhiAt>
-__device__ __forceinline__ void build_pieces(u32* pieces, PhiAt phi_at) {
-  constexpr int NT = Dims<N>::NT;
-#pragma unroll
-  for (int i = 0; i < NT; ++i) build_piece_slot<NT>(pieces, i * PROJECT_THREADS + threadIdx.x, phi_at);
+template <int NT, typename PhiAt>
+__device__ __forceinline__ void build_piece_slot(u32* pieces, int slot, PhiAt phi_at) {
+  int kk, q;
+  piece_slot_position<NT>(slot, kk, q);
+  store_piece_slot<NT>(pieces, slot, phi_at(kk, q), phi_at(kk + 1, q));
 }
 
 template <int N>
@@ -719,25 +730,47 @@ __host__ __device__ constexpr int piece_words() {
   return 4 * Dims<N>::NT * 3 * 32 * 2;  // u32 words of one K block's B fragments
 }
 
+// The B fragments of BLOCKS K blocks from k0 (a multiple of BLOCK_K), split from phi itself,
+// one K block after another at dst (load_pieces_stage's layout): NT slots per thread a K
+// block, every phi value loaded before any is stored (one round trip for the run).
+template <int N, int BLOCKS>
+__device__ __forceinline__ void split_phi(const PreParams& p, u32* dst, i64 k0) {
+  constexpr int Q = Dims<N>::Q, NT = Dims<N>::NT;
+  const i64 K = N * p.c_x;
+  float first[BLOCKS][NT], second[BLOCKS][NT];
+#pragma unroll
+  for (int blk = 0; blk < BLOCKS; ++blk)
+#pragma unroll
+    for (int i = 0; i < NT; ++i) {
+      int kk, q;
+      piece_slot_position<NT>(i * PROJECT_THREADS + threadIdx.x, kk, q);
+      const i64 k = k0 + blk * BLOCK_K + kk;
+      const float* at = p.phi + k * p.phi_stride_k + q * p.phi_stride_q;
+      first[blk][i] = k < K && q < Q ? at[0] : 0.f;
+      second[blk][i] = k + 1 < K && q < Q ? at[p.phi_stride_k] : 0.f;
+    }
+#pragma unroll
+  for (int blk = 0; blk < BLOCKS; ++blk)
+#pragma unroll
+    for (int i = 0; i < NT; ++i)
+      store_piece_slot<NT>(dst + blk * piece_words<N>(), i * PROJECT_THREADS + threadIdx.x,
+                           first[blk][i], second[blk][i]);
+}
+
 // phi as B fragments, once per call, one K block per block: every mhc_project block then
 // streams them instead of splitting phi again for each tile. K ranges are whole K blocks,
-// so a block's fragments never mix two ranges.
+// so a block's fragments never mix two ranges. (Not launched for a fused mhc_project, whose
+// blocks split their own K ranges' fragments.)
 // It also zeroes the counters: it runs first on the stream, so mhc_project finds them at
 // zero, and the scratch can be fresh memory from the caller's allocator on every call (what
 // CUDA-graph capture and concurrent streams need).
 template <int N>
 __global__ void __launch_bounds__(PROJECT_THREADS) mhc_phi_pieces(const PreParams p) {
-  constexpr int Q = Dims<N>::Q;
-  const i64 K = N * p.c_x;
-  const i64 k0 = (i64)blockIdx.x * BLOCK_K;
   launch_dependents();  // mhc_project's blocks may start and load x
   if (blockIdx.x == 0) {
     for (int i = threadIdx.x; i < COUNTER_GROUPS; i += blockDim.x) p.counter[i] = 0u;
   }
-  build_pieces<N>(p.pieces + (i64)blockIdx.x * piece_words<N>(), [&](int kk, int q) {
-    const i64 k = k0 + kk;
-    return k < K && q < Q ? p.phi[k * p.phi_stride_k + q * p.phi_stride_q] : 0.f;
-  });
+  split_phi<N, 1>(p, p.pieces + (i64)blockIdx.x * piece_words<N>(), (i64)blockIdx.x * BLOCK_K);
 }
 
 // The B fragments of STAGE_K columns of K from k0 (consecutive K blocks: one run, laid out
@@ -834,17 +867,22 @@ __host__ __device__ constexpr int project_smem_bytes() {
 // Grid: (batch tiles of 128 tokens) x k_splits blocks; block b takes tile b / k_splits and
 // K range [split * k_range, (split+1) * k_range), a multiple of STAGE_K. Warp w: tokens
 // 32*(w%4) .. +32 (two mma m-tiles) and the k-steps of half w/4 of every stage.
+// FUSED: the whole of mHC pre in one cooperative launch (the file's header), an
+// instantiation of its own so that the large-batch kernels carry none of its code (with it
+// behind a run-time flag they spilled 8-20 bytes more).
 // The pipeline: STAGES stages of STAGE_K columns (BLOCK_K or 2*BLOCK_K: a row's run of x a
 // stage, 128 or 256 bytes for 16-bit x; DRAM serves longer runs faster). Shared memory:
 // project_smem_bytes' layout.
-template <typename T, int N, int STAGE_K, int STAGES>
+template <typename T, int N, int STAGE_K, int STAGES, bool FUSED = false>
 // Two blocks per multiprocessor where the registers allow (bf16 x, n <= 4) and shared memory
 // does (stages of at most 256 columns in all): twice the warps to hide the pipeline's
 // latencies. One block elsewhere, with the registers of one: (128, 3), which shared memory
 // holds once a multiprocessor, spilled 8 bytes at the two-block bound and ran slower (H200,
 // bf16 n4, us: B4096 c_x4096 145.8 -> 143.0, B16384 c_x7168 877.7 -> 845.2 at one block's).
-__global__ void __launch_bounds__(PROJECT_THREADS,
-                                  N <= 4 && Io<T>::x_pieces == 1 && STAGE_K * STAGES <= 256 ? 2 : 1)
+// FUSED: one block, whose registers hold its phi splits and coefficient chains unspilled
+// (at the two-block bound it spilled 40 bytes; few blocks are what a small batch needs).
+__global__ void __launch_bounds__(PROJECT_THREADS, !FUSED && N <= 4 && Io<T>::x_pieces == 1 &&
+                                                           STAGE_K * STAGES <= 256 ? 2 : 1)
     mhc_project(const PreParams p) {
   static_assert(STAGE_K % BLOCK_K == 0 && STAGES >= 2, "whole fragment blocks, a pipeline");
   typedef typename Io<T>::elem E;
@@ -860,6 +898,7 @@ __global__ void __launch_bounds__(PROJECT_THREADS,
                 "the layout below is project_smem_bytes'");
   extern __shared__ U4 dynamic_smem[];
   __shared__ float sh_scratch[PROJECT_THREADS];
+  __shared__ float sbias[Q];  // fused: b, copied while the first stages load
 
   unsigned char* smem = (unsigned char*)dynamic_smem;
   E* x_stages = (E*)smem;
@@ -884,16 +923,31 @@ __global__ void __launch_bounds__(PROJECT_THREADS,
   auto load_x = [&](int blk) {
     x_loader.load(p, x_stages + blk % STAGES * X_STAGE, row0, k_begin + (i64)blk * STAGE_K, k_end);
   };
+  // mhc_phi_pieces' fragments, or (fused: one launch a call) the block's own, split from phi
+  // while its x is in flight
   auto load_pieces = [&](int blk) {
-    load_pieces_stage<N, STAGE_K>(p, piece_stages + blk % STAGES * PIECES, k_begin + (i64)blk * STAGE_K);
+    u32* stage = piece_stages + blk % STAGES * PIECES;
+    const i64 k0 = k_begin + (i64)blk * STAGE_K;
+    if constexpr (FUSED)
+      split_phi<N, STAGE_K / BLOCK_K>(p, stage, k0);
+    else
+      load_pieces_stage<N, STAGE_K>(p, stage, k0);
   };
   // The first stages' x, then mhc_phi_pieces' fragments (and counters) once it is done (the
   // first commit group so holds every first stage's x: a stage is still whole when waited).
+  // Fused, the first stages' fragments are split in one run where a thread's share fits its
+  // registers (the stages lie end to end; n <= 4), else stage by stage; b is copied beside.
   for (int s = 0; s < STAGES - 1; ++s)
     if (s < blocks) load_x(s);
+  if constexpr (FUSED) {
+    if (tid < Q) cp_async4(sbias + tid, p.bias + tid * p.bias_stride);
+    constexpr int RUN = NT * (STAGES - 1) * STAGE_K / BLOCK_K <= 12 ? STAGES - 1 : 1;
+    for (int s = 0; s < STAGES - 1; s += RUN)
+      split_phi<N, RUN * STAGE_K / BLOCK_K>(p, piece_stages + s * PIECES, k_begin + (i64)s * STAGE_K);
+  }
   wait_for_prerequisites();
   for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < blocks) load_pieces(s);
+    if (s < blocks && !FUSED) load_pieces(s);
     cp_async_commit();
   }
 
@@ -964,17 +1018,20 @@ __global__ void __launch_bounds__(PROJECT_THREADS,
       }
     }
   }
-  if (!p.fuse) return;  // mhc_coefficients takes it from here
+  if constexpr (!FUSED) return;  // mhc_coefficients takes it from here
 
   // Small batch, every block co-resident (cooperative launch): once all partials are in,
-  // block j computes the coefficients of rows j, j + grid, ...; once those are all
-  // published, every thread of the grid applies them to its share of (row, 8 columns).
+  // block j computes the coefficients of its run of consecutive rows, all at once (one
+  // Sinkhorn chain a token, side by side: a block taking its rows one after another paid a
+  // chain per row); once those are all published, every thread of the grid applies them to
+  // its share of (row, 8 columns). The last block out zeroes the counters: the scratch is
+  // the stream's workspace (_mhc), where the next launch finds them zeroed.
   float* sh_h = (float*)smem;  // free: every thread is past the barrier's __syncthreads
   grid_barrier(&p.counter[0], gridDim.x);
-  for (i64 row = blockIdx.x; row < p.batch; row += gridDim.x) {
-    partials_to_coefficients<T, N>(p, row, 1, sh_h, sh_scratch);
-    __syncthreads();  // sh_h is rewritten for the next row
-  }
+  const i64 run = (p.batch + gridDim.x - 1) / gridDim.x, first = blockIdx.x * run;
+  if (first < p.batch)  // (block-uniform)
+    partials_to_coefficients<T, N>(p, first, (int)(p.batch - first < run ? p.batch - first : run),
+                                   sh_h, sh_scratch, sbias, 1);
   grid_barrier(&p.counter[1], gridDim.x);
   const i64 units = (p.c_x + 7) / 8;
   for (i64 item = (i64)blockIdx.x * PROJECT_THREADS + tid; item < p.batch * units;
@@ -982,6 +1039,9 @@ __global__ void __launch_bounds__(PROJECT_THREADS,
     const i64 row = item / units, u = item - row * units;
     apply_unit<T, N, true>(p, row, u * 8, p.coef + row * NC);
   }
+  __syncthreads();  // (every thread of the block is past both barriers)
+  if (tid == 0 && atomicAdd(&p.counter[2], 1u) == gridDim.x - 1)
+    p.counter[0] = p.counter[1] = p.counter[2] = 0u;
 }
 
 // The coefficients of COEF_ROWS tokens from mhc_project's partials, every token's Sinkhorn
@@ -996,7 +1056,7 @@ __global__ void __launch_bounds__(PROJECT_THREADS) mhc_coefficients(const PrePar
   launch_dependents();  // mhc_apply's blocks may start and load x
   const i64 row0 = (i64)blockIdx.x * COEF_ROWS;
   const int rows = p.batch - row0 < COEF_ROWS ? (int)(p.batch - row0) : COEF_ROWS;
-  partials_to_coefficients<T, N>(p, row0, rows, sh_h, sh_scratch);
+  partials_to_coefficients<T, N>(p, row0, rows, sh_h, sh_scratch, p.bias, p.bias_stride);
 }
 
 // One thread per 8 columns of a row, last rows first: mhc_project streamed x in increasing

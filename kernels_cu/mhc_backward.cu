@@ -228,7 +228,7 @@ struct BwdGeo {
 
 // Block b: the B fragments of h = x @ phi for stats column block b (columns b*CS .. of every
 // stream), each phi value split into three bf16 pieces; 0 past phi. Layout as mhc.cu's
-// build_pieces: [k-step][n-tile][piece][lane] x (b0, b1).
+// build_piece_slot: [k-step][n-tile][piece][lane] x (b0, b1).
 template <typename T, int N>
 __device__ __forceinline__ void pieces_block(const PreBwdParams& p, i64 block) {
   typedef BwdGeo<T, N> G;

@@ -125,9 +125,12 @@ for dtype in (torch.bfloat16, torch.float32):
     for check in (ids_op.check, rope.check):
         with contextlib.suppress(ValueError):
             check()
-    # decode-sized, cooperative, and four-kernel launches (K tails, a partial last tile, rows
-    # that are not 16-byte vectors: c_x 100)
-    shapes = ((4, 130, 3), (3, 64, 300), (1, 24, 1), (2, 512, 40), (2, 100, 300), (4, 200, 520))
+    # decode-sized, cooperative (fused: 129 and 200 tokens), and four-kernel launches (K
+    # tails, a partial last tile, rows that are not 16-byte vectors: c_x 100)
+    shapes = (
+        (4, 130, 3), (3, 64, 300), (1, 24, 1), (2, 512, 40), (2, 100, 300), (4, 200, 520),
+        (4, 264, 129), (2, 100, 200),
+    )  # fmt: skip
     for n, c_x, batch in shapes:
         phi = torch.randn(n * c_x, n * n + 2 * n, device=cuda) / 8
         b = torch.randn(n * n + 2 * n, device=cuda)

@@ -375,8 +375,9 @@ def test_pre_projection_pipelines(rng, monkeypatch, c_x, batch, dtype, pipeline)
     monkeypatch.setattr(_mhc, "_pre_plans", {})
     case = random_pre_case(rng, 4, c_x, batch, dtype)
     plan = _mhc._pre_plan(0, dtype, 4, c_x, batch)
-    name = f"mhc_project<{_mhc.CUDA_TYPES[dtype]}, 4, {pipeline[0]}, {pipeline[1]}>"
-    assert plan.steps[1].kernel is _mhc._cuda.function(_mhc.pre_module(dtype, 4), name, 0)
+    name = _mhc._project_name(dtype, 4, pipeline, fused=plan.fuse)  # (fused: 129 tokens)
+    projection = plan.steps[0 if plan.fuse else 1]
+    assert projection.kernel is _mhc._cuda.function(_mhc.pre_module(dtype, 4), name, 0)
     first, second = run_pre(case, "cuda"), run_pre(case, "cuda")
     assert_pre_matches(case, first)
     for a, b in zip(first, second, strict=True):
@@ -413,16 +414,17 @@ def test_pre_on_a_side_stream_is_ordered_and_deterministic(rng):
 
 @GPU
 def test_pre_small_batches_on_two_streams_and_growing(rng):
-    """mhc_pre_small's workspace is per stream: launches on two streams at once, and a batch
-    that outgrows the stream's workspace, all without synchronising, stay bit-identical to
-    one call at a time."""
+    """The one-launch plans' workspace is per stream (decode plans and the fused mhc_project
+    up to 256 tokens share it): launches on two streams at once, and batches that outgrow
+    the stream's workspace, all without synchronising, stay bit-identical to one call at a
+    time."""
     require("cuda", "torch")
     import torch
 
-    case = random_pre_case(rng, 4, 1024, 64)
+    case = random_pre_case(rng, 4, 1024, 256)
     phi, x, b = (to_place(a, "cuda", "torch") for a in (case.phi, case.x, case.b))
     op = MHCPreFwdOp(*case.alphas, case.repeat, case.eps)
-    batches = (1, 40, 3, 64, 2, 64)
+    batches = (1, 40, 3, 64, 2, 64, 200, 5, 100, 256)
     expected = []
     for batch in batches:
         expected.append(op(phi, x[:batch], b))
@@ -714,15 +716,38 @@ def test_pre_plan_picks_the_projection_pipeline(
     stages deep; bf16 n4 two deep (two blocks a multiprocessor) where a block streams at
     least 32 stages; 64 columns where 128 would leave half of the 132 multiprocessors or more
     without a block (64 and 32 blocks of 128 columns at n2 and n1, B128 c_x4096: 128 of 64).
-    Other x dtypes and n keep 64 columns, three deep. The pieces kernel covers every stage's
-    fragments whole."""
+    Other x dtypes and n keep 64 columns, three deep. The pieces kernel (beyond 256 tokens;
+    the fused launch splits its own) covers every stage's fragments whole."""
     _modelled_sm90(monkeypatch)
     plan = _mhc._pre_plan(0, dtype, n, c_x, batch)
-    pieces, projection = plan.steps[:2]
-    assert projection.kernel == project and plan.k_range == k_range
+    projection = plan.steps[0 if plan.fuse else 1]
+    assert projection.kernel == (project[:-1] + ", true>" if plan.fuse else project)
+    assert plan.k_range == k_range
     stage_k, stages = (int(v) for v in project.rstrip(">").split(", ")[2:])
     assert projection.shared_mem == _mhc._project_smem(dtype, n, (stage_k, stages))
-    assert pieces.grid[0] * 64 == -(-n * c_x // stage_k) * stage_k
+    if not plan.fuse:
+        assert plan.steps[0].grid[0] * 64 == -(-n * c_x // stage_k) * stage_k
+
+
+@pytest.mark.parametrize("batch, c_x", ((65, 4096), (128, 4096), (256, 1280), (256, 64)))
+def test_fused_pre_is_one_launch_on_the_streams_workspace(monkeypatch, batch, c_x):
+    """Up to 256 tokens (where no one-launch decode plan takes them) mHC pre is one
+    cooperative mhc_project launch, which splits phi into fragments itself: no pieces
+    section, and its scratch is the stream's workspace, counters first in the section size
+    of every workspace plan (the last block out leaves them zeroed). Beyond, four kernels
+    on fresh scratch."""
+    _modelled_sm90(monkeypatch)
+    plan = _mhc._pre_plan(0, "bfloat16", 4, c_x, batch)
+    (step,) = plan.steps
+    assert plan.fuse and step.cooperative and step.kernel.startswith("mhc_project<")
+    assert step.kernel.endswith(", true>")  # the fused instantiation
+    assert plan.workspace and plan.counters == (0, _mhc._SMALL_COUNTER_WORDS)
+    words, (partial, coef, counter, pieces) = plan.scratch_layout
+    assert counter == 0 and min(partial, coef) >= _mhc._SMALL_COUNTER_WORDS
+    assert plan.scratch[3] == 0 and pieces == words
+    assert max(partial + plan.k_splits * batch * 25, coef + batch * 20) <= words
+    larger = _mhc._pre_plan(0, "bfloat16", 4, c_x, 257)
+    assert not larger.fuse and not larger.workspace and len(larger.steps) == 4
 
 
 def test_pre_projection_falls_back_to_stages_that_fit(monkeypatch):

@@ -80,7 +80,8 @@ def test_compiles_without_a_device(compiled, spec, arch):
 # rotations (0-36 bytes on sm_90, the MRoPE ones most; up to 64 on sm_80, since the fused
 # norm's rewrite of 2026-12-01 that took it from 48-54% to 67-77% of the copy ceiling) and
 # the run-time rotary_dim plain ones at the caps chosen for occupancy (rope.cu); the
-# one-launch pre backward (mhc_bwd_fused, n >= 6) around the calls of its stages. A
+# one-launch pre backward (mhc_bwd_fused, n >= 6) around the calls of its stages, and the
+# fused pre (mhc_project's FUSED instantiations, float32 x or n = 8) at one block's 255. A
 # kernel that spills more than here ran out of registers: the rejected RoPE experiments of
 # 2026-12-01 spilled 108-116 bytes and ran 25-30% slower. (Fewer is welcome: lower the entry.)
 KNOWN_SPILLS = {
@@ -92,6 +93,8 @@ KNOWN_SPILLS = {
     ("sm_80", "mhc_bwd_grad<float, 8>"): 52,
     ("sm_80", "mhc_bwd_grad<half_t, 8>"): 20,
     ("sm_80", "mhc_post_bwd<half_t, 0, true>"): 8,
+    ("sm_80", "mhc_project<float, 6, 64, 3, true>"): 16,
+    ("sm_80", "mhc_project<float, 8, 64, 3, true>"): 16,
     ("sm_80", "mhc_pre_small<bfloat16_t, 5>"): 16,
     ("sm_80", "mhc_pre_small<float, 5>"): 16,
     ("sm_80", "mhc_pre_small<half_t, 5>"): 16,
@@ -117,10 +120,17 @@ KNOWN_SPILLS = {
     ("sm_90", "mhc_bwd_grad<float, 7>"): 8,
     ("sm_90", "mhc_bwd_grad<float, 8>"): 68,
     ("sm_90", "mhc_bwd_grad<half_t, 8>"): 24,
-    ("sm_90", "mhc_project<bfloat16_t, 4, 128, 2>"): 12,
+    ("sm_90", "mhc_coefficients<bfloat16_t, 4>"): 16,  # (around its one call)
+    ("sm_90", "mhc_coefficients<float, 4>"): 16,
+    ("sm_90", "mhc_coefficients<half_t, 4>"): 16,
+    ("sm_90", "mhc_project<bfloat16_t, 8, 64, 3, true>"): 20,
     # 8 or 80 by the process's earlier NVRTC compiles (80 alone) since its first x stages
-    # load before the phi fragments (programmatic dependent launch, 2026-12-03)
+    # load before the phi fragments (programmatic dependent launch, 2026-12-03; 0 in one
+    # process since the fused code left it, 2026-12-05)
     ("sm_90", "mhc_project<float, 8, 64, 3>"): 80,
+    ("sm_90", "mhc_project<float, 6, 64, 3, true>"): 32,
+    ("sm_90", "mhc_project<float, 7, 64, 3, true>"): 28,
+    ("sm_90", "mhc_project<float, 8, 64, 3, true>"): 84,
     ("sm_90", "rope_rotate<bfloat16_t, true, 8, 0, 0, 0, 4>"): 8,
     ("sm_90", "rope_rotate<bfloat16_t, true, 8, 0, 0, 1, 4>"): 12,
     ("sm_90", "rope_rotate<bfloat16_t, true, 8, 0, 1, 0, 4>"): 32,

@@ -10,7 +10,7 @@ allocates outside the caller's allocator, so every launch can be captured in a C
 
 Pre is one kernel per call for small batches (decode: on sm_90 one launch of thread block
 clusters where each block's slice of x is small, else up to 64 tokens and 2**18 elements of
-x), three beyond (two when fused, up to 256 tokens; ``mhc.cu``'s header describes them);
+x), one cooperative launch up to 256 tokens, four beyond (``mhc.cu``'s header describes them);
 pre backward is five (phi's fragments; a first pass over x and the upstream gradients; the
 per-token chain rule; a second pass writing grad_x and grad_phi's partials; the fixed-order
 reductions), as the stages of one cooperative launch up to 64 tokens; post and post
@@ -335,8 +335,10 @@ def project_pipelines(dtype: str, n: int) -> tuple[tuple[int, int], ...]:
     return (_NARROW,)
 
 
-def _project_name(dtype: str, n: int, pipeline: tuple[int, int]) -> str:
-    return f"mhc_project<{CUDA_TYPES[dtype]}, {n}, {pipeline[0]}, {pipeline[1]}>"
+def _project_name(dtype: str, n: int, pipeline: tuple[int, int], fused: bool = False) -> str:
+    """mhc_project's instantiation: large batches, or (``fused``) the one-launch plan."""
+    suffix = ", true" if fused else ""
+    return f"mhc_project<{CUDA_TYPES[dtype]}, {n}, {pipeline[0]}, {pipeline[1]}{suffix}>"
 
 
 def _fragment_bytes(n: int, columns: int) -> int:
@@ -355,12 +357,15 @@ def _project_smem(dtype: str, n: int, pipeline: tuple[int, int]) -> int:
 
 
 def pre_module(dtype: str, n: int) -> _cuda.ModuleSpec:
-    """The phi-fragment, projection (one per pipeline), coefficient and apply kernels of one
-    x dtype and n, and the one-launch kernels of small batches (mhc_pre_cluster last)."""
+    """The phi-fragment, projection (one per pipeline, and its fused twin), coefficient and
+    apply kernels of one x dtype and n, and the one-launch kernels of small batches
+    (mhc_pre_cluster last)."""
     cuda_type = CUDA_TYPES[dtype]
+    pipelines = project_pipelines(dtype, n)
     names = (
         f"mhc_phi_pieces<{n}>",
-        *(_project_name(dtype, n, pipeline) for pipeline in project_pipelines(dtype, n)),
+        *(_project_name(dtype, n, pipeline) for pipeline in pipelines),
+        *(_project_name(dtype, n, pipeline, fused=True) for pipeline in pipelines),
         f"mhc_coefficients<{cuda_type}, {n}>",
         f"mhc_apply<{cuda_type}, {n}>",
         f"mhc_pre_small<{cuda_type}, {n}>",
@@ -395,9 +400,9 @@ def scratch_sections(sizes: tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
 class _PrePlan:
     """Launch geometry of one (device, dtype, n, c_x, batch), computed once. ``small``: one
     mhc_pre_small launch, whose scratch is the stream's workspace (:func:`_scratch`).
-    Otherwise phi's fragments, the projection (cooperative when fused: its blocks wait for
-    each other, so all must be resident at once), then unless fused the coefficients and
-    the mix."""
+    ``fuse``: one cooperative mhc_project launch (its blocks wait for each other, so all
+    must be resident at once) on the stream's workspace too. Otherwise phi's fragments, the
+    projection, the coefficients and the mix."""
 
     steps: tuple[_cuda.Step, ...]
     n: int
@@ -428,8 +433,9 @@ class _PrePlan:
     @property
     def workspace(self) -> bool:
         """Whether the scratch is the stream's workspace (:func:`_scratch`): the one-launch
-        plans with counters."""
-        return self.small or self.cluster_groups > 1
+        plans with counters (mhc_pre_small, mhc_pre_cluster split over clusters, the fused
+        mhc_project)."""
+        return self.small or self.cluster_groups > 1 or self.fuse
 
     @property
     def counters(self) -> tuple[int, int]:
@@ -630,25 +636,36 @@ def _pre_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan
     # 151.2 -> 147.3, B16384 c_x7168 869-871 -> 863-867; at B300 c_x2048 runs disagreed
     # (37.5 -> 34.7-41.0), so batches that small launch in plain stream order
     early = _attribute(device, _COMPUTE_MAJOR) >= 9 and batch >= _MIN_EARLY_ROWS
+    project_step = _cuda.Step(
+        project, (tiles * k_splits, 1, 1), threads, smem, cooperative=fuse,
+        programmatic=early and not fuse,
+    )  # fmt: skip
+    if fuse:
+        # one launch: its blocks split their own ranges of phi into fragments, each takes
+        # its run of tokens' coefficients at once, and the last one out zeroes the counters
+        # of the stream's workspace. Before, mhc_phi_pieces ran first (the cooperative
+        # launch started 5.4 us after it ended) and a block took its tokens' coefficients
+        # one after another (5-7 us each). H100, bf16 n4, device us, before -> one launch:
+        # B96 c_x7168 34.5 -> 30.2, B128 c_x1280 29.8 -> 21.7, B128 c_x4096 31.1 -> 27.0,
+        # B200 c_x2048 33.0 -> 26.1, B256 c_x1280 38.5 -> 25.6, B256 c_x4096 40.5 -> 32.3
+        return _remember(key, _PrePlan(
+            steps=(project_step,), n=n, c_x=c_x, k_range=k_range, k_splits=k_splits, fuse=True,
+            small=False,
+            scratch=(k_splits * batch * (q + 1), batch * (n + n * n), _SMALL_COUNTER_WORDS, 0),
+        ))  # fmt: skip
+    coefficients = _cuda.function(spec, coefficients_name, device)
+    apply = _cuda.function(spec, apply_name, device)
     steps = (
         _cuda.Step(_cuda.function(spec, pieces_name, device), (k_blocks, 1, 1), threads),
+        project_step,
+        _cuda.Step(coefficients, (-(-batch // _COEF_ROWS), 1, 1), threads),
         _cuda.Step(
-            project, (tiles * k_splits, 1, 1), threads, smem, cooperative=fuse,
-            programmatic=early and not fuse,
+            apply, (-(-items // _APPLY_THREADS), 1, 1), (_APPLY_THREADS, 1, 1),
+            programmatic=early,
         ),
     )  # fmt: skip
-    if not fuse:
-        coefficients = _cuda.function(spec, coefficients_name, device)
-        apply = _cuda.function(spec, apply_name, device)
-        steps += (
-            _cuda.Step(coefficients, (-(-batch // _COEF_ROWS), 1, 1), threads),
-            _cuda.Step(
-                apply, (-(-items // _APPLY_THREADS), 1, 1), (_APPLY_THREADS, 1, 1),
-                programmatic=early,
-            ),
-        )  # fmt: skip
     plan = _PrePlan(
-        steps=steps, n=n, c_x=c_x, k_range=k_range, k_splits=k_splits, fuse=fuse, small=False,
+        steps=steps, n=n, c_x=c_x, k_range=k_range, k_splits=k_splits, fuse=False, small=False,
         scratch=(
             k_splits * batch * (q + 1),
             batch * (n + n * n),
@@ -666,11 +683,13 @@ def _project_plan(
     the project_pipelines whose blocks fit the device's shared memory: 128-column stages,
     three deep, or two deep where a block streams at least _MIN_TWO_STAGE_RUN of them; 64
     columns where 128 would leave half the multiprocessors or more without a block (and 64
-    give more blocks), and wherever 128 are not compiled."""
+    give more blocks), and wherever 128 are not compiled. Up to _MAX_FUSED_ROWS tokens the
+    kernel is the pipeline's fused instantiation (the whole of mHC pre, one launch)."""
     spec = pre_module(dtype, n)
     optin = _attribute(device, _MAX_SMEM_OPTIN)
     multiprocessors = _attribute(device, _MULTIPROCESSORS)
     tiles = -(-batch // _TILE_ROWS)
+    fused = batch <= _MAX_FUSED_ROWS  # (plan_geometry's fuse)
     options = {}  # pipeline: (kernel, shared memory, plan_geometry)
     needs = {}  # pipeline: bytes of shared memory a block
     for pipeline in project_pipelines(dtype, n):
@@ -680,7 +699,7 @@ def _project_plan(
         needs[pipeline] = smem + 4 * _PROJECT_THREADS
         if needs[pipeline] > optin:
             continue
-        kernel = _cuda.function(spec, _project_name(dtype, n, pipeline), device)
+        kernel = _cuda.function(spec, _project_name(dtype, n, pipeline, fused), device)
         with _lock:
             per_multiprocessor = _raise_smem_limit(kernel, device, smem)
         resident = per_multiprocessor * multiprocessors
@@ -713,8 +732,9 @@ def _remember(key: tuple, plan: _PrePlan) -> _PrePlan:
     return plan
 
 
-# (device, stream, plan type) -> ((what keeps it alive, address), words): the scratch of
-# mhc_pre_small or mhc_bwd_fused, one per stream, its counters left zeroed by every launch.
+# (device, stream, plan type) -> ((what keeps it alive, address), words): the scratch of the
+# one-launch plans with counters (_PrePlan.workspace, _PreBackwardPlan.workspace), one per
+# stream and plan type, its counters left zeroed by every launch.
 # Bounded as an op's launches are: a server that makes streams as it goes would otherwise
 # keep a workspace per stream it ever used. (A forgotten one is freed in its stream's
 # order, by torch's or CuPy's allocator; its stream's next call makes a new one.)
@@ -743,7 +763,8 @@ def _scratch(
     Fresh memory for the multi-kernel plans (mhc_phi_pieces zeroes the forward's counters,
     pre backward's five kernels use none): stream-ordered, graph-capturable (torch's
     allocator serves a capture from the graph's pool) and never shared between concurrent
-    calls. The one-launch plans (``plan.workspace``: mhc_pre_small, mhc_bwd_fused) need
+    calls. The one-launch plans with counters (``plan.workspace``: mhc_pre_small, the fused
+    mhc_project, mhc_pre_cluster split over clusters, mhc_bwd_fused) need
     their counters zeroed when they start and leave them zeroed when they end, so they run
     on one workspace per stream and kind of plan, zeroed once when made (launches on one
     stream never overlap; every plan of a kind has its counters first, in a section of one
@@ -944,11 +965,11 @@ def pre_launch_params(
         x_stride=x.strides[0], phi_stride_k=phi.strides[0], phi_stride_q=phi.strides[1],
         bias_stride=b.strides[0], batch=batch, c_x=c_x, k_range=plan.k_range,
         k_splits=plan.k_splits, vector_io=c_x % 8 == 0 and (x.ptr | row_bytes) % 16 == 0,
-        fuse=plan.fuse, repeat=gates.sinkhorn_repeat,
+        repeat=gates.sinkhorn_repeat,
         phi_dense=phi.strides == (q, 1) and phi.ptr % 16 == 0,
         alpha_pre=gates.alpha_pre, alpha_post=gates.alpha_post, alpha_res=gates.alpha_res,
         eps=gates.sinkhorn_eps, cluster_rows=plan.cluster_rows,
-        cluster_columns=plan.cluster_columns, cluster_groups=plan.cluster_groups, unused=0,
+        cluster_columns=plan.cluster_columns, cluster_groups=plan.cluster_groups, unused=(0, 0),
     )  # fmt: skip
 
 
