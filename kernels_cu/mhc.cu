@@ -126,6 +126,27 @@ __device__ __forceinline__ float load_cg(const float* p) {
   return v;
 }
 
+// s + the terms at base + k * stride for k = first, first + step, ... below end, added in k
+// order. Eight loads are issued before any is added: a loop that tests its bound between
+// loads issues each one after the add of the one before, and in-order issue waits on that
+// add, so every term cost an L2 round trip of its own. Past the end the address is clamped
+// to the last term (read, not added).
+__device__ __forceinline__ float add_strided(float s, const float* base, i64 first, i64 end, i64 step,
+                                             i64 stride) {
+  for (i64 k0 = first; k0 < end; k0 += 8 * step) {
+    float v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const i64 k = k0 + j * step;
+      v[j] = load_cg(base + (k < end ? k : end - 1) * stride);
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (k0 + j * step < end) s += v[j];
+  }
+  return s;
+}
+
 __device__ __forceinline__ unsigned int load_acquire(const unsigned int* p) {
   unsigned int v;
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -325,27 +346,21 @@ __device__ void sum_partials(const PreParams& p, i64 row0, int rows, float* sh_h
   const int pairs = rows * QP;
   const i64 split_step = p.batch * QP;
   if (pairs * 2 > threads) {  // one thread per (row, column), all splits in order
-    for (int pair = tid; pair < pairs; pair += threads) {
-      const float* src = p.partial + row0 * QP + pair;
-      float s = 0.f;
-#pragma unroll 4
-      for (i64 k = 0; k < p.k_splits; ++k) s += load_cg(src + k * split_step);
-      sh_h[pair] = s;
-    }
+    for (int pair = tid; pair < pairs; pair += threads)
+      sh_h[pair] = add_strided(0.f, p.partial + row0 * QP + pair, 0, p.k_splits, 1, split_step);
   } else {  // few columns, many splits (decode): spread the splits, then add in a fixed order
+    // Thread (pair, sub) sums splits sub, sub + per_pair, ...; consecutive threads take
+    // consecutive pairs of one split, so that a warp's loads share lines.
     const int per_pair = threads / pairs;
-    const int pair = tid / per_pair, sub = tid - pair * per_pair;
+    const int pair = tid % pairs, sub = tid / pairs;
     float s = 0.f;
-    if (pair < pairs) {
-      const float* src = p.partial + row0 * QP + pair;
-#pragma unroll 16
-      for (i64 k = sub; k < p.k_splits; k += per_pair) s += load_cg(src + k * split_step);
-    }
+    if (sub < per_pair)
+      s = add_strided(0.f, p.partial + row0 * QP + pair, sub, p.k_splits, per_pair, split_step);
     sh_scratch[tid] = s;
     __syncthreads();
     if (tid < pairs) {
       float t = 0.f;
-      for (int j = 0; j < per_pair; ++j) t += sh_scratch[tid * per_pair + j];
+      for (int j = 0; j < per_pair; ++j) t += sh_scratch[j * pairs + tid];
       sh_h[tid] = t;
     }
   }
@@ -398,14 +413,16 @@ __device__ void rows_rms(const PreParams& p, float* sh_h, i64 row0, int rows) {
 // rows_rms), into coef [rows][n + n*n] and, unless it is null, h_post [rows][n] (shared or
 // global memory: the tokens' own rows of either), with b at `bias` (global memory, or a copy
 // in shared memory made while the data loaded). A decode token's 20 Sinkhorn
-// steps are pure latency, so its matrix is spread over lanes: for n*n <= 32 one lane per
-// entry (a step: the row's or column's entries gathered by n shuffles, summed in index order
-// as on the host, then one division), else one lane per row (column sums by n*n shuffles).
-// Each division is a multiplication by the divisor's reciprocal, as in the backward's
-// sinkhorn_step. Every divisor is a sum of entries within [0, 1] plus eps, so from eps =
-// 2**-125 on it is in fast_reciprocal's range and the step skips the check: one lane an entry,
-// n = 4, a half-step 123 -> 95 cycles measured alone (the performance log, 2026-12-04).
-// Not inlined: one compiled body for every caller.
+// steps are pure latency. For n*n <= 32 one lane per entry forms the logits and
+// exponentials, then every lane of the token gathers the whole matrix and runs the steps in
+// registers (sums in index order, as on the host), keeping its own entry: no shuffle round
+// trip a half-step, and a half-step's n reciprocals issue together (one lane an entry with n
+// shuffles a half-step measured 0.5-1.1 us more a call, H100, B1-B128 n4). Otherwise one lane
+// per row (column sums by n*n shuffles). Each division is a multiplication by the divisor's
+// reciprocal, as in the backward's sinkhorn_step. Every divisor is a sum of entries within
+// [0, 1] plus eps, so from eps = 2**-125 on it is in fast_reciprocal's range and the steps
+// skip the check (one lane an entry, n = 4: a half-step 123 -> 95 cycles measured alone, the
+// performance log, 2026-12-04). Not inlined: one compiled body for every caller.
 template <int N>
 __device__ __attribute__((noinline)) void tile_coefficients(const PreParams& p, const float* sh_h,
                                                              int rows, float* coef, float* h_post,
@@ -453,17 +470,50 @@ __device__ __attribute__((noinline)) void tile_coefficients(const PreParams& p, 
     }
 #pragma unroll
     for (int r = 0; r < R; ++r) m[r] = expf(m[r] - row_max);
-    for (int it = 0; it < repeat; ++it) {
-      if constexpr (PER_ENTRY) {
-        float s = 0.f;
+    if constexpr (PER_ENTRY) {
+      float M[N][N];
 #pragma unroll
-        for (int k = 0; k < N; ++k) s += __shfl_sync(0xffffffffu, m[0], (group + i * N + k) & 31);
-        m[0] *= inverse(s + eps);
-        float c = 0.f;
+      for (int r = 0; r < N; ++r)
 #pragma unroll
-        for (int r = 0; r < N; ++r) c += __shfl_sync(0xffffffffu, m[0], (group + r * N + k0) & 31);
-        m[0] *= inverse(c + eps);
-      } else {
+        for (int k = 0; k < N; ++k) M[r][k] = __shfl_sync(0xffffffffu, m[0], (group + r * N + k) & 31);
+      auto steps = [&](auto reciprocal) {
+        for (int it = 0; it < repeat; ++it) {
+          float scale[N];
+#pragma unroll
+          for (int r = 0; r < N; ++r) {
+            float s = 0.f;
+#pragma unroll
+            for (int k = 0; k < N; ++k) s += M[r][k];
+            scale[r] = reciprocal(s + eps);
+          }
+#pragma unroll
+          for (int r = 0; r < N; ++r)
+#pragma unroll
+            for (int k = 0; k < N; ++k) M[r][k] *= scale[r];
+#pragma unroll
+          for (int k = 0; k < N; ++k) {
+            float c = 0.f;
+#pragma unroll
+            for (int r = 0; r < N; ++r) c += M[r][k];
+            scale[k] = reciprocal(c + eps);
+          }
+#pragma unroll
+          for (int r = 0; r < N; ++r)
+#pragma unroll
+            for (int k = 0; k < N; ++k) M[r][k] *= scale[k];
+        }
+      };
+      if (fast)
+        steps([](float divisor) { return fast_reciprocal(divisor); });
+      else
+        steps([&](float divisor) { return inverse(divisor); });
+#pragma unroll
+      for (int r = 0; r < N; ++r)
+#pragma unroll
+        for (int k = 0; k < N; ++k)
+          if (r == i && k == k0) m[0] = M[r][k];
+    } else {
+      for (int it = 0; it < repeat; ++it) {
         float s = 0.f;
 #pragma unroll
         for (int k = 0; k < N; ++k) s += m[k];
@@ -1798,11 +1848,8 @@ __global__ void __launch_bounds__(PROJECT_THREADS, 1) mhc_pre_cluster(const PreP
       cluster_wait();
       return;
     }
-    for (int i = tid; i < rows * QP; i += PROJECT_THREADS) {
-      float s = load_cg(partials + i);
-      for (int g = 1; g < groups; ++g) s += load_cg(partials + g * sums + i);
-      sh_h[i] = s;
-    }
+    for (int i = tid; i < rows * QP; i += PROJECT_THREADS)
+      sh_h[i] = add_strided(load_cg(partials + i), partials + i, 1, groups, 1, sums);
     __syncthreads();
   } else {
     cluster_arrive_relaxed();  // done reading the others' partials (they wait for it to exit)

@@ -93,11 +93,11 @@ KNOWN_SPILLS = {
     ("sm_80", "mhc_bwd_grad<float, 8>"): 52,
     ("sm_80", "mhc_bwd_grad<half_t, 8>"): 20,
     ("sm_80", "mhc_post_bwd<half_t, 0, true>"): 8,
-    ("sm_80", "mhc_project<float, 6, 64, 3, true>"): 16,
-    ("sm_80", "mhc_project<float, 8, 64, 3, true>"): 16,
     ("sm_80", "mhc_pre_small<bfloat16_t, 5>"): 16,
     ("sm_80", "mhc_pre_small<float, 5>"): 16,
     ("sm_80", "mhc_pre_small<half_t, 5>"): 16,
+    ("sm_80", "mhc_project<float, 8, 64, 3, true>"): 44,
+    ("sm_80", "mhc_project<half_t, 8, 64, 3, true>"): 16,
     ("sm_80", "rope_rotate<bfloat16_t, true, 8, 0, 0, 1, 4>"): 32,
     ("sm_80", "rope_rotate<bfloat16_t, true, 8, 0, 1, 1, 4>"): 64,
     ("sm_80", "rope_rotate<bfloat16_t, true, 8, 128, 0, 1, 4>"): 16,
@@ -120,17 +120,15 @@ KNOWN_SPILLS = {
     ("sm_90", "mhc_bwd_grad<float, 7>"): 8,
     ("sm_90", "mhc_bwd_grad<float, 8>"): 68,
     ("sm_90", "mhc_bwd_grad<half_t, 8>"): 24,
-    ("sm_90", "mhc_coefficients<bfloat16_t, 4>"): 16,  # (around its one call)
-    ("sm_90", "mhc_coefficients<float, 4>"): 16,
-    ("sm_90", "mhc_coefficients<half_t, 4>"): 16,
-    ("sm_90", "mhc_project<bfloat16_t, 8, 64, 3, true>"): 20,
+    ("sm_90", "mhc_coefficients<bfloat16_t, 2>"): 16,  # (around its one call)
+    ("sm_90", "mhc_coefficients<half_t, 2>"): 16,
     # 8 or 80 by the process's earlier NVRTC compiles (80 alone) since its first x stages
     # load before the phi fragments (programmatic dependent launch, 2026-12-03; 0 in one
     # process since the fused code left it, 2026-12-05)
     ("sm_90", "mhc_project<float, 8, 64, 3>"): 80,
-    ("sm_90", "mhc_project<float, 6, 64, 3, true>"): 32,
-    ("sm_90", "mhc_project<float, 7, 64, 3, true>"): 28,
-    ("sm_90", "mhc_project<float, 8, 64, 3, true>"): 84,
+    ("sm_90", "mhc_project<float, 7, 64, 3, true>"): 16,
+    ("sm_90", "mhc_project<float, 8, 64, 3, true>"): 36,
+    ("sm_90", "mhc_project<half_t, 8, 64, 3, true>"): 16,
     ("sm_90", "rope_rotate<bfloat16_t, true, 8, 0, 0, 0, 4>"): 8,
     ("sm_90", "rope_rotate<bfloat16_t, true, 8, 0, 0, 1, 4>"): 12,
     ("sm_90", "rope_rotate<bfloat16_t, true, 8, 0, 1, 0, 4>"): 32,
