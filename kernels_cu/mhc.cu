@@ -476,31 +476,25 @@ __device__ __attribute__((noinline)) void tile_coefficients(const PreParams& p, 
       for (int r = 0; r < N; ++r)
 #pragma unroll
         for (int k = 0; k < N; ++k) M[r][k] = __shfl_sync(0xffffffffu, m[0], (group + r * N + k) & 31);
+      // a half-step: each row (rows) or column divided by its sum, in index order, plus eps
+      auto half_step = [&](auto reciprocal, bool rows) {
+        float scale[N];
+#pragma unroll
+        for (int a = 0; a < N; ++a) {
+          float s = 0.f;
+#pragma unroll
+          for (int b = 0; b < N; ++b) s += rows ? M[a][b] : M[b][a];
+          scale[a] = reciprocal(s + eps);
+        }
+#pragma unroll
+        for (int r = 0; r < N; ++r)
+#pragma unroll
+          for (int k = 0; k < N; ++k) M[r][k] *= scale[rows ? r : k];
+      };
       auto steps = [&](auto reciprocal) {
         for (int it = 0; it < repeat; ++it) {
-          float scale[N];
-#pragma unroll
-          for (int r = 0; r < N; ++r) {
-            float s = 0.f;
-#pragma unroll
-            for (int k = 0; k < N; ++k) s += M[r][k];
-            scale[r] = reciprocal(s + eps);
-          }
-#pragma unroll
-          for (int r = 0; r < N; ++r)
-#pragma unroll
-            for (int k = 0; k < N; ++k) M[r][k] *= scale[r];
-#pragma unroll
-          for (int k = 0; k < N; ++k) {
-            float c = 0.f;
-#pragma unroll
-            for (int r = 0; r < N; ++r) c += M[r][k];
-            scale[k] = reciprocal(c + eps);
-          }
-#pragma unroll
-          for (int r = 0; r < N; ++r)
-#pragma unroll
-            for (int k = 0; k < N; ++k) M[r][k] *= scale[k];
+          half_step(reciprocal, true);
+          half_step(reciprocal, false);
         }
       };
       if (fast)
