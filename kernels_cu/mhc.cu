@@ -912,8 +912,8 @@ __host__ __device__ constexpr int project_smem_bytes() {
 // K range [split * k_range, (split+1) * k_range), a multiple of STAGE_K. Warp w: tokens
 // 32*(w%4) .. +32 (two mma m-tiles) and the k-steps of half w/4 of every stage.
 // FUSED: the whole of mHC pre in one cooperative launch (the file's header), an
-// instantiation of its own so that the large-batch kernels carry none of its code (with it
-// behind a run-time flag they spilled 8-20 bytes more).
+// instantiation of its own so that the large-batch kernels carry none of its code (behind a
+// run-time flag it cost them 20-24 more bytes of spills).
 // The pipeline: STAGES stages of STAGE_K columns (BLOCK_K or 2*BLOCK_K: a row's run of x a
 // stage, 128 or 256 bytes for 16-bit x; DRAM serves longer runs faster). Shared memory:
 // project_smem_bytes' layout.
