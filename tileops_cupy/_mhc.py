@@ -628,18 +628,7 @@ def _pre_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan
         )  # fmt: skip
         return _remember(key, plan)
     project, smem, (k_range, k_splits, fuse), stage_k = _project_plan(device, dtype, n, batch, c_x)
-    tiles = -(-batch // _TILE_ROWS)
-    k_blocks = -(-width // stage_k) * (stage_k // _BLOCK_K)  # (a last stage's are whole)
-    # the projection and the mix start, and load x, while the kernel before them runs
-    # (mhc.cu: programmatic dependent launch). H200, bf16 n4, median us, plain -> early:
-    # B512 c_x4096 48.9 -> 45.8-46.4, B2000 c_x1280 46.0-46.8 -> 42.0-42.3, B4096 c_x4096
-    # 151.2 -> 147.3, B16384 c_x7168 869-871 -> 863-867; at B300 c_x2048 runs disagreed
-    # (37.5 -> 34.7-41.0), so batches that small launch in plain stream order
-    early = _attribute(device, _COMPUTE_MAJOR) >= 9 and batch >= _MIN_EARLY_ROWS
-    project_step = _cuda.Step(
-        project, (tiles * k_splits, 1, 1), threads, smem, cooperative=fuse,
-        programmatic=early and not fuse,
-    )  # fmt: skip
+    grid = (-(-batch // _TILE_ROWS) * k_splits, 1, 1)
     if fuse:
         # one launch: its blocks split their own ranges of phi into fragments, each takes
         # its run of tokens' coefficients at once, and the last one out zeroes the counters
@@ -649,15 +638,22 @@ def _pre_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan
         # B96 c_x7168 34.5 -> 30.2, B128 c_x1280 29.8 -> 21.7, B128 c_x4096 31.1 -> 27.0,
         # B200 c_x2048 33.0 -> 26.1, B256 c_x1280 38.5 -> 25.6, B256 c_x4096 40.5 -> 32.3
         return _remember(key, _PrePlan(
-            steps=(project_step,), n=n, c_x=c_x, k_range=k_range, k_splits=k_splits, fuse=True,
-            small=False,
+            steps=(_cuda.Step(project, grid, threads, smem, cooperative=True),), n=n, c_x=c_x,
+            k_range=k_range, k_splits=k_splits, fuse=True, small=False,
             scratch=(k_splits * batch * (q + 1), batch * (n + n * n), _SMALL_COUNTER_WORDS, 0),
         ))  # fmt: skip
+    k_blocks = -(-width // stage_k) * (stage_k // _BLOCK_K)  # (a last stage's are whole)
+    # the projection and the mix start, and load x, while the kernel before them runs
+    # (mhc.cu: programmatic dependent launch). H200, bf16 n4, median us, plain -> early:
+    # B512 c_x4096 48.9 -> 45.8-46.4, B2000 c_x1280 46.0-46.8 -> 42.0-42.3, B4096 c_x4096
+    # 151.2 -> 147.3, B16384 c_x7168 869-871 -> 863-867; at B300 c_x2048 runs disagreed
+    # (37.5 -> 34.7-41.0), so batches that small launch in plain stream order
+    early = _attribute(device, _COMPUTE_MAJOR) >= 9 and batch >= _MIN_EARLY_ROWS
     coefficients = _cuda.function(spec, coefficients_name, device)
     apply = _cuda.function(spec, apply_name, device)
     steps = (
         _cuda.Step(_cuda.function(spec, pieces_name, device), (k_blocks, 1, 1), threads),
-        project_step,
+        _cuda.Step(project, grid, threads, smem, programmatic=early),
         _cuda.Step(coefficients, (-(-batch // _COEF_ROWS), 1, 1), threads),
         _cuda.Step(
             apply, (-(-items // _APPLY_THREADS), 1, 1), (_APPLY_THREADS, 1, 1),
