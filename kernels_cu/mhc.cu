@@ -19,7 +19,7 @@
 //   mhc_apply    one pass over the rows, one thread per 8 columns: x_layer and x_res.
 // On sm_90, from 512 tokens, mhc_project and mhc_apply start and load their first x while
 // the kernel before them runs (programmatic dependent launch, below).
-// With `fuse` set (small batches, decode) the blocks of one cooperative mhc_project launch
+// In its FUSED instantiation (up to 256 tokens) the blocks of one cooperative mhc_project launch
 // split K over every multiprocessor (each block splitting its own range of phi into
 // fragments: no mhc_phi_pieces launch), meet at a grid barrier, compute the coefficients of
 // a run of tokens each, meet again, and apply them to a share of the columns: one launch,

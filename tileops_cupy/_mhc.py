@@ -629,6 +629,7 @@ def _pre_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan
         return _remember(key, plan)
     project, smem, (k_range, k_splits, fuse), stage_k = _project_plan(device, dtype, n, batch, c_x)
     grid = (-(-batch // _TILE_ROWS) * k_splits, 1, 1)
+    partial_words, coef_words = k_splits * batch * (q + 1), batch * (n + n * n)  # scratch
     if fuse:
         # one launch: its blocks split their own ranges of phi into fragments, each takes
         # its run of tokens' coefficients at once, and the last one out zeroes the counters
@@ -640,7 +641,7 @@ def _pre_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan
         return _remember(key, _PrePlan(
             steps=(_cuda.Step(project, grid, threads, smem, cooperative=True),), n=n, c_x=c_x,
             k_range=k_range, k_splits=k_splits, fuse=True, small=False,
-            scratch=(k_splits * batch * (q + 1), batch * (n + n * n), _SMALL_COUNTER_WORDS, 0),
+            scratch=(partial_words, coef_words, _SMALL_COUNTER_WORDS, 0),
         ))  # fmt: skip
     k_blocks = -(-width // stage_k) * (stage_k // _BLOCK_K)  # (a last stage's are whole)
     # the projection and the mix start, and load x, while the kernel before them runs
@@ -663,10 +664,7 @@ def _pre_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan
     plan = _PrePlan(
         steps=steps, n=n, c_x=c_x, k_range=k_range, k_splits=k_splits, fuse=False, small=False,
         scratch=(
-            k_splits * batch * (q + 1),
-            batch * (n + n * n),
-            _COUNTER_GROUPS,
-            k_blocks * _fragment_bytes(n, _BLOCK_K) // 4,
+            partial_words, coef_words, _COUNTER_GROUPS, k_blocks * _fragment_bytes(n, _BLOCK_K) // 4
         ),
     )  # fmt: skip
     return _remember(key, plan)
