@@ -14,8 +14,8 @@
 //                x and phi fragments stream through a cp.async pipeline into a scratch
 //                [k_splits, batch, Q+1] of partial sums (the Q+1-th is sum(x*x)).
 //   mhc_coefficients  COEF_ROWS tokens a block: the partials summed in a fixed order, then
-//                every token's gates and Sinkhorn matrix (n*n lanes a token), into a scratch
-//                [batch, n + n*n] and h_post.
+//                every token's gates and Sinkhorn matrix (n*n lanes a token; one thread a
+//                token in the largest batches), into a scratch [batch, n + n*n] and h_post.
 //   mhc_apply    one pass over the rows, one thread per 8 columns: x_layer and x_res.
 // On sm_90, from 512 tokens, mhc_project and mhc_apply start and load their first x while
 // the kernel before them runs (programmatic dependent launch, below).
@@ -126,25 +126,41 @@ __device__ __forceinline__ float load_cg(const float* p) {
   return v;
 }
 
-// s + the terms at base + k * stride for k = first, first + step, ... below end, added in k
-// order. Eight loads are issued before any is added: a loop that tests its bound between
-// loads issues each one after the add of the one before, and in-order issue waits on that
-// add, so every term cost an L2 round trip of its own. Past the end the address is clamped
-// to the last term (read, not added).
-__device__ __forceinline__ float add_strided(float s, const float* base, i64 first, i64 end, i64 step,
-                                             i64 stride) {
+// s[r] + the terms at base + r * column_step + k * stride for k = first, first + step, ...
+// below end, added in k order, for each of ROUND columns r < columns (a column past them
+// reads column 0's terms and its s[r] is left as it was). Eight loads a column, of every
+// column, are issued before any is added: a loop that tests its bound between loads issues
+// each one after the add of the one before, and in-order issue waits on that add, so every
+// term cost an L2 round trip of its own (and a column after another, one each). Past the end
+// the address is clamped to the last term (read, not added).
+template <int ROUND>
+__device__ __forceinline__ void add_strided(float (&s)[ROUND], const float* base, i64 column_step,
+                                            int columns, i64 first, i64 end, i64 step, i64 stride) {
   for (i64 k0 = first; k0 < end; k0 += 8 * step) {
-    float v[8];
+    float v[ROUND][8];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const i64 k = k0 + j * step;
-      v[j] = load_cg(base + (k < end ? k : end - 1) * stride);
+    for (int r = 0; r < ROUND; ++r) {
+      const float* column = base + (r < columns ? r : 0) * column_step;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const i64 k = k0 + j * step;
+        v[r][j] = load_cg(column + (k < end ? k : end - 1) * stride);
+      }
     }
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
-      if (k0 + j * step < end) s += v[j];
+    for (int r = 0; r < ROUND; ++r)
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (r < columns && k0 + j * step < end) s[r] += v[r][j];
   }
-  return s;
+}
+
+// One column's add_strided.
+__device__ __forceinline__ float add_strided(float s, const float* base, i64 first, i64 end, i64 step,
+                                             i64 stride) {
+  float sums[1] = {s};
+  add_strided<1>(sums, base, 0, 1, first, end, step, stride);
+  return sums[0];
 }
 
 __device__ __forceinline__ unsigned int load_acquire(const unsigned int* p) {
@@ -323,7 +339,7 @@ struct Dims {
 //                    3 deep (its STAGE_K and STAGES template arguments, which the plan picks)
 //   PROJECT_THREADS, APPLY_THREADS, POST_THREADS  threads per block of each kernel
 //                    (mhc_coefficients: PROJECT_THREADS)
-//   COEF_ROWS        tokens per mhc_coefficients block
+//   COEF_ROWS        tokens per mhc_coefficients block (COEF_TOKEN_ROWS: one thread a token)
 //   COUNTER_GROUPS   counter words before mhc_pre_small's per-group ones: [0], [1] fused
 //                    mhc_project: blocks past the two grid barriers, [2] blocks finished
 //                    (small: see there)
@@ -338,16 +354,26 @@ static_assert(CLUSTER_BLOCKS >= 1 && CLUSTER_BLOCKS <= 16, "sm_90 clusters");
 // ------------------------------------------------------------------ coefficients and mix
 
 // h and sum(x*x) of rows row0 .. row0+rows-1: the k_splits partials summed in a fixed order
-// (deterministic), into sh_h [rows][Q+1]. Every thread of the block calls it.
-template <int N>
+// (deterministic), into sh_h [rows][Q+1]. Every thread of the block calls it. ROUND: the
+// (row, column) pairs a thread sums at once where each takes all the splits (every load of
+// the round in flight before any add: a pair after another waited an L2 round trip each).
+template <int N, int ROUND = 1>
 __device__ void sum_partials(const PreParams& p, i64 row0, int rows, float* sh_h, float* sh_scratch) {
   constexpr int QP = Dims<N>::QP;
   const int tid = threadIdx.x, threads = blockDim.x;
   const int pairs = rows * QP;
   const i64 split_step = p.batch * QP;
   if (pairs * 2 > threads) {  // one thread per (row, column), all splits in order
-    for (int pair = tid; pair < pairs; pair += threads)
-      sh_h[pair] = add_strided(0.f, p.partial + row0 * QP + pair, 0, p.k_splits, 1, split_step);
+    for (int pair = tid; pair < pairs; pair += ROUND * threads) {
+      // the r with pair + r * threads < pairs (one column: always; said so, it folds away)
+      const int columns = ROUND == 1 ? 1 : (pairs - pair + threads - 1) / threads;
+      float sums[ROUND] = {};
+      add_strided<ROUND>(sums, p.partial + row0 * QP + pair, threads, columns, 0, p.k_splits, 1,
+                         split_step);
+#pragma unroll
+      for (int r = 0; r < ROUND; ++r)
+        if (r < columns) sh_h[pair + r * threads] = sums[r];
+    }
   } else {  // few columns, many splits (decode): spread the splits, then add in a fixed order
     // Thread (pair, sub) sums splits sub, sub + per_pair, ...; consecutive threads take
     // consecutive pairs of one split, so that a warp's loads share lines.
@@ -409,20 +435,62 @@ __device__ void rows_rms(const PreParams& p, float* sh_h, i64 row0, int rows) {
   __syncthreads();
 }
 
+// Whether eps keeps every Sinkhorn divisor in fast_reciprocal's range: each is a sum of
+// entries within [0, 1] plus eps, so from eps = 2**-125 on (and below 2**124: n + eps then
+// stays below 2**126, the range's top) the steps skip the check (one lane an entry, n = 4: a
+// half-step 123 -> 95 cycles measured alone, the performance log, 2026-12-04).
+__device__ __forceinline__ bool sinkhorn_fast(float eps) { return eps >= 0x1p-125f && eps < 0x1p124f; }
+
+// 1 / divisor of a Sinkhorn step. A sum of non-negative entries plus eps is 0 only when every
+// entry is 0 (eps = 0 and the exponentials underflowed): dividing by 1 keeps those zeros, not
+// 0/0.
+__device__ __forceinline__ float sinkhorn_inverse(bool fast, float divisor) {
+  return fast ? fast_reciprocal(divisor) : 1.f / (divisor == 0.f ? 1.f : divisor);
+}
+
+// `repeat` Sinkhorn steps of one token's matrix held whole in registers: each half-step
+// divides every row (then every column) by its sum in index order plus eps (as on the host),
+// as a multiplication by the divisor's reciprocal (as in the backward's sinkhorn_step); a
+// half-step's n reciprocals issue together.
+template <int N>
+__device__ __forceinline__ void sinkhorn_in_registers(float (&M)[N][N], int repeat, float eps, bool fast) {
+  auto half_step = [&](auto reciprocal, bool rows) {
+    float scale[N];
+#pragma unroll
+    for (int a = 0; a < N; ++a) {
+      float s = 0.f;
+#pragma unroll
+      for (int b = 0; b < N; ++b) s += rows ? M[a][b] : M[b][a];
+      scale[a] = reciprocal(s + eps);
+    }
+#pragma unroll
+    for (int r = 0; r < N; ++r)
+#pragma unroll
+      for (int k = 0; k < N; ++k) M[r][k] *= scale[rows ? r : k];
+  };
+  auto steps = [&](auto reciprocal) {
+    for (int it = 0; it < repeat; ++it) {
+      half_step(reciprocal, true);
+      half_step(reciprocal, false);
+    }
+  };
+  if (fast)
+    steps([](float divisor) { return fast_reciprocal(divisor); });
+  else
+    steps([](float divisor) { return sinkhorn_inverse(false, divisor); });
+}
+
 // Gates and Sinkhorn matrix of `rows` tokens from sh_h [rows][Q+1] (h, then the RMS from
 // rows_rms), into coef [rows][n + n*n] and, unless it is null, h_post [rows][n] (shared or
 // global memory: the tokens' own rows of either), with b at `bias` (global memory, or a copy
 // in shared memory made while the data loaded). A decode token's 20 Sinkhorn
 // steps are pure latency. For n*n <= 32 one lane per entry forms the logits and
 // exponentials, then every lane of the token gathers the whole matrix and runs the steps in
-// registers (sums in index order, as on the host), keeping its own entry: no shuffle round
-// trip a half-step, and a half-step's n reciprocals issue together (one lane an entry with n
-// shuffles a half-step measured 0.5-1.1 us more a call, H100, B1-B128 n4). Otherwise one lane
-// per row (column sums by n*n shuffles). Each division is a multiplication by the divisor's
-// reciprocal, as in the backward's sinkhorn_step. Every divisor is a sum of entries within
-// [0, 1] plus eps, so from eps = 2**-125 on it is in fast_reciprocal's range and the steps
-// skip the check (one lane an entry, n = 4: a half-step 123 -> 95 cycles measured alone, the
-// performance log, 2026-12-04). Not inlined: one compiled body for every caller.
+// registers (sinkhorn_in_registers), keeping its own entry: no shuffle round trip a
+// half-step (one lane an entry with n shuffles a half-step measured 0.5-1.1 us more a call,
+// H100, B1-B128 n4). Otherwise one lane per row (column sums by n*n shuffles), each division
+// a multiplication by the divisor's reciprocal too. Not inlined: one compiled body for every
+// caller.
 template <int N>
 __device__ __attribute__((noinline)) void tile_coefficients(const PreParams& p, const float* sh_h,
                                                              int rows, float* coef, float* h_post,
@@ -438,13 +506,7 @@ __device__ __attribute__((noinline)) void tile_coefficients(const PreParams& p, 
   const int i = PER_ENTRY ? e / N : e, k0 = PER_ENTRY ? e - (e / N) * N : 0;
   const float eps = p.eps;
   const int repeat = p.repeat;
-  // (eps is below 2**124 too: n + eps then stays below 2**126, the range's top)
-  const bool fast = eps >= 0x1p-125f && eps < 0x1p124f;
-  // A sum of non-negative entries plus eps is 0 only when every entry is 0 (eps = 0 and the
-  // exponentials underflowed): dividing by 1 keeps those zeros, not 0/0.
-  auto inverse = [fast](float divisor) {
-    return fast ? fast_reciprocal(divisor) : 1.f / (divisor == 0.f ? 1.f : divisor);
-  };
+  const bool fast = sinkhorn_fast(eps);
   for (int t0 = warp * PER_WARP; t0 < rows; t0 += warps * PER_WARP) {  // warp-uniform
     const int t = t0 + slot;
     const bool active = slot < PER_WARP && t < rows;  // idle lanes shadow token t0
@@ -476,31 +538,7 @@ __device__ __attribute__((noinline)) void tile_coefficients(const PreParams& p, 
       for (int r = 0; r < N; ++r)
 #pragma unroll
         for (int k = 0; k < N; ++k) M[r][k] = __shfl_sync(0xffffffffu, m[0], (group + r * N + k) & 31);
-      // a half-step: each row (rows) or column divided by its sum, in index order, plus eps
-      auto half_step = [&](auto reciprocal, bool rows) {
-        float scale[N];
-#pragma unroll
-        for (int a = 0; a < N; ++a) {
-          float s = 0.f;
-#pragma unroll
-          for (int b = 0; b < N; ++b) s += rows ? M[a][b] : M[b][a];
-          scale[a] = reciprocal(s + eps);
-        }
-#pragma unroll
-        for (int r = 0; r < N; ++r)
-#pragma unroll
-          for (int k = 0; k < N; ++k) M[r][k] *= scale[rows ? r : k];
-      };
-      auto steps = [&](auto reciprocal) {
-        for (int it = 0; it < repeat; ++it) {
-          half_step(reciprocal, true);
-          half_step(reciprocal, false);
-        }
-      };
-      if (fast)
-        steps([](float divisor) { return fast_reciprocal(divisor); });
-      else
-        steps([&](float divisor) { return inverse(divisor); });
+      sinkhorn_in_registers<N>(M, repeat, eps, fast);
 #pragma unroll
       for (int r = 0; r < N; ++r)
 #pragma unroll
@@ -511,7 +549,7 @@ __device__ __attribute__((noinline)) void tile_coefficients(const PreParams& p, 
         float s = 0.f;
 #pragma unroll
         for (int k = 0; k < N; ++k) s += m[k];
-        const float row = inverse(s + eps);
+        const float row = sinkhorn_inverse(fast, s + eps);
 #pragma unroll
         for (int k = 0; k < N; ++k) m[k] *= row;
         float col[N];
@@ -520,7 +558,7 @@ __device__ __attribute__((noinline)) void tile_coefficients(const PreParams& p, 
           float c = 0.f;
 #pragma unroll
           for (int src = 0; src < N; ++src) c += __shfl_sync(0xffffffffu, m[k], (group + src) & 31);
-          col[k] = inverse(c + eps);
+          col[k] = sinkhorn_inverse(fast, c + eps);
         }
 #pragma unroll
         for (int k = 0; k < N; ++k) m[k] *= col[k];
@@ -538,17 +576,62 @@ __device__ __attribute__((noinline)) void tile_coefficients(const PreParams& p, 
   }
 }
 
+// tile_coefficients of many tokens (mhc_coefficients, n*n <= 32): one thread a token, the
+// same arithmetic in the same order (the same bits). There every lane of a token runs its
+// whole chain anyway, so n*n lanes a token issued n*n copies of every Sinkhorn step: at 4096
+// tokens and more the multiprocessors' issue slots, not the chain's latency, set the time.
+template <int N>
+__device__ __forceinline__ void token_coefficients(const PreParams& p, const float* sh_h, int rows,
+                                                   float* coef, float* h_post, const float* bias,
+                                                   i64 bias_stride) {
+  constexpr int Q = Dims<N>::Q, QP = Dims<N>::QP, NC = Dims<N>::NC;
+  const bool fast = sinkhorn_fast(p.eps);
+  for (int t = threadIdx.x; t < rows; t += blockDim.x) {
+    const float* h = sh_h + t * QP;
+    const float rms = h[Q] + 1e-4f;
+    float M[N][N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      float row_max = __uint_as_float(0xff800000u);  // -inf
+#pragma unroll
+      for (int k = 0; k < N; ++k) {
+        const int j = 2 * N + i * N + k;
+        M[i][k] = p.alpha_res * h[j] / rms + bias[j * bias_stride];
+        row_max = fmaxf(row_max, M[i][k]);
+      }
+#pragma unroll
+      for (int k = 0; k < N; ++k) M[i][k] = expf(M[i][k] - row_max);
+    }
+    float* dst = coef + t * NC;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      dst[i] = sigmoid(p.alpha_pre * h[i] / rms + bias[i * bias_stride]);
+      if (h_post != nullptr)
+        h_post[t * N + i] = 2.f * sigmoid(p.alpha_post * h[N + i] / rms + bias[(N + i) * bias_stride]);
+    }
+    sinkhorn_in_registers<N>(M, p.repeat, p.eps, fast);
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+      for (int k = 0; k < N; ++k) dst[N + i * N + k] = M[i][k];
+  }
+}
+
 // The coefficients of rows row0 .. row0+rows-1 from mhc_project's partials: summed, the
 // RMS, then the gates and Sinkhorn matrix. Every thread of the block calls it.
 // b is read at `bias`, `bias_stride` floats apart (p.bias, or a copy in shared memory).
-template <typename T, int N>
+// ROUND: sum_partials'; PER_TOKEN: token_coefficients instead of tile_coefficients.
+template <typename T, int N, int ROUND = 1, bool PER_TOKEN = false>
 __device__ __forceinline__ void partials_to_coefficients(const PreParams& p, i64 row0, int rows,
                                                          float* sh_h, float* sh_scratch,
                                                          const float* bias, i64 bias_stride) {
-  sum_partials<N>(p, row0, rows, sh_h, sh_scratch);
+  sum_partials<N, ROUND>(p, row0, rows, sh_h, sh_scratch);
   rows_rms<T, N>(p, sh_h, row0, rows);
-  tile_coefficients<N>(p, sh_h, rows, p.coef + row0 * Dims<N>::NC, p.h_post + row0 * N, bias,
-                       bias_stride);
+  float* const coef = p.coef + row0 * Dims<N>::NC;
+  if constexpr (PER_TOKEN)
+    token_coefficients<N>(p, sh_h, rows, coef, p.h_post + row0 * N, bias, bias_stride);
+  else
+    tile_coefficients<N>(p, sh_h, rows, coef, p.h_post + row0 * N, bias, bias_stride);
 }
 
 // 8 consecutive elements in their storage format: one 16-byte word for 16-bit types, two
@@ -1092,15 +1175,29 @@ __global__ void __launch_bounds__(PROJECT_THREADS, !FUSED && N <= 4 && Io<T>::x_
 // chain at once. They are a chain of latencies, not work: the last block of each projection
 // tile used to take its 128 tokens alone, eight rounds of 16 chains on 8 warps while the
 // rest of the device idled (H200, B4096 n4 c_x4096: projection 109 us, now 69 us and this
-// kernel 12 us).
-template <typename T, int N>
+// kernel 12 us). PER_TOKEN (n <= 5, the plan's largest batches): COEF_TOKEN_ROWS tokens a
+// block, one thread a token (token_coefficients), where n*n lanes a token issue n*n copies of
+// each chain and fill the issue slots. H100, bf16 n4, this kernel's device time, n*n lanes ->
+// one thread: B4096 c_x4096 12.8 -> 9.3 us, B8192 22.0 -> 11.4, B16384 c_x7168 35.8 -> 19.7,
+// n2 B4096 8.2 -> 5.7; but B512 10.4 -> 13.6, B1024 c_x7168 9.3 -> 10.9, B300 9.1 -> 12.2
+// (where the slots are free, half as many blocks, each token's logits and exponentials one
+// thread's, take longer: not profiled).
+template <typename T, int N, bool PER_TOKEN = false>
 __global__ void __launch_bounds__(PROJECT_THREADS) mhc_coefficients(const PreParams p) {
-  __shared__ float sh_h[COEF_ROWS * Dims<N>::QP];
+  static_assert(!PER_TOKEN || N * N <= 32, "one thread a token holds its whole matrix");
+  constexpr int QP = Dims<N>::QP;
+  constexpr int ROWS = PER_TOKEN ? COEF_TOKEN_ROWS : COEF_ROWS;
+  // PER_TOKEN: a thread's (row, column) sums of the block's partials, up to 4 (registers), in
+  // flight at once (32 rows of 25 sums at n = 4: 800 for 256 threads, one round trip)
+  constexpr int PAIRS = (ROWS * QP + PROJECT_THREADS - 1) / PROJECT_THREADS;
+  constexpr int ROUND = !PER_TOKEN ? 1 : PAIRS < 4 ? PAIRS : 4;
+  __shared__ float sh_h[ROWS * QP];
   __shared__ float sh_scratch[PROJECT_THREADS];
   launch_dependents();  // mhc_apply's blocks may start and load x
-  const i64 row0 = (i64)blockIdx.x * COEF_ROWS;
-  const int rows = p.batch - row0 < COEF_ROWS ? (int)(p.batch - row0) : COEF_ROWS;
-  partials_to_coefficients<T, N>(p, row0, rows, sh_h, sh_scratch, p.bias, p.bias_stride);
+  const i64 row0 = (i64)blockIdx.x * ROWS;
+  const int rows = p.batch - row0 < ROWS ? (int)(p.batch - row0) : ROWS;
+  partials_to_coefficients<T, N, ROUND, PER_TOKEN>(p, row0, rows, sh_h, sh_scratch, p.bias,
+                                                   p.bias_stride);
 }
 
 // One thread per 8 columns of a row, last rows first: mhc_project streamed x in increasing

@@ -149,6 +149,10 @@ for dtype in (torch.bfloat16, torch.float32):
                 _mhc.project_pipelines, _mhc._pre_plans = lambda *_, p=pipeline: (p,), {}
                 MHCPreFwdOp(1.0, 0.9, 1.1, 20)(phi, xm.to(x_dtype), b)
         _mhc.project_pipelines, _mhc._pre_plans = shipped, {}
+        # mhc_coefficients with one thread a token (planned from 4096 tokens), forced
+        threshold, _mhc._MIN_TOKEN_COEFFICIENT_ROWS = _mhc._MIN_TOKEN_COEFFICIENT_ROWS, 0
+        MHCPreFwdOp(1.0, 0.9, 1.1, 20)(phi, xm, b)
+        _mhc._MIN_TOKEN_COEFFICIENT_ROWS, _mhc._pre_plans = threshold, {}
         upstream = (torch.randn_like(x_res), torch.randn_like(x_layer), torch.randn_like(h_post))
         pre_backward = MHCPreBwdOp(1.0, 0.9, 1.1, 20)
         for _ in range(2):

@@ -771,6 +771,54 @@ def test_pre_projection_takes_a_pipeline_given_alone(monkeypatch, pipeline):
 
 
 @pytest.mark.parametrize("n", _mhc.CUDA_STREAMS)
+def test_pre_coefficients_take_one_thread_a_token_in_large_batches(monkeypatch, n):
+    """From _MIN_TOKEN_COEFFICIENT_ROWS tokens, n <= 5, mhc_coefficients is the instantiation
+    with one thread a token, COEF_TOKEN_ROWS tokens a block; below, and for n >= 6, n*n
+    lanes (or n) a token, COEF_ROWS a block. Both are compiled where the first is planned."""
+    _modelled_sm90(monkeypatch)
+    threshold = _mhc._MIN_TOKEN_COEFFICIENT_ROWS
+    names = _mhc.pre_module("bfloat16", n).name_expressions
+    for batch in (threshold - 1, threshold, 3 * threshold + 5):
+        step = _mhc._pre_plan(0, "bfloat16", n, 1280, batch).steps[2]
+        per_token = n <= 5 and batch >= threshold
+        lanes = f"mhc_coefficients<bfloat16_t, {n}>"
+        assert step.kernel == (lanes[:-1] + ", true>" if per_token else lanes)
+        assert step.kernel in names
+        rows = _mhc._COEF_TOKEN_ROWS if per_token else _mhc._COEF_ROWS
+        assert step.grid == (-(-batch // rows), 1, 1)
+
+
+@GPU
+@pytest.mark.parametrize(
+    "n, c_x, batch", ((4, 256, 300), (4, 1000, 4100), (2, 64, 1000), (5, 48, 77))
+)
+def test_pre_coefficient_layouts_write_the_same_bits(rng, monkeypatch, n, c_x, batch):
+    """mhc_coefficients with n*n lanes a token and with one thread a token (forced at every
+    batch here: a partial last block of either) write the same bits, within the oracle."""
+    require("cuda", "torch")
+    import torch
+
+    case = random_pre_case(rng, n, c_x, batch, "bfloat16")
+    outputs = []
+    for threshold in (1 << 62, 0):  # lanes, then one thread a token
+        monkeypatch.setattr(_mhc, "_MIN_TOKEN_COEFFICIENT_ROWS", threshold)
+        monkeypatch.setattr(_mhc, "_MAX_FUSED_ROWS", 0)  # four kernels even at 77 tokens
+        monkeypatch.setattr(_mhc, "_cluster_plan", lambda *args: None)
+        monkeypatch.setattr(_mhc, "_pre_plans", {})
+        monkeypatch.setattr(_mhc, "_MAX_SMALL_ROWS", 0)
+        plan = _mhc._pre_plan(0, "bfloat16", n, c_x, batch)
+        assert plan.steps[2].kernel is _mhc._cuda.function(
+            _mhc.pre_module("bfloat16", n),
+            _mhc._coefficients_name("bfloat16", n, per_token=threshold == 0),
+            0,
+        )
+        outputs.append(run_pre(case, "cuda"))
+    assert_pre_matches(case, outputs[1])
+    for a, b in zip(*outputs, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("n", _mhc.CUDA_STREAMS)
 def test_pre_projection_that_does_not_fit_is_refused(monkeypatch, n):
     """On a device of sm_80's 163 KB a block (166912 bytes), float32 x projects up to n = 6;
     n = 7 and 8 (three stages of 64 columns: 185 and 203 KB) are refused before any launch,

@@ -59,8 +59,8 @@ PRE_BWD_PARAMS = _cuda.ParamStruct.declared("mhc_backward", "PreBwdParams")
 POST_BWD_PARAMS = _cuda.ParamStruct.declared("mhc_backward", "PostBwdParams")
 # Launch geometry fixed by the kernels (TILE_ROWS, BLOCK_K, thread counts).
 _GEOMETRY = {
-    "TILE_ROWS": 128, "BLOCK_K": 64, "PROJECT_THREADS": 256,
-    "APPLY_THREADS": 256, "POST_THREADS": 256, "COEF_ROWS": 16, "COUNTER_GROUPS": 4,
+    "TILE_ROWS": 128, "BLOCK_K": 64, "PROJECT_THREADS": 256, "APPLY_THREADS": 256,
+    "POST_THREADS": 256, "COEF_ROWS": 16, "COEF_TOKEN_ROWS": 32, "COUNTER_GROUPS": 4,
     "SMALL_ROWS": 32, "SMALL_CHUNK": 32, "SMALL_FAN_IN": 16, "CLUSTER_BLOCKS": 16,
 }  # fmt: skip
 _FORWARD_DEFINES = tuple(f"{name}={value}" for name, value in _GEOMETRY.items())
@@ -69,6 +69,13 @@ _PROJECT_THREADS, _APPLY_THREADS, _POST_THREADS = (
     _GEOMETRY[name] for name in ("PROJECT_THREADS", "APPLY_THREADS", "POST_THREADS")
 )
 _COEF_ROWS = _GEOMETRY["COEF_ROWS"]  # tokens per mhc_coefficients block
+_COEF_TOKEN_ROWS = _GEOMETRY["COEF_TOKEN_ROWS"]  # the same, one thread a token
+# From this many tokens (n <= 5) mhc_coefficients takes one thread a token (mhc.cu says why).
+# H100, bf16 n4 unless named, the whole call, device us, n*n lanes a token -> one thread a
+# token (the same bits): B4096 c_x4096 181.8 -> 175.6, B8192 c_x4096 339.3 -> 326.0, B16384
+# c_x7168 1096.8 -> 1078.0, n2 B4096 c_x4096 103.2 -> 98.6; fp32 B2048 c_x2048 110.0 ->
+# 110.1, B1024 c_x7168 90.9 -> 92.1, B512 c_x4096 38.2 -> 41.2, B300 c_x2048 30.6 -> 33.2.
+_MIN_TOKEN_COEFFICIENT_ROWS = 4096
 _COUNTER_GROUPS = _GEOMETRY["COUNTER_GROUPS"]  # counter words before mhc_pre_small's groups
 _MAX_FUSED_ROWS = 256  # batches this small: cooperative mhc_project, no mhc_apply launch
 _MIN_EARLY_ROWS = 512  # from here on sm_90 mhc_project and mhc_apply start early (_pre_plan)
@@ -341,6 +348,17 @@ def _project_name(dtype: str, n: int, pipeline: tuple[int, int], fused: bool = F
     return f"mhc_project<{CUDA_TYPES[dtype]}, {n}, {pipeline[0]}, {pipeline[1]}{suffix}>"
 
 
+def _token_coefficients(n: int) -> bool:
+    """Whether mhc_coefficients is compiled with one thread a token for n (its n*n matrix
+    held whole in a thread's registers)."""
+    return n * n <= 32
+
+
+def _coefficients_name(dtype: str, n: int, per_token: bool) -> str:
+    """mhc_coefficients' instantiation: n*n lanes a token, or (``per_token``) one thread."""
+    return f"mhc_coefficients<{CUDA_TYPES[dtype]}, {n}{', true' if per_token else ''}>"
+
+
 def _fragment_bytes(n: int, columns: int) -> int:
     """Bytes of phi's bf16 B fragments for ``columns`` rows of phi (mhc.cu build_pieces:
     three pieces of each of the n-tiles' 8-byte slots, 32 lanes a k-step of 16; its
@@ -366,7 +384,8 @@ def pre_module(dtype: str, n: int) -> _cuda.ModuleSpec:
         f"mhc_phi_pieces<{n}>",
         *(_project_name(dtype, n, pipeline) for pipeline in pipelines),
         *(_project_name(dtype, n, pipeline, fused=True) for pipeline in pipelines),
-        f"mhc_coefficients<{cuda_type}, {n}>",
+        _coefficients_name(dtype, n, per_token=False),
+        *((_coefficients_name(dtype, n, per_token=True),) if _token_coefficients(n) else ()),
         f"mhc_apply<{cuda_type}, {n}>",
         f"mhc_pre_small<{cuda_type}, {n}>",
         f"mhc_pre_cluster<{cuda_type}, {n}>",
@@ -608,7 +627,7 @@ def _pre_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan
     if plan is not None:
         return _remember(key, plan)
     spec = pre_module(dtype, n)
-    pieces_name, *_, coefficients_name, apply_name, small_name, _ = spec.name_expressions
+    pieces_name, *_, apply_name, small_name, _ = spec.name_expressions
     width, q = n * c_x, n * n + 2 * n
     threads = (_PROJECT_THREADS, 1, 1)
     if batch <= _MAX_SMALL_ROWS and batch * width <= _SMALL_WORK:
@@ -650,12 +669,14 @@ def _pre_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan
     # 151.2 -> 147.3, B16384 c_x7168 869-871 -> 863-867; at B300 c_x2048 runs disagreed
     # (37.5 -> 34.7-41.0), so batches that small launch in plain stream order
     early = _attribute(device, _COMPUTE_MAJOR) >= 9 and batch >= _MIN_EARLY_ROWS
-    coefficients = _cuda.function(spec, coefficients_name, device)
+    per_token = _token_coefficients(n) and batch >= _MIN_TOKEN_COEFFICIENT_ROWS
+    coefficients = _cuda.function(spec, _coefficients_name(dtype, n, per_token), device)
+    coefficient_rows = _COEF_TOKEN_ROWS if per_token else _COEF_ROWS
     apply = _cuda.function(spec, apply_name, device)
     steps = (
         _cuda.Step(_cuda.function(spec, pieces_name, device), (k_blocks, 1, 1), threads),
         _cuda.Step(project, grid, threads, smem, programmatic=early),
-        _cuda.Step(coefficients, (-(-batch // _COEF_ROWS), 1, 1), threads),
+        _cuda.Step(coefficients, (-(-batch // coefficient_rows), 1, 1), threads),
         _cuda.Step(
             apply, (-(-items // _APPLY_THREADS), 1, 1), (_APPLY_THREADS, 1, 1),
             programmatic=early,
