@@ -480,6 +480,31 @@ __device__ __forceinline__ void sinkhorn_in_registers(float (&M)[N][N], int repe
     steps([](float divisor) { return sinkhorn_inverse(false, divisor); });
 }
 
+// One token's logits and gates from its h row (h, then the RMS; see rows_rms) and b at `bias`,
+// `stride` floats apart: the forward's expressions, in one place, so both coefficient layouts
+// (tile_coefficients, token_coefficients) write the same bits.
+template <int N>
+struct TokenLogits {
+  const float* h;
+  float rms;
+  const float* bias;
+  i64 stride;
+  __device__ __forceinline__ TokenLogits(const float* h_row, const float* b, i64 b_stride)
+      : h(h_row), rms(h_row[Dims<N>::Q] + 1e-4f), bias(b), stride(b_stride) {}
+  __device__ __forceinline__ float logit(float alpha, int j) const {
+    return alpha * h[j] / rms + bias[j * stride];
+  }
+  __device__ __forceinline__ float pre(const PreParams& p, int i) const {
+    return sigmoid(logit(p.alpha_pre, i));
+  }
+  __device__ __forceinline__ float post(const PreParams& p, int i) const {
+    return 2.f * sigmoid(logit(p.alpha_post, N + i));
+  }
+  __device__ __forceinline__ float residual(const PreParams& p, int i, int k) const {
+    return logit(p.alpha_res, 2 * N + i * N + k);
+  }
+};
+
 // Gates and Sinkhorn matrix of `rows` tokens from sh_h [rows][Q+1] (h, then the RMS from
 // rows_rms), into coef [rows][n + n*n] and, unless it is null, h_post [rows][n] (shared or
 // global memory: the tokens' own rows of either), with b at `bias` (global memory, or a copy
@@ -495,7 +520,7 @@ template <int N>
 __device__ __attribute__((noinline)) void tile_coefficients(const PreParams& p, const float* sh_h,
                                                              int rows, float* coef, float* h_post,
                                                              const float* bias, i64 bias_stride) {
-  constexpr int Q = Dims<N>::Q, QP = Dims<N>::QP, NC = Dims<N>::NC;
+  constexpr int QP = Dims<N>::QP, NC = Dims<N>::NC;
   constexpr bool PER_ENTRY = N * N <= 32;
   constexpr int LANES = PER_ENTRY ? N * N : N;  // lanes of one token
   constexpr int PER_WARP = 32 / LANES;
@@ -510,16 +535,12 @@ __device__ __attribute__((noinline)) void tile_coefficients(const PreParams& p, 
   for (int t0 = warp * PER_WARP; t0 < rows; t0 += warps * PER_WARP) {  // warp-uniform
     const int t = t0 + slot;
     const bool active = slot < PER_WARP && t < rows;  // idle lanes shadow token t0
-    const float* h = sh_h + (active ? t : t0) * QP;
-    const float rms = h[Q] + 1e-4f;
-    const float pre = sigmoid(p.alpha_pre * h[i] / rms + bias[i * bias_stride]);
-    const float post = 2.f * sigmoid(p.alpha_post * h[N + i] / rms + bias[(N + i) * bias_stride]);
+    const TokenLogits<N> token(sh_h + (active ? t : t0) * QP, bias, bias_stride);
+    const float pre = token.pre(p, i);
+    const float post = token.post(p, i);
     float m[R];
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int j = 2 * N + i * N + k0 + r;
-      m[r] = p.alpha_res * h[j] / rms + bias[j * bias_stride];
-    }
+    for (int r = 0; r < R; ++r) m[r] = token.residual(p, i, k0 + r);
     // the row's max, then the exponentials
     float row_max = __uint_as_float(0xff800000u);  // -inf
     if constexpr (PER_ENTRY) {
@@ -584,19 +605,17 @@ template <int N>
 __device__ __forceinline__ void token_coefficients(const PreParams& p, const float* sh_h, int rows,
                                                    float* coef, float* h_post, const float* bias,
                                                    i64 bias_stride) {
-  constexpr int Q = Dims<N>::Q, QP = Dims<N>::QP, NC = Dims<N>::NC;
+  constexpr int QP = Dims<N>::QP, NC = Dims<N>::NC;
   const bool fast = sinkhorn_fast(p.eps);
   for (int t = threadIdx.x; t < rows; t += blockDim.x) {
-    const float* h = sh_h + t * QP;
-    const float rms = h[Q] + 1e-4f;
+    const TokenLogits<N> token(sh_h + t * QP, bias, bias_stride);
     float M[N][N];
 #pragma unroll
     for (int i = 0; i < N; ++i) {
       float row_max = __uint_as_float(0xff800000u);  // -inf
 #pragma unroll
       for (int k = 0; k < N; ++k) {
-        const int j = 2 * N + i * N + k;
-        M[i][k] = p.alpha_res * h[j] / rms + bias[j * bias_stride];
+        M[i][k] = token.residual(p, i, k);
         row_max = fmaxf(row_max, M[i][k]);
       }
 #pragma unroll
@@ -605,9 +624,8 @@ __device__ __forceinline__ void token_coefficients(const PreParams& p, const flo
     float* dst = coef + t * NC;
 #pragma unroll
     for (int i = 0; i < N; ++i) {
-      dst[i] = sigmoid(p.alpha_pre * h[i] / rms + bias[i * bias_stride]);
-      if (h_post != nullptr)
-        h_post[t * N + i] = 2.f * sigmoid(p.alpha_post * h[N + i] / rms + bias[(N + i) * bias_stride]);
+      dst[i] = token.pre(p, i);
+      if (h_post != nullptr) h_post[t * N + i] = token.post(p, i);
     }
     sinkhorn_in_registers<N>(M, p.repeat, p.eps, fast);
 #pragma unroll
