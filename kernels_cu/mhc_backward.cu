@@ -1299,7 +1299,13 @@ __device__ __forceinline__ void grad_block(const PreBwdParams& p, i64 block) {
 
     // (c) grad_x of 8 columns of one token, for a group of streams
     {
-      constexpr int OCTS = CG / 8, GROUPS = (N + 3) / 4, KG = (N + GROUPS - 1) / GROUPS;
+      // streams in groups of up to four; past n = 4 in as many groups as the tile's 8-column
+      // runs leave threads for: fewer gxr rows and sums live a thread (bf16 n = 8: 4 streams a
+      // thread -> 2, 24 spilled bytes -> 0; H100, B1024 c_x1280, whole call 255.3 -> 247.6 us).
+      // float32 n = 4 lost with two groups (B2048 c_x2048 208.3 -> 209.5 us).
+      constexpr int OCTS = CG / 8, SPREAD = BWD_BLOCK / (TILE * OCTS), FEW = (N + 3) / 4;
+      constexpr int GROUPS = N <= 4 || SPREAD <= FEW ? FEW : SPREAD < N ? SPREAD : N;
+      constexpr int KG = (N + GROUPS - 1) / GROUPS;
       for (int it = tid; it < TILE * GROUPS * OCTS; it += BWD_BLOCK) {
         const int o = it % OCTS, rg = it / OCTS, grp = rg % GROUPS, r = rg / GROUPS;
         const i64 row = row0 + r, c = c0 + o * 8;

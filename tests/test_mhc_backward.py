@@ -151,6 +151,21 @@ def test_pre_backward_tensor_core_products(rng, place, batch, n, dtype):
     assert_pre_backward_matches(case, upstream, grads)
 
 
+# Past n = 4 the grad pass splits a token's streams into as many groups as its threads allow
+# (n = 7: the last group one stream short); every x dtype, one launch (5 tokens) and the
+# separate kernels (130 tokens), c_x 136: a partial last column chunk
+@pytest.mark.parametrize("place", PLACES)
+@pytest.mark.parametrize("dtype", PRE_DTYPES)
+@pytest.mark.parametrize("n", (5, 7, 8))
+@pytest.mark.parametrize("batch", (5, 130))
+def test_pre_backward_many_streams(rng, place, batch, n, dtype):
+    case = random_pre_case(rng, n, 136, batch=batch, dtype=dtype)
+    upstream = upstream_grads(rng, case)
+    grads = pre_backward(place, case, upstream)
+    check_pre_layouts(place, case, grads)
+    assert_pre_backward_matches(case, upstream, grads)
+
+
 # Past _SINKHORN_KEPT_FLOATS a token (repeat * n * n), the CUDA token stage keeps only every
 # segment-th Sinkhorn input and recomputes one segment at a time; up to n = 4 it takes each
 # step's output from the step after's input, across segments too. One launch (5 tokens) and
