@@ -135,30 +135,22 @@ def test_pre_backward_shapes(rng, place):
             assert_pre_backward_matches(case, upstream, grads)
 
 
-# 16-bit x with n <= 4 takes the first pass's tensor-core products (two tokens' rows in one
-# product; streams past n read as stream n-1, their products dropped): every such n, both
-# 16-bit types, one cooperative launch (9 tokens) and the five kernels (150: a partial second
-# tile of 128), c_x 136 (a partial last stage at every n)
+# Two layouts that depend on n, each with every case of it, at c_x 136 (a partial last stage
+# and chunk at every n), in one cooperative launch (9 tokens) and the five kernels (150: a
+# partial second tile of 128):
+# - 16-bit x with n <= 4 takes the first pass's tensor-core products (two tokens' rows in one
+#   product; streams past n read as stream n-1, their products dropped): every such n, both
+#   16-bit types;
+# - past n = 4 the grad pass splits a token's streams into as many groups as its threads allow
+#   (n = 7: the last group one stream short): every x dtype.
 @pytest.mark.parametrize("place", PLACES)
-@pytest.mark.parametrize("dtype", ("bfloat16", "float16"))
-@pytest.mark.parametrize("n", (1, 2, 3, 4))
+@pytest.mark.parametrize(
+    "dtype, n",
+    [(dtype, n) for dtype in ("bfloat16", "float16") for n in (1, 2, 3, 4)]
+    + [(dtype, n) for dtype in PRE_DTYPES for n in (5, 7, 8)],
+)
 @pytest.mark.parametrize("batch", (9, 150))
-def test_pre_backward_tensor_core_products(rng, place, batch, n, dtype):
-    case = random_pre_case(rng, n, 136, batch=batch, dtype=dtype)
-    upstream = upstream_grads(rng, case)
-    grads = pre_backward(place, case, upstream)
-    check_pre_layouts(place, case, grads)
-    assert_pre_backward_matches(case, upstream, grads)
-
-
-# Past n = 4 the grad pass splits a token's streams into as many groups as its threads allow
-# (n = 7: the last group one stream short); every x dtype, one launch (5 tokens) and the
-# separate kernels (130 tokens), c_x 136: a partial last column chunk
-@pytest.mark.parametrize("place", PLACES)
-@pytest.mark.parametrize("dtype", PRE_DTYPES)
-@pytest.mark.parametrize("n", (5, 7, 8))
-@pytest.mark.parametrize("batch", (5, 130))
-def test_pre_backward_many_streams(rng, place, batch, n, dtype):
+def test_pre_backward_n_dependent_layouts(rng, place, batch, n, dtype):
     case = random_pre_case(rng, n, 136, batch=batch, dtype=dtype)
     upstream = upstream_grads(rng, case)
     grads = pre_backward(place, case, upstream)
