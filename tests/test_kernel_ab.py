@@ -39,6 +39,25 @@ def test_a_variant_folder_replaces_only_the_files_it_holds(tmp_path):
     assert out == ["True", "True", "True"]
 
 
+def test_a_checkout_folder_brings_its_own_python_and_kernels(tmp_path):
+    for package in ("tileops_cupy", "kernels_cu"):
+        (tmp_path / package).mkdir()
+        marker = f"WHERE = {package!r} + ' of the variant'\n"
+        (tmp_path / package / "__init__.py").write_text(marker)
+    script = (
+        "import sys, importlib.util as u\n"
+        f"spec = u.spec_from_file_location('kernel_ab', {str(TOOL)!r})\n"
+        "tool = u.module_from_spec(spec); spec.loader.exec_module(tool)\n"
+        f"tool.use_variant({str(tmp_path)!r})\n"
+        "import tileops_cupy, kernels_cu\n"
+        "print(tileops_cupy.WHERE); print(kernels_cu.WHERE)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, check=True, capture_output=True, text=True
+    ).stdout.splitlines()
+    assert out == ["tileops_cupy of the variant", "kernels_cu of the variant"]
+
+
 def test_tree_is_the_shipped_sources_and_a_missing_folder_is_refused():
     tool = _tool()
     tool.use_variant("tree")  # (no change to this process)
@@ -65,18 +84,66 @@ def test_table_gives_each_row_its_median_and_range_beside_a_copy():
     assert lines[3].startswith("copy ceilings (GB/s): {'base': [4160.0, 4150.0, 4155.0]")
 
 
-def test_export_writes_a_revisions_kernel_files(tmp_path):
+def test_table_marks_outputs_whose_bits_differ_from_the_first_variants():
+    def run(figure, bits):
+        return {"ceiling GB/s": 4160.0, "row (µs)": figure, "row (µs) copy": None} | (
+            {"row (µs) bits": bits}
+        )
+
+    runs = {
+        "base": [run(10.0, "aa"), run(11.0, "aa")],
+        "same": [run(9.0, "aa"), run(9.5, "aa")],
+        "other": [run(8.0, "bb"), run(8.5, "bb")],
+        "drifts": [run(9.0, "aa"), run(9.0, "cc")],  # (two runs of one variant disagree)
+    }
+    cells = _tool().table(runs).splitlines()[1].split()
+    assert cells[2:] == [
+        "10.5", "(10.0-11.0)", "9.2", "(9.0-9.5)", "8.2", "(8.0-8.5)", "!bits",
+        "9.0", "(9.0-9.0)", "!bits", "-",
+    ]  # fmt: skip
+
+
+def test_digest_covers_every_bit_of_every_output():
+    torch = pytest.importorskip("torch")
+    tool = _tool()
+    a = torch.randn(4, 5).bfloat16()
+    b = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    assert tool.digest((a, b)) == tool.digest([a.clone(), b.t().contiguous().t()])
+    flipped = a.clone()
+    flipped.view(torch.int16)[3, 2] ^= 1
+    assert tool.digest((flipped, b)) != tool.digest((a, b))
+    assert tool.digest((b, a)) != tool.digest((a, b))
+    assert tool.digest(a) == tool.digest((a,))
+    assert tool.digest(None) is None
+
+
+def _clean(*paths: str) -> None:
     status = subprocess.run(
-        ["git", "status", "--porcelain", "--", "kernels_cu"],
-        cwd=ROOT, capture_output=True, text=True,
-    )  # fmt: skip
+        ["git", "status", "--porcelain", "--", *paths], cwd=ROOT, capture_output=True, text=True
+    )
     if status.returncode or status.stdout.strip():
-        pytest.skip("not a git checkout, or kernels_cu differs from HEAD")
+        pytest.skip(f"not a git checkout, or {paths} differ from HEAD")
+
+
+def test_export_writes_a_revisions_kernel_files(tmp_path):
+    _clean("kernels_cu")
     names = _tool().export("HEAD", tmp_path)
     sources = ROOT / "kernels_cu"
     assert sorted(names) == sorted(p.name for p in sources.iterdir() if p.suffix in (".cu", ".cuh"))
     for name in names:
         assert (tmp_path / name).read_text() == (sources / name).read_text()
+
+
+def test_export_of_a_checkout_writes_its_package_and_kernels(tmp_path):
+    _clean("tileops_cupy", "kernels_cu")
+    paths = _tool().export("HEAD", tmp_path, checkout=True)
+    tracked = subprocess.run(
+        ["git", "ls-files", "tileops_cupy", "kernels_cu"],
+        cwd=ROOT, check=True, capture_output=True, text=True,
+    ).stdout.split()  # fmt: skip
+    assert sorted(paths) == sorted(tracked) and "tileops_cupy/_mhc.py" in paths
+    for path in paths:
+        assert (tmp_path / path).read_bytes() == (ROOT / path).read_bytes()
 
 
 @pytest.mark.gpu

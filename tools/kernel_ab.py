@@ -3,22 +3,28 @@ device call, before a kernel change lands (device time is short; run it on the c
 targets are set on, since the H100 and the H200 have ranked layouts differently).
 
     python tools/kernel_ab.py export main prof/base       # a revision's kernels_cu, as a folder
+    python tools/kernel_ab.py export --checkout main prof/main     # its Python too
     python tools/kernel_ab.py run --rounds 2 prof/base tree            # the rows of every group
     python tools/kernel_ab.py run --rows rope,norm prof/base prof/try  # some groups
 
-A variant is ``tree`` (the checkout's own ``kernels_cu``) or a folder whose files
-(``rope.cu``, ``mhc.cu``, ``mhc_backward.cu``, ``common.cuh``) replace the shipped ones of the
-same name. Every variant's kernels are compiled first, in parallel processes (the disk cache
-of ``tileops_cupy._cuda`` keeps them). Then each round runs every variant once, one process
+A variant is ``tree`` (the checkout's own ``kernels_cu``), a folder whose files (``rope.cu``,
+``mhc.cu``, ``mhc_backward.cu``, ``common.cuh``) replace the shipped ones of the same name, or
+a checkout folder (one holding ``tileops_cupy/``: its own Python and kernels, for a change
+whose host side differs too, such as a launch geometry that the kernels assert). Every
+variant's kernels are compiled first, in parallel processes (the disk cache of
+``tileops_cupy._cuda`` keeps them). Then each round runs every variant once, one process
 each, in turn, so that drift of the machine during the run moves every variant alike. A
 process times the rows as the bench does (``median_us``: CUDA events, L2 flushed between
 runs) and prints one JSON line; the table gives each row's median over the rounds (min-max)
-in % of the copy ceiling, and what a copy of the same bytes reaches (decode rows: device µs).
+in % of the copy ceiling, and what a copy of the same bytes reaches (latency rows: device
+µs). A row whose outputs' bits differ from the first variant's (the same seed makes the same
+inputs in every process) is marked ``!bits``.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import subprocess
@@ -30,18 +36,24 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # (fn, bytes moved) of each row, built on the device; rows of a group share one builder. A
 # row that moves too little for bandwidth to mean anything (decode) has 0 bytes: its figure
-# is device µs, not % of the copy ceiling.
+# is device µs, not % of the copy ceiling. fn returns the tensors whose bits are compared
+# (an in-place row returns what it wrote).
 Row = tuple[Callable[[], object], int]
 
 
 def use_variant(variant: str) -> None:
-    """Make ``kernels_cu`` read ``variant``'s files (see the module docstring) in this
-    process; call it before any kernel is compiled."""
+    """Make this process import ``variant``'s package and kernels (see the module docstring);
+    call it before anything of ``tileops_cupy`` or ``kernels_cu`` is imported or compiled."""
     if variant == "tree":
+        sys.path.insert(0, str(ROOT))
         return
     folder = Path(variant)
     if not folder.is_dir():
         raise SystemExit(f"variant {variant!r} is neither 'tree' nor a folder")
+    if (folder / "tileops_cupy").is_dir():  # a checkout: its Python and its kernels
+        sys.path.insert(0, str(folder.resolve()))
+        return
+    sys.path.insert(0, str(ROOT))
     import kernels_cu
 
     shipped_source = kernels_cu.source.__wrapped__
@@ -64,16 +76,23 @@ def _git(*arguments: str) -> str:
     ).stdout
 
 
-def export(revision: str, folder: Path) -> list[str]:
+def export(revision: str, folder: Path, checkout: bool = False) -> list[str]:
     """Write ``revision``'s kernel sources (every ``.cu`` and ``.cuh`` of its ``kernels_cu``)
-    into ``folder`` (git, here: the device machine gets the working tree without the
-    repository); returns their names."""
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = _git("ls-tree", "--name-only", revision, "kernels_cu/").split()
-    names = [Path(path).name for path in paths if path.endswith((".cu", ".cuh"))]
-    for name in names:
-        (folder / name).write_text(_git("show", f"{revision}:kernels_cu/{name}"))
-    return names
+    into ``folder``, or with ``checkout`` its ``tileops_cupy`` and ``kernels_cu`` as they lie
+    in the repository (git, here: the device machine gets the working tree without the
+    repository); returns the paths written, relative to ``folder``."""
+    if checkout:
+        paths = _git("ls-tree", "-r", "--name-only", revision, "tileops_cupy/", "kernels_cu/")
+        written = paths.split()
+        sources = {path: f"{revision}:{path}" for path in written}
+    else:
+        paths = _git("ls-tree", "--name-only", revision, "kernels_cu/").split()
+        written = [Path(path).name for path in paths if path.endswith((".cu", ".cuh"))]
+        sources = {name: f"{revision}:kernels_cu/{name}" for name in written}
+    for path, source in sources.items():
+        (folder / path).parent.mkdir(parents=True, exist_ok=True)
+        (folder / path).write_text(_git("show", source))
+    return written
 
 
 # ------------------------------------------------------------------------------ the rows
@@ -117,7 +136,7 @@ def _component_rows(torch) -> dict[str, Row]:
     cache = torch.cat([angles.cos(), angles.sin()], -1).contiguous()
     ids = torch.randint(0, 1 << 17, (8192,), device="cuda")
     rows["cos_sin_cache N8192"] = (
-        lambda: apply_rope_with_cos_sin_cache_inplace(ids, q, k, 128, cache),
+        lambda: (apply_rope_with_cos_sin_cache_inplace(ids, q, k, 128, cache), q, k)[1:],
         moved,
     )
     thw = torch.randint(0, 1 << 20, (3, 8192), device="cuda")
@@ -144,6 +163,7 @@ def _norm_rows(torch) -> dict[str, Row]:
 
         def fused(q=q, k=k, positions=positions):
             rope.forward(q, k, positions=positions, q_norm_weight=q_weight, k_norm_weight=k_weight)
+            return q, k
 
         rows[f"qk-norm N{tokens}"] = (fused, moved)
     return rows
@@ -193,20 +213,62 @@ def _decode_rows(torch) -> dict[str, Row]:
     return rows
 
 
+def _prebwd_rows(torch) -> dict[str, Row]:
+    """mHC pre backward, whole call (its five kernels), device µs: bf16 n4 at the bench's
+    B4096 c_x4096 and a smaller batch, float32 n4, and n = 8."""
+    from tileops_cupy.sequence_modeling import MHCPreBwdOp
+
+    op, rows = MHCPreBwdOp(0.8, 1.2, 1.0, 20, 0.02), {}
+    for dtype, n, batch, c_x in (
+        ("bfloat16", 4, 4096, 4096),
+        ("bfloat16", 4, 1024, 4096),
+        ("float32", 4, 2048, 2048),
+        ("bfloat16", 8, 1024, 1280),
+    ):
+        width, q, x_dtype = n * c_x, n * n + 2 * n, getattr(torch, dtype)
+        phi = torch.randn(width, q, device="cuda") / width**0.5
+        x, grad_x_res = (torch.randn(batch, width, device="cuda").to(x_dtype) for _ in "xr")
+        grad_x_layer = torch.randn(batch, c_x, device="cuda").to(x_dtype)
+        b, grad_h_post = 0.5 * torch.randn(q, device="cuda"), torch.randn(batch, n, device="cuda")
+        arguments = (phi, x, b, grad_x_res, grad_x_layer, grad_h_post)
+        name = f"mhc pre-bwd {dtype} n{n} B{batch} c_x{c_x} (µs)"
+        rows[name] = (lambda a=arguments: op(*a), 0)
+    return rows
+
+
 GROUPS = {
     "rope": _rope_rows,
     "component": _component_rows,
     "norm": _norm_rows,
     "mhc": _mhc_rows,
     "decode": _decode_rows,
+    "prebwd": _prebwd_rows,
 }
 
 
-def measure(variant: str, groups: Iterable[str], warm_only: bool) -> dict[str, float | None]:
+def digest(outputs: object) -> str | None:
+    """A hash of the bits of a row's output tensors (a tensor or a tuple or list of them);
+    None for a row that returns none."""
+    tensors = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+    tensors = [t for t in tensors if hasattr(t, "detach")]
+    if not tensors:
+        return None
+    import torch
+
+    sha = hashlib.sha1()
+    for t in tensors:
+        sha.update(t.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    return sha.hexdigest()
+
+
+Result = dict[str, float | str | None]
+
+
+def measure(variant: str, groups: Iterable[str], warm_only: bool) -> Result:
     """{row: % of the copy ceiling, or device µs for a latency row} (and ``"<row> copy"``: a
-    copy of its bytes, None for a latency row) of ``groups`` under ``variant``; ``warm_only``:
-    run each row once (compiling its kernels), time nothing."""
-    sys.path.insert(0, str(ROOT))
+    copy of its bytes, None for a latency row; ``"<row> bits"``: the digest of its first
+    call's outputs) of ``groups`` under ``variant``; ``warm_only``: run each row once
+    (compiling its kernels), time nothing."""
     use_variant(variant)
     import torch
 
@@ -214,13 +276,14 @@ def measure(variant: str, groups: Iterable[str], warm_only: bool) -> dict[str, f
 
     torch.manual_seed(0)
     ceiling = copy_ceiling_gbs() if not warm_only else 1.0
-    result: dict[str, float] = {"ceiling GB/s": round(ceiling, 1)}
+    result: Result = {"ceiling GB/s": round(ceiling, 1)}
     for group in groups:
         for name, (fn, moved) in GROUPS[group](torch).items():
-            fn()
+            bits = digest(fn())  # (before any timed call: in-place rows then rewrite theirs)
             torch.cuda.synchronize()
             if warm_only:
                 continue
+            result[f"{name} bits"] = bits
             if not moved:  # a latency row: device µs
                 result[name], result[f"{name} copy"] = round(median_us(fn), 2), None
                 continue
@@ -229,19 +292,21 @@ def measure(variant: str, groups: Iterable[str], warm_only: bool) -> dict[str, f
     return result
 
 
-def table(runs: dict[str, list[dict[str, float | None]]]) -> str:
-    """Each row's median over the rounds (min-max) for every variant, beside a copy."""
+def table(runs: dict[str, list[Result]]) -> str:
+    """Each row's median over the rounds (min-max) for every variant, beside a copy; ``!bits``
+    where a run's outputs differ from the first variant's first run's."""
     variants = list(runs)
     first = runs[variants[0]][0]
-    names = [name for name in first if not name.endswith(" copy") and name != "ceiling GB/s"]
+    names = [n for n in first if not n.endswith((" copy", " bits")) and n != "ceiling GB/s"]
     width = max(len(name) for name in names) + 2
-    lines = ["row".ljust(width) + "".join(v[-20:].rjust(22) for v in variants) + "copy".rjust(8)]
+    lines = ["row".ljust(width) + "".join(v[-20:].rjust(28) for v in variants) + "copy".rjust(8)]
     for name in names:
         cells = ""
         for variant in variants:
             values = [run[name] for run in runs[variant] if name in run]
             spread = f"{statistics.median(values):.1f} ({min(values):.1f}-{max(values):.1f})"
-            cells += spread.rjust(22)
+            bits = {run.get(f"{name} bits") for run in runs[variant] if name in run}
+            cells += (spread + (" !bits" if bits != {first.get(f"{name} bits")} else "")).rjust(28)
         copy = first[name + " copy"]
         lines.append(name.ljust(width) + cells + ("-" if copy is None else f"{copy:.1f}").rjust(8))
     ceilings = {v: [run["ceiling GB/s"] for run in runs[v]] for v in variants}
@@ -259,7 +324,7 @@ def run(variants: list[str], groups: list[str], rounds: int) -> str:
     ]
     if any([process.wait() for process in warming]):  # (every process waited for)
         raise SystemExit("a variant failed to build or run (its error is above)")
-    runs: dict[str, list[dict[str, float | None]]] = {variant: [] for variant in variants}
+    runs: dict[str, list[Result]] = {variant: [] for variant in variants}
     for _ in range(rounds):
         for variant in variants:
             line = (
@@ -280,8 +345,13 @@ def main(argv: list[str] | None = None) -> None:
     export_command = commands.add_parser("export", help="a revision's kernels_cu into a folder")
     export_command.add_argument("revision")
     export_command.add_argument("folder", type=Path)
+    export_command.add_argument(
+        "--checkout", action="store_true", help="its tileops_cupy and kernels_cu both"
+    )
     run_command = commands.add_parser("run", help="the A/B: a table of the variants' rows")
-    run_command.add_argument("variants", nargs="+", help="'tree' or folders of kernel files")
+    run_command.add_argument(
+        "variants", nargs="+", help="'tree', folders of kernel files, or checkout folders"
+    )
     run_command.add_argument("--rounds", type=int, default=2)
     measure_command = commands.add_parser("measure", help="one variant's rows, as JSON (run's)")
     measure_command.add_argument("variant")
@@ -291,7 +361,7 @@ def main(argv: list[str] | None = None) -> None:
         command.add_argument("--rows", default=",".join(GROUPS), help=groups_help)
     args = parser.parse_args(argv)
     if args.command == "export":
-        export(args.revision, args.folder)
+        export(args.revision, args.folder, args.checkout)
         return
     groups = args.rows.split(",")
     unknown = sorted(set(groups) - set(GROUPS))
