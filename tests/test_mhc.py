@@ -799,13 +799,13 @@ def test_pre_coefficient_layouts_write_the_same_bits(rng, monkeypatch, n, c_x, b
     import torch
 
     case = random_pre_case(rng, n, c_x, batch, "bfloat16")
+    monkeypatch.setattr(_mhc, "_MAX_FUSED_ROWS", 0)  # four kernels even at 77 tokens
+    monkeypatch.setattr(_mhc, "_cluster_plan", lambda *args: None)
+    monkeypatch.setattr(_mhc, "_MAX_SMALL_ROWS", 0)
     outputs = []
     for threshold in (1 << 62, 0):  # lanes, then one thread a token
         monkeypatch.setattr(_mhc, "_MIN_TOKEN_COEFFICIENT_ROWS", threshold)
-        monkeypatch.setattr(_mhc, "_MAX_FUSED_ROWS", 0)  # four kernels even at 77 tokens
-        monkeypatch.setattr(_mhc, "_cluster_plan", lambda *args: None)
-        monkeypatch.setattr(_mhc, "_pre_plans", {})
-        monkeypatch.setattr(_mhc, "_MAX_SMALL_ROWS", 0)
+        monkeypatch.setattr(_mhc, "_pre_plans", {})  # (plans are cached per shape)
         plan = _mhc._pre_plan(0, "bfloat16", n, c_x, batch)
         assert plan.steps[2].kernel is _mhc._cuda.function(
             _mhc.pre_module("bfloat16", n),
