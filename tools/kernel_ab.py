@@ -220,10 +220,12 @@ def _decode_rows(torch) -> dict[str, Row]:
 def _prebwd_rows(torch) -> dict[str, Row]:
     """mHC pre backward, whole call (its five kernels), device µs: bf16 n4 at the bench's
     B4096 c_x4096 and a smaller batch, float32 n4, and past n = 4 (float32 n5, whose grad
-    pass runs 2x slower a byte than n = 4's, and bf16 n8)."""
+    pass runs 2x slower a byte than n = 4's, and bf16 n8); the bench's alphas, repeat and
+    eps."""
+    from tileops_cupy._bench_mhc import _ALPHAS, _EPS, _REPEAT
     from tileops_cupy.sequence_modeling import MHCPreBwdOp
 
-    op, rows = MHCPreBwdOp(0.8, 1.2, 1.0, 20, 0.02), {}
+    op, rows = MHCPreBwdOp(*_ALPHAS, _REPEAT, _EPS), {}
     for dtype, n, batch, c_x in (
         ("bfloat16", 4, 4096, 4096),
         ("bfloat16", 4, 1024, 4096),
