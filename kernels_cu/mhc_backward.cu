@@ -207,7 +207,11 @@ struct BwdGeo {
   static constexpr int GX_BYTES = GTILE * GX_PITCH * ES;
   static constexpr int GL_BYTES = GTILE * GL_PITCH * ES;
   static constexpr int DH_BYTES = GTILE * DH_PITCH * 2;
-  static constexpr int CF_BYTES = GTILE * CW4 * 4;
+  // the stage's coefficient rows at an odd number of 16-byte units: (c)'s warps read up to 8
+  // tokens' rows at one offset, which fell in 2 (CW4 = 24: n = 4) or 4 (CW4 = 32: n = 5)
+  // rows of one bank
+  static constexpr int CF_PITCH = CW4 / 4 % 2 ? CW4 : CW4 + 4;
+  static constexpr int CF_BYTES = GTILE * CF_PITCH * 4;
   static constexpr int GRAD_STAGE = 2 * GX_BYTES + GL_BYTES + DH_BYTES + CF_BYTES;
   static constexpr int D_BYTES = GTILE * D_PITCH * 4;
   static constexpr int MTK = PG / 16, MT_W = (MTK + 7) / 8;  // grad_phi m-tiles (positions)
@@ -1102,7 +1106,7 @@ __device__ __forceinline__ void grad_block(const PreBwdParams& p, i64 block) {
     for_each_share<TILE * CF_SEGS>([&](int j) {
       const int r = j / CF_SEGS, seg = j - r * CF_SEGS;
       const i64 row = row0 + r;
-      float* dst = cf + r * CW4 + seg * 4;
+      float* dst = cf + r * G::CF_PITCH + seg * 4;
       if (row < batch)
         cp_async16(dst, p.coef + row * CW4 + seg * 4);
       else
@@ -1311,7 +1315,7 @@ __device__ __forceinline__ void grad_block(const PreBwdParams& p, i64 block) {
         const i64 row = row0 + r, c = c0 + o * 8;
         if (row >= batch || c >= c_x) continue;
         const int cnt = c_x - c < 8 ? (int)(c_x - c) : 8;
-        const float* co = cf + r * CW4;
+        const float* co = cf + r * G::CF_PITCH;
         Raw8<T> res[N];
 #pragma unroll
         for (int i2 = 0; i2 < N; ++i2) smem_raw8<T>(gs + r * G::GX_PITCH + i2 * CG + o * 8, res[i2]);

@@ -219,9 +219,9 @@ def _decode_rows(torch) -> dict[str, Row]:
 
 def _prebwd_rows(torch) -> dict[str, Row]:
     """mHC pre backward, whole call (its five kernels), device µs: bf16 n4 at the bench's
-    B4096 c_x4096 and a smaller batch, float32 n4, and past n = 4 (float32 n5, whose grad
-    pass runs 2x slower a byte than n = 4's, and bf16 n8); the bench's alphas, repeat and
-    eps."""
+    B4096 c_x4096 and a smaller batch, float32 n4, bf16 n2 (two grad blocks a multiprocessor),
+    and past n = 4 (float32 n5 and n8, whose grad pass runs 2x slower a byte than n = 4's,
+    and bf16 n7 and n8); the bench's alphas, repeat and eps."""
     from tileops_cupy._bench_mhc import _ALPHAS, _EPS, _REPEAT
     from tileops_cupy.sequence_modeling import MHCPreBwdOp
 
@@ -230,7 +230,10 @@ def _prebwd_rows(torch) -> dict[str, Row]:
         ("bfloat16", 4, 4096, 4096),
         ("bfloat16", 4, 1024, 4096),
         ("float32", 4, 2048, 2048),
+        ("bfloat16", 2, 4096, 4096),
         ("float32", 5, 2048, 2048),
+        ("float32", 8, 1024, 1280),
+        ("bfloat16", 7, 1024, 2048),
         ("bfloat16", 8, 1024, 1280),
     ):
         width, q, x_dtype = n * c_x, n * n + 2 * n, getattr(torch, dtype)
