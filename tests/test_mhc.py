@@ -935,7 +935,7 @@ def test_fused_backward_scratch_is_its_own_workspace(monkeypatch):
         sizes = (_mhc._PRE_BWD_COUNTER_WORDS, 99, 30 * batch, 8 * batch, 9 * batch, 27 * batch,
                  5000, 320 * batch)  # fmt: skip
         return _mhc._PreBackwardPlan(
-            steps=(), fused=fused, stats_stages=3, grad_stages=3, c_range=16, k_splits=16,
+            steps=(), fused=fused, stats_stages=3, grad_stages=3, k_splits=16,
             token_splits=1, grad_items=4, grad_blocks=4, slot_cap=1, segment=1, scratch=sizes,
         )  # fmt: skip
 

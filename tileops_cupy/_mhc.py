@@ -150,7 +150,10 @@ _PRE_BWD_COUNTER_WORDS = 2  # mhc_bwd_fused: barrier arrivals, blocks finished
 _THREADS = 256  # mhc_bwd_pieces, mhc_bwd_stats, mhc_bwd_grad
 _STATS_TILE = 128  # tokens per mhc_bwd_stats block: two threads per token
 _GRAD_TILE = 32  # tokens per mhc_bwd_grad item: two 16-token m-tiles
-_TOKEN_THREADS = 64  # mhc_bwd_token: one thread per token, small blocks spread over the SMs
+# mhc_bwd_token: one thread per token, in blocks of 16 spread over the SMs (H100, whole pre
+# backward, 64 -> 16 threads a block, bits unchanged: bf16 n7 B1024 c_x2048 255.2 -> 230.9 us,
+# bf16 n4 B1024 c_x4096 132.7 -> 132.1; 32 threads: 233.1, 132.7)
+_TOKEN_THREADS = 16
 # mhc_bwd_token sums up to this many first-pass splits itself; mhc_bwd_splits sums more
 # first, over many more threads (each token's thread waits one L2 round trip a few splits).
 # H200, bf16 n4, whole call: B1024 c_x4096 (16 splits) 136.9 -> 134.4 us, B256 c_x4096 (64)
@@ -292,7 +295,7 @@ def mhc_pre_backward(
         gxl_stride=grad_x_layer.strides[0], ghp_stride_row=grad_h_post.strides[0],
         ghp_stride_col=grad_h_post.strides[1], phi_stride_k=phi.strides[0],
         phi_stride_q=phi.strides[1], bias_stride=b.strides[0], batch=batch, c_x=c_x,
-        c_range=plan.c_range, k_splits=plan.k_splits, grad_items=plan.grad_items,
+        k_splits=plan.k_splits, grad_items=plan.grad_items,
         grad_blocks=plan.grad_blocks, slot_cap=plan.slot_cap,
         vector_io=c_x % (16 // size) == 0 and alignment % 16 == 0,
         repeat=gates.sinkhorn_repeat, segment=plan.segment, stats_stages=plan.stats_stages,
@@ -1223,7 +1226,6 @@ class _PreBackwardPlan:
     fused: bool
     stats_stages: int  # cp.async pipeline depths of the first and second pass
     grad_stages: int
-    c_range: int  # first pass: columns per K split (a multiple of c_stage)
     k_splits: int
     token_splits: int  # partials mhc_bwd_token sums (1 where mhc_bwd_splits or fused did)
     grad_items: int  # second pass: (column chunk, token tile) items ...
@@ -1352,7 +1354,8 @@ def _pre_backward_plan(
     else:
         stats_resident = _resident_blocks(stats, device, _THREADS, stats_smem)
         grad_resident = _resident_blocks(grad, device, _THREADS, grad_smem)
-    # first pass: tiles of 128 tokens times column ranges, about one block per resident slot
+    # first pass: tiles of 128 tokens times K splits (split s takes column blocks s, s +
+    # k_splits, ...: at most per_split of them), about one block per resident slot
     tiles = -(-batch // _STATS_TILE)
     column_blocks = -(-c_x // geometry.c_stage)
     wanted = max(1, stats_resident // tiles)
@@ -1400,7 +1403,6 @@ def _pre_backward_plan(
         fused=fused,
         stats_stages=stats_stages,
         grad_stages=grad_stages,
-        c_range=per_split * geometry.c_stage,
         k_splits=k_splits,
         token_splits=1 if fused or summed_apart else k_splits,
         grad_items=items,
