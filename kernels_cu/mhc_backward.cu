@@ -11,11 +11,11 @@
 // (mhc_bwd_fused, at the end):
 //   mhc_bwd_pieces  phi as bf16 B fragments of h = x @ phi, one column block per block.
 //   mhc_bwd_stats   the first pass over x, grad_x_res (gxr) and grad_x_layer (gxl), a tile of
-//                   128 tokens by every k_splits-th block of columns c of every stream: h on the tensor cores
-//                   (phi in three exact bf16 pieces, as the forward), and sum(x*x),
-//                   dh_pre[k] = sum_c gxl[c]*x_k[c] and dM[i,k] = sum_c gxr_i[c]*x_k[c] on the
-//                   tensor cores too for 16-bit x and n <= 4 (TokenProducts), else in float32
-//                   FMA, into per-split partial sums. Where its stages take a row in runs
+//                   128 tokens by every k_splits-th block of columns c of every stream: h on
+//                   the tensor cores (phi in three exact bf16 pieces, as the forward), and
+//                   sum(x*x), dh_pre[k] = sum_c gxl[c]*x_k[c] and dM[i,k] = sum_c gxr_i[c]*x_k[c]
+//                   on the tensor cores too for 16-bit x and n <= 4 (TokenProducts), else in
+//                   float32 FMA, into per-split partial sums. Where its stages take a row in runs
 //                   shorter than a 128-byte line (bf16 n = 4: 64 bytes), they ask L2 for the
 //                   whole line (cp_async16_fill_line).
 //   mhc_bwd_splits  (many splits only) the partials summed into the first split's, one thread
