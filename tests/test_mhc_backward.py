@@ -453,6 +453,42 @@ def test_pre_backward_plan_token_stage(monkeypatch):
 
 
 @pytest.mark.parametrize(
+    "dtype, n, c_x, batch, blocks, per_chunk",
+    (
+        ("bfloat16", 4, 4096, 4096, 128, 2),  # 64 chunks: 2 blocks each, 128 of 132
+        ("float32", 4, 2048, 2048, 128, 2),
+        ("bfloat16", 4, 4096, 256, 128, 2),  # 8 tiles a chunk
+        ("bfloat16", 4, 7168, 16384, 132, 0),  # 112 chunks: one block each would idle 20
+        ("float32", 5, 2048, 2048, 132, 0),  # past n = 4 the even shares stay
+    ),
+)
+def test_pre_backward_grad_blocks_align_with_chunks(
+    monkeypatch, dtype, n, c_x, batch, blocks, per_chunk
+):
+    """Up to n = 4 the grad pass takes a whole number of blocks a column chunk where that
+    keeps _GRAD_ALIGNED_SHARE of the resident blocks (132 on the modelled device): then each
+    block's share of the (chunk, tile) items lies in one chunk, chunk j // per_chunk, and a
+    chunk has per_chunk partials of grad_phi. Elsewhere every resident block takes a share."""
+    _modelled_device(monkeypatch, 227 << 10, lambda spec, name, device: name.split("<")[0])
+    monkeypatch.setattr(_mhc, "_token_trace_smem", lambda *args: 0)
+    plan = _mhc._pre_backward_plan(0, dtype, n, c_x, batch, 20)
+    assert not plan.fused and plan.grad_blocks == blocks
+    assert plan.steps[-2].grid[0] == blocks
+    tiles = -(-batch // _mhc._GRAD_TILE)
+    items = plan.grad_items
+    assert items == -(-c_x // _mhc._geometry(dtype, n).c_grad) * tiles
+    chunks_of = [  # the chunks of block j's first and last item (the kernel's shares)
+        (j * items // blocks // tiles, ((j + 1) * items // blocks - 1) // tiles)
+        for j in range(blocks)
+    ]
+    if per_chunk:
+        assert chunks_of == [(j // per_chunk, j // per_chunk) for j in range(blocks)]
+        assert plan.slot_cap == per_chunk
+    else:
+        assert any(first != last for first, last in chunks_of)
+
+
+@pytest.mark.parametrize(
     "dtype, n, c_x, batch, optin, c_stage",
     (
         ("bfloat16", 4, 4096, 4096, 227 << 10, 32),  # wide: 128 positions a stage
