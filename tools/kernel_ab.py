@@ -290,11 +290,11 @@ def measure(variant: str, groups: Iterable[str], warm_only: bool) -> Result:
     result: Result = {"ceiling GB/s": round(ceiling, 1)}
     for group in groups:
         for name, (fn, moved) in GROUPS[group](torch).items():
-            bits = digest(fn())  # (before any timed call: in-place rows then rewrite theirs)
+            outputs = fn()  # (its bits before any timed call: in-place rows then rewrite theirs)
             torch.cuda.synchronize()
             if warm_only:
                 continue
-            result[f"{name} bits"] = bits
+            result[f"{name} bits"] = digest(outputs)
             if not moved:  # a latency row: device µs
                 result[name], result[f"{name} copy"] = round(median_us(fn), 2), None
                 continue
