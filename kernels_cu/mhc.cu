@@ -176,15 +176,17 @@ __device__ __forceinline__ void store_release(unsigned int* p, unsigned int v) {
 }
 
 // Programmatic dependent launch (sm_90 and newer): the host launches mhc_project (not
-// fused) and mhc_apply with programmatic stream serialization (_mhc._pre_plan, from 512
-// tokens), so their blocks start once every block of the kernel before them
-// (mhc_phi_pieces, mhc_coefficients) has called launch_dependents, not once that kernel has
-// finished: the launch gap and their first loads of x (which no kernel of the call writes)
-// overlap it.
+// fused), mhc_coefficients and mhc_apply with programmatic stream serialization
+// (_mhc._pre_plan, from 512 tokens), so their blocks start once every block of the kernel
+// before them has called launch_dependents (or exited), not once that kernel has finished:
+// the launch gap, and mhc_project's and mhc_apply's first loads of x (which no kernel of the
+// call writes), overlap it. mhc_project never calls it, so mhc_coefficients' blocks start as
+// its last ones exit (a trigger at mhc_project's start, whose early coefficient and mix
+// blocks then took SMs and DRAM from it, was slower); mhc_coefficients calls it after its
+// wait, so mhc_apply's blocks start no earlier than before.
 // wait_for_prerequisites returns once the kernel before has finished and its writes are
 // visible; nothing it writes may be read before. Both are no-ops in a kernel launched
-// without the attribute, and compiled out before sm_90. (Launching mhc_coefficients the
-// same way was slower: its early blocks wait on SMs that mhc_project needs.)
+// without the attribute, and compiled out before sm_90.
 __device__ __forceinline__ void launch_dependents() {
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -1211,7 +1213,8 @@ __global__ void __launch_bounds__(PROJECT_THREADS) mhc_coefficients(const PrePar
   constexpr int ROUND = !PER_TOKEN ? 1 : PAIRS < 4 ? PAIRS : 4;
   __shared__ float sh_h[ROWS * QP];
   __shared__ float sh_scratch[PROJECT_THREADS];
-  launch_dependents();  // mhc_apply's blocks may start and load x
+  wait_for_prerequisites();  // mhc_project's partials
+  launch_dependents();       // mhc_apply's blocks may start and load x
   const i64 row0 = (i64)blockIdx.x * ROWS;
   const int rows = p.batch - row0 < ROWS ? (int)(p.batch - row0) : ROWS;
   partials_to_coefficients<T, N, ROUND, PER_TOKEN>(p, row0, rows, sh_h, sh_scratch, p.bias,

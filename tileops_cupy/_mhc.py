@@ -679,7 +679,10 @@ def _pre_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan
     # (mhc.cu: programmatic dependent launch). H200, bf16 n4, median us, plain -> early:
     # B512 c_x4096 48.9 -> 45.8-46.4, B2000 c_x1280 46.0-46.8 -> 42.0-42.3, B4096 c_x4096
     # 151.2 -> 147.3, B16384 c_x7168 869-871 -> 863-867; at B300 c_x2048 runs disagreed
-    # (37.5 -> 34.7-41.0), so batches that small launch in plain stream order
+    # (37.5 -> 34.7-41.0), so batches that small launch in plain stream order. The
+    # coefficients launch the same way (mhc_project does not trigger, so their blocks start
+    # as its last ones exit, without a plain launch's gap): H100, 2026-12-06, plain -> early,
+    # B512 c_x7168 55.6 -> 53.9, B4096 c_x4096 173.9 -> 172.1, B16384 c_x7168 1062.6 -> 1060.6
     early = _attribute(device, _COMPUTE_MAJOR) >= 9 and batch >= _MIN_EARLY_ROWS
     per_token = _token_coefficients(n) and batch >= _MIN_TOKEN_COEFFICIENT_ROWS
     coefficients = _cuda.function(spec, _coefficients_name(dtype, n, per_token), device)
@@ -688,7 +691,9 @@ def _pre_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan
     steps = (
         _cuda.Step(_cuda.function(spec, pieces_name, device), (k_blocks, 1, 1), threads),
         _cuda.Step(project, grid, threads, smem, programmatic=early),
-        _cuda.Step(coefficients, (-(-batch // coefficient_rows), 1, 1), threads),
+        _cuda.Step(
+            coefficients, (-(-batch // coefficient_rows), 1, 1), threads, programmatic=early
+        ),
         _cuda.Step(
             apply, (-(-items // _APPLY_THREADS), 1, 1), (_APPLY_THREADS, 1, 1),
             programmatic=early,

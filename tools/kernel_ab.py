@@ -247,6 +247,33 @@ def _prebwd_rows(torch) -> dict[str, Row]:
     return rows
 
 
+def _pre_rows(torch) -> dict[str, Row]:
+    """mHC pre from 512 tokens (the four-kernel plans, whose projection pipeline depends on
+    the batch), whole call, device µs: bf16 n4 over batches and widths, bf16 n2, fp16 n4;
+    the bench's alphas, repeat and eps."""
+    from tileops_cupy._bench_mhc import _ALPHAS, _EPS, _REPEAT
+    from tileops_cupy.sequence_modeling import MHCPreFwdOp
+
+    op, rows = MHCPreFwdOp(*_ALPHAS, _REPEAT, _EPS), {}
+    for dtype, n, batch, c_x in (
+        ("bfloat16", 4, 512, 7168),
+        ("bfloat16", 4, 1024, 4096),
+        ("bfloat16", 4, 2048, 4096),
+        ("bfloat16", 4, 4096, 4096),
+        ("bfloat16", 4, 4096, 7168),
+        ("bfloat16", 4, 8192, 4096),
+        ("bfloat16", 4, 16384, 7168),
+        ("bfloat16", 2, 4096, 4096),
+        ("float16", 4, 4096, 4096),
+    ):
+        width, q = n * c_x, n * n + 2 * n
+        phi = torch.randn(width, q, device="cuda") / width**0.5
+        x = torch.randn(batch, width, device="cuda").to(getattr(torch, dtype))
+        b = 0.5 * torch.randn(q, device="cuda")
+        rows[f"mhc pre {dtype} n{n} B{batch} c_x{c_x} (µs)"] = (lambda a=(phi, x, b): op(*a), 0)
+    return rows
+
+
 GROUPS = {
     "rope": _rope_rows,
     "component": _component_rows,
@@ -254,6 +281,7 @@ GROUPS = {
     "mhc": _mhc_rows,
     "decode": _decode_rows,
     "prebwd": _prebwd_rows,
+    "pre": _pre_rows,
 }
 
 
