@@ -729,6 +729,27 @@ def test_pre_plan_picks_the_projection_pipeline(
         assert plan.steps[0].grid[0] * 64 == -(-n * c_x // stage_k) * stage_k
 
 
+@pytest.mark.parametrize("major", (8, 9))
+def test_pre_launches_early_from_sm90_and_512_tokens(monkeypatch, major):
+    """The four-kernel plan launches mhc_project, mhc_coefficients and mhc_apply with
+    programmatic stream serialization (each waits in the kernel for what the one before
+    wrote) on sm_90 from _MIN_EARLY_ROWS tokens; mhc_phi_pieces, the first, never. Below
+    that, and before sm_90, all four launch in plain stream order."""
+    _modelled_sm90(monkeypatch)
+    modelled = _mhc._attribute
+    monkeypatch.setattr(
+        _mhc,
+        "_attribute",
+        lambda device, attribute: (
+            major if attribute == _mhc._COMPUTE_MAJOR else modelled(device, attribute)
+        ),
+    )
+    for batch in (_mhc._MAX_FUSED_ROWS + 1, _mhc._MIN_EARLY_ROWS - 1, _mhc._MIN_EARLY_ROWS, 16384):
+        plan = _mhc._pre_plan(0, "bfloat16", 4, 4096, batch)
+        early = major >= 9 and batch >= _mhc._MIN_EARLY_ROWS
+        assert [step.programmatic for step in plan.steps] == [False, early, early, early]
+
+
 @pytest.mark.parametrize("batch, c_x", ((65, 4096), (128, 4096), (256, 1280), (256, 64)))
 def test_fused_pre_is_one_launch_on_the_streams_workspace(monkeypatch, batch, c_x):
     """Up to 256 tokens (where no one-launch decode plan takes them) mHC pre is one
