@@ -184,6 +184,8 @@ __device__ __forceinline__ void store_release(unsigned int* p, unsigned int v) {
 // its last ones exit (a trigger at mhc_project's start, whose early coefficient and mix
 // blocks then took SMs and DRAM from it, was slower); mhc_coefficients calls it after its
 // wait, so mhc_apply's blocks start no earlier than before.
+// mhc_backward.cu's pre backward kernels after the first are launched the same way, each
+// waiting before anything else, so only the launch gap goes.
 // wait_for_prerequisites returns once the kernel before has finished and its writes are
 // visible; nothing it writes may be read before. Both are no-ops in a kernel launched
 // without the attribute, and compiled out before sm_90.

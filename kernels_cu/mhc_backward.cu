@@ -641,6 +641,7 @@ __device__ __forceinline__ void stats_block(const PreBwdParams& p, i64 block) {
 
 template <typename T, int N>
 __global__ void __launch_bounds__(BWD_BLOCK, 1) mhc_bwd_stats(const PreBwdParams p) {
+  wait_for_prerequisites();  // (each kernel after the first: it may be launched early, mhc.cu)
   stats_block<T, N>(p, blockIdx.x);
 }
 
@@ -1017,6 +1018,7 @@ __device__ __forceinline__ void token_chain(const PreBwdParams& p, i64 t, i64 sp
 // back in turn, and from L2 each read is a round trip the chain waits for.
 template <typename T, int N>
 __global__ void __launch_bounds__(BWD_TOKEN_THREADS) mhc_bwd_token(const PreBwdParams p) {
+  wait_for_prerequisites();
   const i64 t = (i64)blockIdx.x * BWD_TOKEN_THREADS + threadIdx.x;
   if (t >= p.batch) return;
   if (dynamic_smem_size() > 0) {
@@ -1043,6 +1045,7 @@ __device__ __forceinline__ void sum_splits(const PreBwdParams& p, i64 i) {
 
 template <typename T, int N>
 __global__ void __launch_bounds__(BWD_REDUCE_THREADS) mhc_bwd_splits(const PreBwdParams p) {
+  wait_for_prerequisites();
   const i64 i = (i64)blockIdx.x * BWD_REDUCE_THREADS + threadIdx.x;
   if (i < (i64)BwdGeo<T, N>::W * p.batch) sum_splits<T, N>(p, i);
 }
@@ -1371,6 +1374,7 @@ __device__ __forceinline__ void grad_block(const PreBwdParams& p, i64 block) {
 
 template <typename T, int N>
 __global__ void __launch_bounds__(BWD_BLOCK, 1) mhc_bwd_grad(const PreBwdParams p) {
+  wait_for_prerequisites();
   grad_block<T, N>(p, blockIdx.x);
 }
 
@@ -1425,6 +1429,7 @@ __device__ __forceinline__ void reduce_block(const PreBwdParams& p, i64 block, f
 
 template <typename T, int N>
 __global__ void __launch_bounds__(BWD_REDUCE_THREADS) mhc_bwd_reduce(const PreBwdParams p) {
+  wait_for_prerequisites();
   __shared__ float sh[BWD_REDUCE_THREADS];
   reduce_block<T, N, BWD_REDUCE_THREADS>(p, blockIdx.x, sh);
 }

@@ -418,6 +418,35 @@ def _modelled_device(monkeypatch, optin: int, function) -> None:
     monkeypatch.setattr(_mhc, "_pre_backward_plans", {})
 
 
+@pytest.mark.parametrize("major", (8, 9))
+def test_pre_backward_launches_early_from_sm90_and_512_tokens(monkeypatch, major):
+    """Beyond the one-launch plan, every pre backward kernel after mhc_bwd_pieces waits for
+    the one before in the kernel (griddepcontrol.wait) and is launched with programmatic
+    stream serialization on sm_90 from _MIN_EARLY_ROWS tokens (mhc_bwd_splits too, where the
+    first pass's splits are summed apart); below that, and before sm_90, plain stream order."""
+    _modelled_device(monkeypatch, 227 << 10, lambda spec, name, device: name.split("<")[0])
+    modelled = _mhc._attribute
+    monkeypatch.setattr(
+        _mhc,
+        "_attribute",
+        lambda device, attribute: (
+            major if attribute == _mhc._COMPUTE_MAJOR else modelled(device, attribute)
+        ),
+    )
+    monkeypatch.setattr(_mhc, "_token_trace_smem", lambda *args: 0)
+    kernels = set()
+    for batch, c_x in ((65, 4096), (_mhc._MIN_EARLY_ROWS - 1, 4096), (_mhc._MIN_EARLY_ROWS, 64),
+                       (4096, 4096), (16384, 7168)):  # fmt: skip
+        plan = _mhc._pre_backward_plan(0, "bfloat16", 4, c_x, batch, 20)
+        assert not plan.fused and plan.steps[0].kernel == "mhc_bwd_pieces"
+        early = major >= 9 and batch >= _mhc._MIN_EARLY_ROWS
+        assert [step.programmatic for step in plan.steps] == [False] + [early] * (
+            len(plan.steps) - 1
+        )
+        kernels.update(step.kernel for step in plan.steps)
+    assert "mhc_bwd_splits" in kernels
+
+
 def test_pre_backward_plan_token_stage(monkeypatch):
     """_pre_backward_plan on a modelled device (132 multiprocessors, 227 KB of shared memory
     a block, two token blocks of the n = 4 trace each): mhc_bwd_splits before mhc_bwd_token
