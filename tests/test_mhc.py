@@ -675,12 +675,16 @@ def test_plan_geometry_covers_k(batch, width, resident, stage_k):
         assert tiles * k_splits <= resident
 
 
-def _modelled_sm90(monkeypatch, optin: int = 227 << 10) -> None:
-    """An H200-like device for the planners: 132 multiprocessors of sm_90 with 227 KB of
-    shared memory each (``optin`` a block; up to two blocks of 256 threads fit, by shared
-    memory alone), no kernels, and no cluster plan
+def _modelled_sm90(monkeypatch, optin: int = 227 << 10, major: int = 9) -> None:
+    """An H200-like device for the planners: 132 multiprocessors of sm_90 (sm_``major``0)
+    with 227 KB of shared memory each (``optin`` a block; up to two blocks of 256 threads
+    fit, by shared memory alone), no kernels, and no cluster plan
     (test_cluster_plan_takes_the_fewest_clusters_a_token_group_that_fit)."""
-    attributes = {_mhc._MULTIPROCESSORS: 132, _mhc._MAX_SMEM_OPTIN: optin}
+    attributes = {
+        _mhc._MULTIPROCESSORS: 132,
+        _mhc._MAX_SMEM_OPTIN: optin,
+        _mhc._COMPUTE_MAJOR: major,
+    }
     monkeypatch.setattr(_mhc, "_cluster_plan", lambda *args: None)
     monkeypatch.setattr(_mhc, "_attribute", lambda device, attribute: attributes.get(attribute, 9))
     monkeypatch.setattr(_mhc._cuda, "function", lambda spec, name, device: name)
@@ -735,15 +739,7 @@ def test_pre_launches_early_from_sm90_and_512_tokens(monkeypatch, major):
     programmatic stream serialization (each waits in the kernel for what the one before
     wrote) on sm_90 from _MIN_EARLY_ROWS tokens; mhc_phi_pieces, the first, never. Below
     that, and before sm_90, all four launch in plain stream order."""
-    _modelled_sm90(monkeypatch)
-    modelled = _mhc._attribute
-    monkeypatch.setattr(
-        _mhc,
-        "_attribute",
-        lambda device, attribute: (
-            major if attribute == _mhc._COMPUTE_MAJOR else modelled(device, attribute)
-        ),
-    )
+    _modelled_sm90(monkeypatch, major=major)
     for batch in (_mhc._MAX_FUSED_ROWS + 1, _mhc._MIN_EARLY_ROWS - 1, _mhc._MIN_EARLY_ROWS, 16384):
         plan = _mhc._pre_plan(0, "bfloat16", 4, 4096, batch)
         early = major >= 9 and batch >= _mhc._MIN_EARLY_ROWS

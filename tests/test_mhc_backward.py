@@ -407,11 +407,11 @@ def test_pre_backward_token_trace_in_scratch_or_shared_memory(rng, monkeypatch, 
     assert_pre_backward_matches(case, upstream, in_shared)
 
 
-def _modelled_device(monkeypatch, optin: int, function) -> None:
-    """A device for _pre_backward_plan: 132 multiprocessors, ``optin`` bytes of shared memory
-    a block, 132 resident blocks of any kernel, kernels as ``function`` makes them, and no
-    plan remembered."""
-    limits = {_mhc._MAX_SMEM_OPTIN: optin, _mhc._MULTIPROCESSORS: 132}
+def _modelled_device(monkeypatch, optin: int, function, major: int = 9) -> None:
+    """A device for _pre_backward_plan: sm_``major``0 with 132 multiprocessors, ``optin``
+    bytes of shared memory a block, 132 resident blocks of any kernel, kernels as
+    ``function`` makes them, and no plan remembered."""
+    limits = {_mhc._MAX_SMEM_OPTIN: optin, _mhc._MULTIPROCESSORS: 132, _mhc._COMPUTE_MAJOR: major}
     monkeypatch.setattr(_mhc, "_attribute", lambda device, attribute: limits.get(attribute, 9))
     monkeypatch.setattr(_mhc._cuda, "function", function)
     monkeypatch.setattr(_mhc, "_resident_blocks", lambda kernel, device, threads, smem: 132)
@@ -424,15 +424,7 @@ def test_pre_backward_launches_early_from_sm90_and_512_tokens(monkeypatch, major
     the one before in the kernel (griddepcontrol.wait) and is launched with programmatic
     stream serialization on sm_90 from _MIN_EARLY_ROWS tokens (mhc_bwd_splits too, where the
     first pass's splits are summed apart); below that, and before sm_90, plain stream order."""
-    _modelled_device(monkeypatch, 227 << 10, lambda spec, name, device: name.split("<")[0])
-    modelled = _mhc._attribute
-    monkeypatch.setattr(
-        _mhc,
-        "_attribute",
-        lambda device, attribute: (
-            major if attribute == _mhc._COMPUTE_MAJOR else modelled(device, attribute)
-        ),
-    )
+    _modelled_device(monkeypatch, 227 << 10, lambda spec, name, device: name.split("<")[0], major)
     monkeypatch.setattr(_mhc, "_token_trace_smem", lambda *args: 0)
     kernels = set()
     for batch, c_x in ((65, 4096), (_mhc._MIN_EARLY_ROWS - 1, 4096), (_mhc._MIN_EARLY_ROWS, 64),
