@@ -78,9 +78,7 @@ _COEF_TOKEN_ROWS = _GEOMETRY["COEF_TOKEN_ROWS"]  # the same, one thread a token
 _MIN_TOKEN_COEFFICIENT_ROWS = 4096
 _COUNTER_GROUPS = _GEOMETRY["COUNTER_GROUPS"]  # counter words before mhc_pre_small's groups
 _MAX_FUSED_ROWS = 256  # batches this small: cooperative mhc_project, no mhc_apply launch
-# from here on sm_90 the kernels after the first of the four-kernel pre plan and of the
-# multi-kernel pre backward plan start early (_pre_plan, _pre_backward_plan)
-_MIN_EARLY_ROWS = 512
+_MIN_EARLY_ROWS = 512  # from here on sm_90 a plan's kernels after the first start early
 # mhc_project's pipelines, (STAGE_K, STAGES): stages of one or two 64-wide fragment blocks,
 # so 128- or 256-byte runs of each 16-bit row of x (DRAM serves the longer runs faster), 3
 # or 2 deep (_project_plan chooses). 16-bit x with n <= 4 takes 256-byte runs three stages
@@ -624,6 +622,13 @@ def _cluster_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _Pre
     return None
 
 
+def _launches_early(device: int, batch: int) -> bool:
+    """Whether the kernels after the first of a multi-kernel mHC plan (pre's four, pre
+    backward's five or six) launch with programmatic stream serialization: on sm_90 and
+    newer (mhc.cu: programmatic dependent launch), from _MIN_EARLY_ROWS tokens."""
+    return _attribute(device, _COMPUTE_MAJOR) >= 9 and batch >= _MIN_EARLY_ROWS
+
+
 def _pre_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan:
     key = (device, dtype, n, c_x, batch)
     plan = _pre_plans.get(key)
@@ -685,7 +690,7 @@ def _pre_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan
     # coefficients launch the same way (mhc_project does not trigger, so their blocks start
     # as its last ones exit, without a plain launch's gap): H100, 2026-12-06, plain -> early,
     # B512 c_x7168 55.6 -> 53.9, B4096 c_x4096 173.9 -> 172.1, B16384 c_x7168 1062.6 -> 1060.6
-    early = _attribute(device, _COMPUTE_MAJOR) >= 9 and batch >= _MIN_EARLY_ROWS
+    early = _launches_early(device, batch)
     per_token = _token_coefficients(n) and batch >= _MIN_TOKEN_COEFFICIENT_ROWS
     coefficients = _cuda.function(spec, _coefficients_name(dtype, n, per_token), device)
     coefficient_rows = _COEF_TOKEN_ROWS if per_token else _COEF_ROWS
@@ -1398,7 +1403,7 @@ def _pre_backward_plan(
         # as the last of the one before exit, without a plain launch's gap. H100, device us,
         # plain -> early: bf16 n4 B4096 c_x4096 333.3 -> 327.8, B1024 131.9 -> 124.3,
         # float32 n5 B2048 c_x2048 389.1 -> 379.4, bf16 n8 B1024 c_x1280 219.4 -> 215.9
-        early = _attribute(device, _COMPUTE_MAJOR) >= 9 and batch >= _MIN_EARLY_ROWS
+        early = _launches_early(device, batch)
         steps = (
             _cuda.Step(pieces, (column_blocks, 1, 1), threads),
             _cuda.Step(stats, (tiles * k_splits, 1, 1), threads, stats_smem, programmatic=early),
