@@ -407,6 +407,32 @@ def test_pre_backward_token_trace_in_scratch_or_shared_memory(rng, monkeypatch, 
     assert_pre_backward_matches(case, upstream, in_shared)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, c_x, batch", ((4, 136, 600), (8, 72, 520), (2, 64, 700)))
+def test_pre_backward_launched_early_gives_the_same_bits(rng, monkeypatch, n, c_x, batch):
+    """On sm_90, from _MIN_EARLY_ROWS tokens, every kernel after mhc_bwd_pieces starts as the
+    one before it ends (programmatic dependent launch; each waits in the kernel for what the
+    ones before wrote): the same bits as the plan launched in plain stream order (a larger
+    threshold here), and the oracle's values. On an H100 or H200 the first two shapes take
+    mhc_bwd_splits too."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    case = random_pre_case(rng, n, c_x, batch, dtype="bfloat16", repeat=20)
+    upstream = upstream_grads(rng, case)
+    results = []
+    for threshold in (1 << 30, _mhc._MIN_EARLY_ROWS):  # plain, then as shipped
+        monkeypatch.setattr(_mhc, "_MIN_EARLY_ROWS", threshold)
+        monkeypatch.setattr(_mhc, "_pre_backward_plans", {})
+        plan = _mhc._pre_backward_plan(0, "bfloat16", n, c_x, batch, 20)
+        early = _mhc._attribute(0, _mhc._COMPUTE_MAJOR) >= 9 and threshold <= batch
+        assert [step.programmatic for step in plan.steps[1:]] == [early] * (len(plan.steps) - 1)
+        results.append(pre_backward("cuda", case, upstream))
+    names = ("grad_phi", "grad_x", "grad_b", "grad_alpha")
+    for name, a, b in zip(names, *results, strict=True):
+        assert torch.equal(a, b), f"{name}: the early launches differ from plain ones"
+    assert_pre_backward_matches(case, upstream, results[1])
+
+
 def _modelled_device(monkeypatch, optin: int, function, major: int = 9) -> None:
     """A device for _pre_backward_plan: sm_``major``0 with 132 multiprocessors, ``optin``
     bytes of shared memory a block, 132 resident blocks of any kernel, kernels as
