@@ -28,7 +28,7 @@ import functools
 import math
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import _cuda
@@ -622,11 +622,16 @@ def _cluster_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _Pre
     return None
 
 
-def _launches_early(device: int, batch: int) -> bool:
-    """Whether the kernels after the first of a multi-kernel mHC plan (pre's four, pre
-    backward's five or six) launch with programmatic stream serialization: on sm_90 and
-    newer (mhc.cu: programmatic dependent launch), from _MIN_EARLY_ROWS tokens."""
-    return _attribute(device, _COMPUTE_MAJOR) >= 9 and batch >= _MIN_EARLY_ROWS
+def _launched_early(
+    steps: tuple[_cuda.Step, ...], device: int, batch: int
+) -> tuple[_cuda.Step, ...]:
+    """A multi-kernel mHC plan's steps (pre's four, pre backward's five or six), every one
+    after the first launched with programmatic stream serialization on sm_90 and newer from
+    _MIN_EARLY_ROWS tokens (mhc.cu: programmatic dependent launch; each of those kernels
+    waits in the kernel for what the ones before wrote), else as they are."""
+    if _attribute(device, _COMPUTE_MAJOR) < 9 or batch < _MIN_EARLY_ROWS:
+        return steps
+    return (steps[0], *(replace(step, programmatic=True) for step in steps[1:]))
 
 
 def _pre_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan:
@@ -690,22 +695,16 @@ def _pre_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _PrePlan
     # coefficients launch the same way (mhc_project does not trigger, so their blocks start
     # as its last ones exit, without a plain launch's gap): H100, 2026-12-06, plain -> early,
     # B512 c_x7168 55.6 -> 53.9, B4096 c_x4096 173.9 -> 172.1, B16384 c_x7168 1062.6 -> 1060.6
-    early = _launches_early(device, batch)
     per_token = _token_coefficients(n) and batch >= _MIN_TOKEN_COEFFICIENT_ROWS
     coefficients = _cuda.function(spec, _coefficients_name(dtype, n, per_token), device)
     coefficient_rows = _COEF_TOKEN_ROWS if per_token else _COEF_ROWS
     apply = _cuda.function(spec, apply_name, device)
-    steps = (
+    steps = _launched_early((
         _cuda.Step(_cuda.function(spec, pieces_name, device), (k_blocks, 1, 1), threads),
-        _cuda.Step(project, grid, threads, smem, programmatic=early),
-        _cuda.Step(
-            coefficients, (-(-batch // coefficient_rows), 1, 1), threads, programmatic=early
-        ),
-        _cuda.Step(
-            apply, (-(-items // _APPLY_THREADS), 1, 1), (_APPLY_THREADS, 1, 1),
-            programmatic=early,
-        ),
-    )  # fmt: skip
+        _cuda.Step(project, grid, threads, smem),
+        _cuda.Step(coefficients, (-(-batch // coefficient_rows), 1, 1), threads),
+        _cuda.Step(apply, (-(-items // _APPLY_THREADS), 1, 1), (_APPLY_THREADS, 1, 1)),
+    ), device, batch)  # fmt: skip
     plan = _PrePlan(
         steps=steps, n=n, c_x=c_x, k_range=k_range, k_splits=k_splits, fuse=False, small=False,
         scratch=(
@@ -1403,25 +1402,18 @@ def _pre_backward_plan(
         # as the last of the one before exit, without a plain launch's gap. H100, device us,
         # plain -> early: bf16 n4 B4096 c_x4096 333.3 -> 327.8, B1024 131.9 -> 124.3,
         # float32 n5 B2048 c_x2048 389.1 -> 379.4, bf16 n8 B1024 c_x1280 219.4 -> 215.9
-        early = _launches_early(device, batch)
-        steps = (
+        steps = _launched_early((
             _cuda.Step(pieces, (column_blocks, 1, 1), threads),
-            _cuda.Step(stats, (tiles * k_splits, 1, 1), threads, stats_smem, programmatic=early),
+            _cuda.Step(stats, (tiles * k_splits, 1, 1), threads, stats_smem),
             *(
-                (
-                    _cuda.Step(
-                        splits, (split_blocks, 1, 1), (_REDUCE_THREADS, 1, 1), programmatic=early
-                    ),
-                )
+                (_cuda.Step(splits, (split_blocks, 1, 1), (_REDUCE_THREADS, 1, 1)),)
                 if summed_apart
                 else ()
             ),
-            _cuda.Step(
-                token, (token_blocks, 1, 1), (_TOKEN_THREADS, 1, 1), token_smem, programmatic=early
-            ),
-            _cuda.Step(grad, (blocks, 1, 1), threads, grad_smem, programmatic=early),
-            _cuda.Step(reduce, (reduce_blocks, 1, 1), (_REDUCE_THREADS, 1, 1), programmatic=early),
-        )
+            _cuda.Step(token, (token_blocks, 1, 1), (_TOKEN_THREADS, 1, 1), token_smem),
+            _cuda.Step(grad, (blocks, 1, 1), threads, grad_smem),
+            _cuda.Step(reduce, (reduce_blocks, 1, 1), (_REDUCE_THREADS, 1, 1)),
+        ), device, batch)  # fmt: skip
     plan = _PreBackwardPlan(
         steps=steps,
         fused=fused,
