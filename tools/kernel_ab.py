@@ -204,16 +204,23 @@ def _mhc_rows(torch) -> dict[str, Row]:
     return rows
 
 
+def _pre_arguments(torch, dtype: str, n: int, batch: int, c_x: int) -> tuple:
+    """mHC pre's (phi, x, b) on the device, as the bench makes them: phi float32 scaled to
+    unit logits, x of ``dtype``, b float32."""
+    width, q = n * c_x, n * n + 2 * n
+    phi = torch.randn(width, q, device="cuda") / width**0.5
+    x = torch.randn(batch, width, device="cuda").to(getattr(torch, dtype))
+    return phi, x, 0.5 * torch.randn(q, device="cuda")
+
+
 def _decode_rows(torch) -> dict[str, Row]:
     """mHC pre at decode batches (bf16 n4), as the bench's decode rows: device µs."""
     from tileops_cupy.sequence_modeling import MHCPreFwdOp
 
     n, pre, rows = 4, MHCPreFwdOp(1.0, 1.0, 1.0, 20), {}
     for batch, c_x in ((1, 1280), (4, 7168), (16, 4096), (64, 1280), (128, 4096)):
-        phi = torch.randn(n * c_x, n * n + 2 * n, device="cuda") / (n * c_x) ** 0.5
-        x = torch.randn(batch, n * c_x, device="cuda").bfloat16()
-        b = 0.5 * torch.randn(n * n + 2 * n, device="cuda")
-        rows[f"mhc pre B{batch} c_x{c_x} (µs)"] = (lambda a=(phi, x, b): pre(*a), 0)
+        arguments = _pre_arguments(torch, "bfloat16", n, batch, c_x)
+        rows[f"mhc pre B{batch} c_x{c_x} (µs)"] = (lambda a=arguments: pre(*a), 0)
     return rows
 
 
@@ -236,12 +243,10 @@ def _prebwd_rows(torch) -> dict[str, Row]:
         ("bfloat16", 7, 1024, 2048),
         ("bfloat16", 8, 1024, 1280),
     ):
-        width, q, x_dtype = n * c_x, n * n + 2 * n, getattr(torch, dtype)
-        phi = torch.randn(width, q, device="cuda") / width**0.5
-        x, grad_x_res = (torch.randn(batch, width, device="cuda").to(x_dtype) for _ in "xr")
-        grad_x_layer = torch.randn(batch, c_x, device="cuda").to(x_dtype)
-        b, grad_h_post = 0.5 * torch.randn(q, device="cuda"), torch.randn(batch, n, device="cuda")
-        arguments = (phi, x, b, grad_x_res, grad_x_layer, grad_h_post)
+        phi, x, b = _pre_arguments(torch, dtype, n, batch, c_x)
+        grad_x_res = torch.randn(x.shape, device="cuda").to(x.dtype)
+        grad_x_layer = torch.randn(batch, c_x, device="cuda").to(x.dtype)
+        arguments = (phi, x, b, grad_x_res, grad_x_layer, torch.randn(batch, n, device="cuda"))
         name = f"mhc pre-bwd {dtype} n{n} B{batch} c_x{c_x} (µs)"
         rows[name] = (lambda a=arguments: op(*a), 0)
     return rows
@@ -266,11 +271,8 @@ def _pre_rows(torch) -> dict[str, Row]:
         ("bfloat16", 2, 4096, 4096),
         ("float16", 4, 4096, 4096),
     ):
-        width, q = n * c_x, n * n + 2 * n
-        phi = torch.randn(width, q, device="cuda") / width**0.5
-        x = torch.randn(batch, width, device="cuda").to(getattr(torch, dtype))
-        b = 0.5 * torch.randn(q, device="cuda")
-        rows[f"mhc pre {dtype} n{n} B{batch} c_x{c_x} (µs)"] = (lambda a=(phi, x, b): op(*a), 0)
+        arguments = _pre_arguments(torch, dtype, n, batch, c_x)
+        rows[f"mhc pre {dtype} n{n} B{batch} c_x{c_x} (µs)"] = (lambda a=arguments: op(*a), 0)
     return rows
 
 
