@@ -466,8 +466,8 @@ def test_device_arch_falls_back_to_ptx_of_the_newest_known():
     from cupy_backends.cuda.libs import nvrtc
 
     known = nvrtc.getSupportedArchs()
-    assert _cuda._device_arch("90") == "sm_90"
-    assert _cuda._device_arch(str(max(known) + 1)) == f"compute_{max(known)}"
+    assert _cuda.device_arch("90") == "sm_90"
+    assert _cuda.device_arch(str(max(known) + 1)) == f"compute_{max(known)}"
 
 
 def test_image_cache_compiles_once_and_survives_a_bad_file(tmp_path, monkeypatch):
@@ -483,13 +483,29 @@ def test_image_cache_compiles_once_and_survives_a_bad_file(tmp_path, monkeypatch
         return real(*args, **kwargs)
 
     monkeypatch.setattr(_cuda, "nvrtc_compile", counting)
-    lowered, image = _cuda._cached_image(spec, "sm_90")
+    lowered, image = _cuda.cached_image(spec, "sm_90")
     assert set(lowered) == set(spec.name_expressions) and image[:4] == b"\x7fELF"
     (stored,) = (tmp_path / "tileops_cupy").iterdir()
-    assert _cuda._cached_image(spec, "sm_90") == (lowered, image) and len(compiles) == 1
+    assert _cuda.cached_image(spec, "sm_90") == (lowered, image) and len(compiles) == 1
     stored.write_bytes(stored.read_bytes()[:10])
-    assert _cuda._cached_image(spec, "sm_90") == (lowered, image) and len(compiles) == 2
-    assert _cuda._cached_image(spec, "sm_80")[1] != image and len(compiles) == 3
+    assert _cuda.cached_image(spec, "sm_90") == (lowered, image) and len(compiles) == 2
+    assert _cuda.cached_image(spec, "sm_80")[1] != image and len(compiles) == 3
+
+
+def test_modules_built_in_parallel_are_found_in_the_cache(tmp_path, monkeypatch):
+    """tools/prewarm.py's builder: a module compiled in another process is then loaded from
+    the disk cache without a compile."""
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
+    spec = _smallest_module()
+    _cuda.build_in_parallel([spec], "sm_80", 1)
+    assert len(list((tmp_path / "tileops_cupy").iterdir())) == 1
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(_cuda, "nvrtc_compile", no_compile)
+    lowered, image = _cuda.cached_image(spec, "sm_80")
+    assert set(lowered) == set(spec.name_expressions) and image[:4] == b"\x7fELF"
 
 
 def test_norm_launch_shared_memory_is_bounded():

@@ -72,15 +72,15 @@ _lock = threading.Lock()
 def _load(spec: ModuleSpec, device: int) -> dict[str, Any]:
     cp = cupy()
     with cp.cuda.Device(device):
-        arch = _device_arch(cp.cuda.Device(device).compute_capability)
-        lowered, image = _cached_image(spec, arch)
+        arch = device_arch(cp.cuda.Device(device).compute_capability)
+        lowered, image = cached_image(spec, arch)
         module = cp.cuda.function.Module()
         module.load(image)
         # (each Function keeps its module loaded)
         return {name: module.get_function(lowered[name]) for name in spec.name_expressions}
 
 
-def _device_arch(compute_capability: str) -> str:
+def device_arch(compute_capability: str) -> str:
     """NVRTC's -arch for a device: its own SASS ("sm_90") where this NVRTC knows the
     architecture, else PTX of the newest one it knows below it, for the driver to compile."""
     from cupy_backends.cuda.libs import nvrtc
@@ -95,7 +95,7 @@ def _device_arch(compute_capability: str) -> str:
 _CACHE_FORMAT = 1  # bump when the file layout below changes
 
 
-def _cached_image(spec: ModuleSpec, arch: str) -> tuple[dict[str, str], bytes]:
+def cached_image(spec: ModuleSpec, arch: str) -> tuple[dict[str, str], bytes]:
     """(lowered name of each name expression, cubin or PTX) of ``spec`` for ``arch``, from
     the disk cache or compiled (and stored there). A file is one JSON line of the lowered
     names, then the image; it is written whole or not at all, and an unreadable cache
@@ -130,6 +130,23 @@ def _cached_image(spec: ModuleSpec, arch: str) -> tuple[dict[str, str], bytes]:
         if temporary is not None and os.path.exists(temporary):
             os.unlink(temporary)
     return lowered, image
+
+
+def _store_image(spec: ModuleSpec, arch: str) -> None:
+    cached_image(spec, arch)  # (the image stays on disk, not sent back to the caller)
+
+
+def build_in_parallel(specs: list[ModuleSpec], arch: str, processes: int) -> None:
+    """Compile ``specs`` for ``arch`` into the disk cache in ``processes`` processes
+    (``tools/prewarm.py``): a process that then launches them compiles nothing, where each
+    would otherwise be compiled at its first launch, one after another. No GPU needed."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    # spawned, not forked: the caller may hold threads (a test runner, CuPy's)
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(processes, mp_context=context) as pool:
+        list(pool.map(_store_image, specs, [arch] * len(specs)))
 
 
 def _whole(cubin: bytes) -> bytes:
