@@ -15,10 +15,11 @@ variant's kernels are compiled first, in parallel processes (the disk cache of
 ``tileops_cupy._cuda`` keeps them). Then each round runs every variant once, one process
 each, in turn, so that drift of the machine during the run moves every variant alike. A
 process times the rows as the bench does (``median_us``: CUDA events, L2 flushed between
-runs) and prints one JSON line; the table gives each row's median over the rounds (min-max)
-in % of the copy ceiling, and what a copy of the same bytes reaches (latency rows: device
-µs). A row whose outputs' bits differ from the first variant's (the same seed makes the same
-inputs in every process) is marked ``!bits``.
+runs) and prints one JSON line (passed on to stderr, so that stdout holds the table alone);
+the table gives each row's median over the rounds (min-max) in % of the copy ceiling, and
+what a copy of the same bytes reaches (latency rows: device µs). A row whose outputs' bits
+differ from the first variant's (the same seed makes the same inputs in every process) is
+marked ``!bits``.
 """
 
 from __future__ import annotations
@@ -376,7 +377,7 @@ def run(variants: list[str], groups: list[str], rounds: int) -> str:
                 .splitlines()[-1]
             )  # (its errors pass through to stderr)
             runs[variant].append(json.loads(line))
-            print(variant, line, flush=True)
+            print(variant, line, file=sys.stderr, flush=True)  # (stdout: the table alone)
     return table(runs)
 
 
