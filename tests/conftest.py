@@ -10,6 +10,14 @@ from tileops_cupy._arrays import cuda_available
 HAS_CUDA = cuda_available()
 
 
+# A run of this many GPU tests launches kernels from most of the catalogue. Compiled at their
+# first launches, one after another, they cost minutes on a fresh machine (the mHC backward
+# file alone spent over 240 s on an H100 host's 16 CPUs): the whole catalogue is compiled
+# first, in parallel processes (tools/prewarm.py; about 50 s there, and a second or two where
+# the cache already holds it).
+PREWARM_FROM_GPU_TESTS = 100
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         return
@@ -17,6 +25,29 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    gpu_tests = sum("gpu" in item.keywords for item in session.items)
+    if not HAS_CUDA or gpu_tests < PREWARM_FROM_GPU_TESTS:
+        return
+    import os
+
+    import cupy
+
+    from tileops_cupy import _catalogue, _cuda
+
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    specs = _catalogue.shipped_modules()
+    try:
+        arch = _cuda.device_arch(cupy.cuda.Device(0).compute_capability)
+        _cuda.build_in_parallel(specs, arch, os.cpu_count() or 1)
+    except Exception as error:  # the tests then compile at their launches (and report it)
+        if reporter is not None:
+            reporter.write_line(f"kernel cache not prewarmed: {error!r}")
+        return
+    if reporter is not None:
+        reporter.write_line(f"kernel cache: {len(specs)} modules built or found for {arch}")
 
 
 @pytest.fixture
