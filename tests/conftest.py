@@ -31,23 +31,17 @@ def pytest_collection_finish(session):
     gpu_tests = sum("gpu" in item.keywords for item in session.items)
     if not HAS_CUDA or gpu_tests < PREWARM_FROM_GPU_TESTS:
         return
-    import os
-
-    import cupy
-
-    from tileops_cupy import _catalogue, _cuda
+    from tileops_cupy import _catalogue
 
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    specs = _catalogue.shipped_modules()
     try:
-        arch = _cuda.device_arch(cupy.cuda.Device(0).compute_capability)
-        _cuda.build_in_parallel(specs, arch, os.cpu_count() or 1)
+        modules, arch = _catalogue.prewarm()
     except Exception as error:  # the tests then compile at their launches (and report it)
         if reporter is not None:
             reporter.write_line(f"kernel cache not prewarmed: {error!r}")
         return
     if reporter is not None:
-        reporter.write_line(f"kernel cache: {len(specs)} modules built or found for {arch}")
+        reporter.write_line(f"kernel cache: {modules} modules built or found for {arch}")
 
 
 @pytest.fixture

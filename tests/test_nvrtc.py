@@ -13,7 +13,7 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 
 import kernels_cu
-from tileops_cupy import _cuda, _mhc, _rotate
+from tileops_cupy import _catalogue, _cuda, _mhc, _rotate
 from tileops_cupy._arrays import ITEMSIZE, Operand
 from tileops_cupy._catalogue import shipped_modules
 
@@ -492,12 +492,13 @@ def test_image_cache_compiles_once_and_survives_a_bad_file(tmp_path, monkeypatch
     assert _cuda.cached_image(spec, "sm_80")[1] != image and len(compiles) == 3
 
 
-def test_modules_built_in_parallel_are_found_in_the_cache(tmp_path, monkeypatch):
-    """tools/prewarm.py's builder: a module compiled in another process is then loaded from
-    the disk cache without a compile."""
+def test_prewarmed_modules_are_found_in_the_cache(tmp_path, monkeypatch):
+    """The prewarm (tools/prewarm.py, the conftest): a module compiled in another process is
+    then loaded from the disk cache without a compile."""
     monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
     spec = _smallest_module()
-    _cuda.build_in_parallel([spec], "sm_80", 1)
+    monkeypatch.setattr(_catalogue, "shipped_modules", lambda: [spec])
+    assert _catalogue.prewarm("sm_80", 1) == (1, "sm_80")
     assert len(list((tmp_path / "tileops_cupy").iterdir())) == 1
 
     def no_compile(*args, **kwargs):

@@ -1,10 +1,11 @@
 """Every CUDA module the package ships: each primitive's own list, joined (a leaf: nothing
-imports it but the NVRTC test, which compiles the whole catalogue with no GPU)."""
+of the package imports it; the NVRTC test compiles the whole catalogue with no GPU, and
+``tools/prewarm.py`` and the tests' conftest build it into the kernel cache)."""
 
 from __future__ import annotations
 
 from . import _mhc, _rotate
-from ._cuda import ModuleSpec
+from ._cuda import ModuleSpec, build_in_parallel, device_arch
 
 
 def shipped_modules() -> list[ModuleSpec]:
@@ -14,3 +15,18 @@ def shipped_modules() -> list[ModuleSpec]:
         if spec not in specs:
             specs.append(spec)
     return specs
+
+
+def prewarm(arch: str | None = None, processes: int | None = None) -> tuple[int, str]:
+    """Compile every shipped module into the disk cache in ``processes`` processes (default:
+    one a CPU) for ``arch`` (default: GPU 0's, as a launch there picks it), so that no
+    launch compiles; returns (modules, arch)."""
+    import os
+
+    if arch is None:
+        from ._arrays import cupy
+
+        arch = device_arch(cupy().cuda.Device(0).compute_capability)
+    specs = shipped_modules()
+    build_in_parallel(specs, arch, processes or os.cpu_count() or 1)
+    return len(specs), arch

@@ -14,28 +14,21 @@ later process finds the modules built. With ``--arch`` no GPU is needed.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tileops_cupy import _catalogue, _cuda  # noqa: E402
+from tileops_cupy import _catalogue  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", help="NVRTC's architecture, e.g. sm_90 (default: GPU 0's)")
-    parser.add_argument("-j", "--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("-j", "--jobs", type=int, help="processes (default: one a CPU)")
     arguments = parser.parse_args()
-    arch = arguments.arch
-    if arch is None:
-        import cupy
-
-        arch = _cuda.device_arch(cupy.cuda.Device(0).compute_capability)
-    specs = _catalogue.shipped_modules()
-    _cuda.build_in_parallel(specs, arch, arguments.jobs)
-    print(f"{len(specs)} modules in the cache for {arch}")
+    modules, arch = _catalogue.prewarm(arguments.arch, arguments.jobs)
+    print(f"{modules} modules in the cache for {arch}")
 
 
 if __name__ == "__main__":
