@@ -15,7 +15,6 @@ import pytest
 import kernels_cu
 from tileops_cupy import _catalogue, _cuda, _mhc, _rotate
 from tileops_cupy._arrays import ITEMSIZE, Operand
-from tileops_cupy._catalogue import shipped_modules
 
 pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC comes with CuPy")
 
@@ -23,7 +22,7 @@ ARCHS = ("sm_80", "sm_90")
 ROTATE_DTYPES = ("float16", "bfloat16", "float32")
 
 
-CATALOGUE = shipped_modules()
+CATALOGUE = _catalogue.shipped_modules()
 
 
 def _spec_id(spec: _cuda.ModuleSpec) -> str:
@@ -362,7 +361,7 @@ def test_param_structs_are_read_from_the_cuda_declarations():
     file, which NVRTC checks against the C layout (test_compiles_without_a_device)."""
     import re
 
-    shipped_modules()  # imports every primitive, each declaring its structs
+    _catalogue.shipped_modules()  # imports every primitive, each declaring its structs
     names = {s.c_name for s in _cuda.PARAM_STRUCTS}
     assert names >= {"RopeParams", "PreParams", "PostParams", "PreBwdParams", "PostBwdParams"}
     for declared in _cuda.PARAM_STRUCTS:

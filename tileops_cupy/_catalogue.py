@@ -5,7 +5,7 @@ of the package imports it; the NVRTC test compiles the whole catalogue with no G
 from __future__ import annotations
 
 from . import _mhc, _rotate
-from ._cuda import ModuleSpec, build_in_parallel, device_arch
+from ._cuda import ModuleSpec, arch_of_device, build_in_parallel
 
 
 def shipped_modules() -> list[ModuleSpec]:
@@ -23,10 +23,7 @@ def prewarm(arch: str | None = None, processes: int | None = None) -> tuple[int,
     launch compiles; returns (modules, arch)."""
     import os
 
-    if arch is None:
-        from ._arrays import cupy
-
-        arch = device_arch(cupy().cuda.Device(0).compute_capability)
+    arch = arch or arch_of_device(0)
     specs = shipped_modules()
     build_in_parallel(specs, arch, processes or os.cpu_count() or 1)
     return len(specs), arch

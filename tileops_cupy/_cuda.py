@@ -72,8 +72,7 @@ _lock = threading.Lock()
 def _load(spec: ModuleSpec, device: int) -> dict[str, Any]:
     cp = cupy()
     with cp.cuda.Device(device):
-        arch = device_arch(cp.cuda.Device(device).compute_capability)
-        lowered, image = cached_image(spec, arch)
+        lowered, image = cached_image(spec, arch_of_device(device))
         module = cp.cuda.function.Module()
         module.load(image)
         # (each Function keeps its module loaded)
@@ -90,6 +89,11 @@ def device_arch(compute_capability: str) -> str:
     if capability in known or not known:
         return f"sm_{capability}"
     return f"compute_{max(known)}"
+
+
+def arch_of_device(device: int) -> str:
+    """device_arch of CUDA device ``device``: what its launches compile for."""
+    return device_arch(cupy().cuda.Device(device).compute_capability)
 
 
 _CACHE_FORMAT = 1  # bump when the file layout below changes
