@@ -13,8 +13,8 @@ HAS_CUDA = cuda_available()
 # A run of this many GPU tests launches kernels from most of the catalogue. Compiled at their
 # first launches, one after another, they cost minutes on a fresh machine (the mHC backward
 # file alone spent over 240 s on an H100 host's 16 CPUs): the whole catalogue is compiled
-# first, in parallel processes (tools/prewarm.py; about 50 s there, and a second or two where
-# the cache already holds it).
+# first, in parallel processes (tools/prewarm.py; about 50 s there, and under a second, with
+# no process started, where the cache already holds it).
 PREWARM_FROM_GPU_TESTS = 100
 
 

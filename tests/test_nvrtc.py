@@ -493,7 +493,7 @@ def test_image_cache_compiles_once_and_survives_a_bad_file(tmp_path, monkeypatch
 
 def test_prewarmed_modules_are_found_in_the_cache(tmp_path, monkeypatch):
     """The prewarm (tools/prewarm.py, the conftest): a module compiled in another process is
-    then loaded from the disk cache without a compile."""
+    then loaded from the disk cache without a compile, and a second prewarm builds nothing."""
     monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
     spec = _smallest_module()
     monkeypatch.setattr(_catalogue, "shipped_modules", lambda: [spec])
@@ -506,6 +506,9 @@ def test_prewarmed_modules_are_found_in_the_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(_cuda, "nvrtc_compile", no_compile)
     lowered, image = _cuda.cached_image(spec, "sm_80")
     assert set(lowered) == set(spec.name_expressions) and image[:4] == b"\x7fELF"
+    # with every file there, a second prewarm starts no process
+    monkeypatch.setattr(multiprocessing, "get_context", no_compile)
+    assert _catalogue.prewarm("sm_80", 1) == (1, "sm_80")
 
 
 def test_norm_launch_shared_memory_is_bounded():

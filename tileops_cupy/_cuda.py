@@ -99,11 +99,8 @@ def arch_of_device(device: int) -> str:
 _CACHE_FORMAT = 1  # bump when the file layout below changes
 
 
-def cached_image(spec: ModuleSpec, arch: str) -> tuple[dict[str, str], bytes]:
-    """(lowered name of each name expression, cubin or PTX) of ``spec`` for ``arch``, from
-    the disk cache or compiled (and stored there). A file is one JSON line of the lowered
-    names, then the image; it is written whole or not at all, and an unreadable cache
-    only costs a compile."""
+def _cache_path(spec: ModuleSpec, arch: str) -> str:
+    """The disk cache's file for ``spec`` built for ``arch`` by this NVRTC."""
     from cupy_backends.cuda.libs import nvrtc
 
     key = json.dumps(
@@ -113,7 +110,16 @@ def cached_image(spec: ModuleSpec, arch: str) -> tuple[dict[str, str], bytes]:
         os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache")),
         "tileops_cupy",
     )
-    path = os.path.join(directory, hashlib.sha256(key.encode()).hexdigest() + ".bin")
+    return os.path.join(directory, hashlib.sha256(key.encode()).hexdigest() + ".bin")
+
+
+def cached_image(spec: ModuleSpec, arch: str) -> tuple[dict[str, str], bytes]:
+    """(lowered name of each name expression, cubin or PTX) of ``spec`` for ``arch``, from
+    the disk cache or compiled (and stored there). A file is one JSON line of the lowered
+    names, then the image; it is written whole or not at all, and an unreadable cache
+    only costs a compile."""
+    path = _cache_path(spec, arch)
+    directory = os.path.dirname(path)
     try:
         with open(path, "rb") as file:
             header, image = file.read().split(b"\n", 1)
@@ -141,16 +147,20 @@ def _store_image(spec: ModuleSpec, arch: str) -> None:
 
 
 def build_in_parallel(specs: list[ModuleSpec], arch: str, processes: int) -> None:
-    """Compile ``specs`` for ``arch`` into the disk cache in ``processes`` processes
-    (``tools/prewarm.py``): a process that then launches them compiles nothing, where each
-    would otherwise be compiled at its first launch, one after another. No GPU needed."""
+    """Compile those of ``specs`` the disk cache lacks for ``arch`` in ``processes``
+    processes (``tools/prewarm.py``): a process that then launches them compiles nothing,
+    where each would otherwise be compiled at its first launch, one after another. No GPU
+    needed; none started where every file is there (a bad one costs a compile at launch)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
+    missing = [spec for spec in specs if not os.path.exists(_cache_path(spec, arch))]
+    if not missing:
+        return
     # spawned, not forked: the caller may hold threads (a test runner, CuPy's)
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(processes, mp_context=context) as pool:
-        list(pool.map(_store_image, specs, [arch] * len(specs)))
+    with ProcessPoolExecutor(min(processes, len(missing)), mp_context=context) as pool:
+        list(pool.map(_store_image, missing, [arch] * len(missing)))
 
 
 def _whole(cubin: bytes) -> bytes:
