@@ -80,7 +80,7 @@ for dtype in (torch.bfloat16, torch.float32):
     # a fused QKV row (10 q row groups, then 1 of k: in bf16 the last warp half past k's last
     # row); the same at per-token positions, a few past max_position (read clamped, flagged),
     # MRoPE in sections on lane boundaries, and from a cos_sin_cache; MRoPE sections that split
-    # a lane's pairs at the same size (rope_rotate's chunks)
+    # a lane's pairs, and the interleaved rows, at the same size (rope_rotate's chunks)
     wide = torch.randn(1, 4097, 37, 128, device=cuda, dtype=dtype)[:, :, 1:]  # 36 heads
     for rope_layout in ("neox", "interleaved"):
         RoPEFwdOp(rope_layout, "2d")(wide)
@@ -96,8 +96,10 @@ for dtype in (torch.bfloat16, torch.float32):
         with contextlib.suppress(ValueError):  # the flag of the clamped positions
             packed.check()
         three_rows = torch.randint(0, 4096, (3, 4097), device=cuda)
-        for section in ((16, 24, 24), (17, 23, 24)):
-            sectioned = RoPE(128, 40, 4, rope_layout=rope_layout, mrope_section=section)
+        for section, interleaved in (((16, 24, 24), False), ((17, 23, 24), False),
+                                     ((24, 20, 20), True)):  # fmt: skip
+            sectioned = RoPE(128, 40, 4, rope_layout=rope_layout, mrope_section=section,
+                             mrope_interleaved=interleaved)  # fmt: skip
             sectioned.forward(qkv[0, :, :40], qkv[0, :, 40:44], positions=three_rows)
         cache = torch.randn(5000, 128, device=cuda)
         apply_rope_with_cos_sin_cache_inplace(
@@ -108,9 +110,11 @@ for dtype in (torch.bfloat16, torch.float32):
             w = torch.rand(2, 129, device=cuda, dtype=dtype)[:, 1:]
             normed.forward(qkv[0, :, :40], qkv[0, :, 40:44], positions=ids % (1 << 16),
                            q_norm_weight=w[0], k_norm_weight=w[1])  # fmt: skip
-            normed = RoPE(128, 40, 4, rope_layout=rope_layout, mrope_section=(16, 24, 24))
-            normed.forward(qkv[0, :, :40], qkv[0, :, 40:44], positions=three_rows,
-                           q_norm_weight=w[0], k_norm_weight=w[1])  # fmt: skip
+            for interleaved in (False, True):
+                normed = RoPE(128, 40, 4, rope_layout=rope_layout, mrope_section=(24, 20, 20),
+                              mrope_interleaved=interleaved)  # fmt: skip
+                normed.forward(qkv[0, :, :40], qkv[0, :, 40:44], positions=three_rows,
+                               q_norm_weight=w[0], k_norm_weight=w[1])  # fmt: skip
     cache = torch.randn(100, 40, device=cuda)
     tokens = torch.randn(15, 4 * 64 + 1, device=cuda, dtype=dtype)[:, 1:]
     token_ids = torch.tensor([0, 99, 100, -1, 7] * 3, device=cuda)  # two out of range: clamped

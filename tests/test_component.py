@@ -38,7 +38,7 @@ from _cases import (
 )
 from _oracle import (
     DEVICE_DTYPES,
-    LANE_ALIGNED_SECTIONS,
+    MROPE_SECTIONS,
     Frequencies,
     assert_gradcheck,
     assert_matches_oracle,
@@ -513,23 +513,6 @@ def test_mid_sized_prefill_rotates_whole_rows(
         )  # fmt: skip
 
 
-# pairs (head_dim / 2): MRoPE sections of each kind (_rotate._lanes_in_one_row): boundaries on
-# every lane's boundary (16-bit rows: 4 pairs a lane, float32: 2), boundaries that split a
-# lane's pairs between rows, and the interleaved rows
-MID_SIZED_SECTIONS = {
-    64: {
-        "mrope": LANE_ALIGNED_SECTIONS[64],
-        "mrope-split": (17, 23, 24),
-        "mrope-interleaved": (24, 20, 20),
-    },
-    32: {
-        "mrope": LANE_ALIGNED_SECTIONS[32],
-        "mrope-split": (9, 11, 12),
-        "mrope-interleaved": (12, 10, 10),
-    },
-}
-
-
 @GPU
 @pytest.mark.parametrize("table", ["mrope", "mrope-split", "mrope-interleaved", "cos_sin_cache"])
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -551,7 +534,7 @@ def test_mid_sized_table_modes_rotate_whole_rows(rng, monkeypatch, head_dim, dty
         cache = rng.uniform(-1.5, 1.5, (300, head_dim)).astype(np.float32)
         ids = rng.integers(0, 300, tokens)
     else:
-        section = MID_SIZED_SECTIONS[pairs][table]
+        section = MROPE_SECTIONS[pairs][table]
         ids = rng.integers(0, 1 << 16, (3, tokens))
 
     def rotate(qkv):

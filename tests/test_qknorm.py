@@ -20,7 +20,7 @@ from _cases import PLACES, assert_runs_in_own_process
 from _compile import backends, compile_counting
 from _oracle import (
     BF16,
-    LANE_ALIGNED_SECTIONS,
+    MROPE_SECTIONS,
     assert_gradcheck,
     assert_norm_rope_matches_oracle,
     mrope_pair_positions,
@@ -347,7 +347,7 @@ def test_gpu_mid_sized_launches_take_whole_rows_a_lane(
     monkeypatch.setitem(globals(), "KV_HEADS", 4)
     section = None
     if positions == "mrope":
-        section = LANE_ALIGNED_SECTIONS[CASES[case][1] // 2]
+        section = MROPE_SECTIONS[CASES[case][1] // 2]["mrope"]
     block = _packed_tokens_match_oracle(rng, case, dtype, weights, 1031, section)
     assert block == (_rotate._PACK_THREADS, 1, 1), block
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from _oracle import (
-    LANE_ALIGNED_SECTIONS,
+    MROPE_SECTIONS,
     assert_matches_oracle,
     assert_matches_reference,
     assert_norm_rope_matches_oracle,
@@ -419,7 +419,7 @@ def _pack_positions(rng, kind: str, rotary_dim: int, batch: int, seq: int, offse
         table = shared_table(Standard(), rotary_dim)
         table.ensure(1 << 16)
         fine, coarse = (np.ascontiguousarray(t) for t in (table.fine32, table.coarse32))
-        section = LANE_ALIGNED_SECTIONS[rotary_dim // 2]
+        section = MROPE_SECTIONS[rotary_dim // 2]["mrope"]
         ids = rng.integers(0, 1 << 16, (3, batch, seq)).astype(np.int64)
         fields = dict(
             fine=fine.ctypes.data, coarse=coarse.ctypes.data, position_limit=table.capacity,

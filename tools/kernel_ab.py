@@ -155,6 +155,48 @@ def _component_rows(torch) -> dict[str, Row]:
     return rows
 
 
+def _mrope_rows(torch) -> dict[str, Row]:
+    """MRoPE, q and k in place in a fused QKV row (32q/8kv) at random positions below 2**20:
+    Qwen3-VL's interleaved rows over the whole-row layout's sizes and past them, sections on
+    and off its lanes' boundaries, fp16, float32, D64, and with the fused norm."""
+    from tileops_cupy.rope import RoPE
+
+    interleaved, aligned, split = ((24, 20, 20), True), ((16, 24, 24), False), ((17, 23, 24), False)
+    cases = {  # name: ((section, interleaved), tokens, dtype, head_dim, norm)
+        "interleaved N4096": (interleaved, 4096, "bfloat16", 128, False),
+        "interleaved N8192": (interleaved, 8192, "bfloat16", 128, False),
+        "interleaved N16384": (interleaved, 16384, "bfloat16", 128, False),
+        "interleaved N32768": (interleaved, 32768, "bfloat16", 128, False),
+        "sectioned N8192": (aligned, 8192, "bfloat16", 128, False),
+        "sections off lanes N8192": (split, 8192, "bfloat16", 128, False),
+        "interleaved fp16 N8192": (interleaved, 8192, "float16", 128, False),
+        "interleaved fp32 N8192": (interleaved, 8192, "float32", 128, False),
+        "interleaved D64 N8192": (((12, 10, 10), True), 8192, "bfloat16", 64, False),
+        "interleaved + norm N8192": (interleaved, 8192, "bfloat16", 128, True),
+        "sectioned + norm N8192": (aligned, 8192, "bfloat16", 128, True),
+    }
+    rows = {}
+    for name, ((section, inter), tokens, dtype, head_dim, norm) in cases.items():
+        qkv = torch.randn(tokens, 48 * head_dim, device="cuda").to(getattr(torch, dtype))
+        q, k = qkv[:, : 32 * head_dim], qkv[:, 32 * head_dim : 40 * head_dim]
+        thw = torch.randint(0, 1 << 20, (3, tokens), device="cuda")
+        extra = dict(norm_eps=1e-6) if norm else {}
+        rope = RoPE(head_dim, 32, 8, mrope_section=section, mrope_interleaved=inter, **extra)
+        weights = {}
+        if norm:
+            weights = {
+                f"{operand}_norm_weight": (1 + 0.1 * torch.randn(head_dim, device="cuda")).to(
+                    qkv.dtype
+                )
+                for operand in "qk"
+            }
+        rows[f"MRoPE {name}"] = (
+            lambda rope=rope, q=q, k=k, p=thw, w=weights: rope.forward(q, k, positions=p, **w),
+            2 * qkv.element_size() * (q.numel() + k.numel()),
+        )
+    return rows
+
+
 def _norm_rows(torch) -> dict[str, Row]:
     from tileops_cupy.rope import RoPE
 
@@ -281,6 +323,7 @@ GROUPS = {
     "rope": _rope_rows,
     "component": _component_rows,
     "norm": _norm_rows,
+    "mrope": _mrope_rows,
     "mhc": _mhc_rows,
     "decode": _decode_rows,
     "prebwd": _prebwd_rows,
