@@ -183,13 +183,9 @@ def _mrope_rows(torch) -> dict[str, Row]:
         extra = dict(norm_eps=1e-6) if norm else {}
         rope = RoPE(head_dim, 32, 8, mrope_section=section, mrope_interleaved=inter, **extra)
         weights = {}
-        if norm:
-            weights = {
-                f"{operand}_norm_weight": (1 + 0.1 * torch.randn(head_dim, device="cuda")).to(
-                    qkv.dtype
-                )
-                for operand in "qk"
-            }
+        for operand in "qk" if norm else "":
+            weight = 1 + 0.1 * torch.randn(head_dim, device="cuda")
+            weights[f"{operand}_norm_weight"] = weight.to(qkv.dtype)
         rows[f"MRoPE {name}"] = (
             lambda rope=rope, q=q, k=k, p=thw, w=weights: rope.forward(q, k, positions=p, **w),
             2 * qkv.element_size() * (q.numel() + k.numel()),
