@@ -112,12 +112,12 @@ def _rope_rows(torch) -> dict[str, Row]:
     return rows
 
 
-def _qkv(torch, tokens: int):
-    """q [N, 32*128] and k [N, 8*128] bf16 as views of one fused QKV buffer, and their bytes
-    read plus written."""
-    qkv = torch.randn(tokens, 48 * 128, device="cuda").bfloat16()
-    q, k = qkv[:, : 32 * 128], qkv[:, 32 * 128 : 40 * 128]
-    return q, k, 2 * 2 * (q.numel() + k.numel())
+def _qkv(torch, tokens: int, dtype: str = "bfloat16", head_dim: int = 128):
+    """q [N, 32*D] and k [N, 8*D] as views of one fused QKV buffer, and their bytes read plus
+    written."""
+    qkv = torch.randn(tokens, 48 * head_dim, device="cuda").to(getattr(torch, dtype))
+    q, k = qkv[:, : 32 * head_dim], qkv[:, 32 * head_dim : 40 * head_dim]
+    return q, k, 2 * qkv.element_size() * (q.numel() + k.numel())
 
 
 def _component_rows(torch) -> dict[str, Row]:
@@ -177,18 +177,17 @@ def _mrope_rows(torch) -> dict[str, Row]:
     }
     rows = {}
     for name, ((section, inter), tokens, dtype, head_dim, norm) in cases.items():
-        qkv = torch.randn(tokens, 48 * head_dim, device="cuda").to(getattr(torch, dtype))
-        q, k = qkv[:, : 32 * head_dim], qkv[:, 32 * head_dim : 40 * head_dim]
+        q, k, moved = _qkv(torch, tokens, dtype, head_dim)
         thw = torch.randint(0, 1 << 20, (3, tokens), device="cuda")
         extra = dict(norm_eps=1e-6) if norm else {}
         rope = RoPE(head_dim, 32, 8, mrope_section=section, mrope_interleaved=inter, **extra)
         weights = {}
         for operand in "qk" if norm else "":
             weight = 1 + 0.1 * torch.randn(head_dim, device="cuda")
-            weights[f"{operand}_norm_weight"] = weight.to(qkv.dtype)
+            weights[f"{operand}_norm_weight"] = weight.to(q.dtype)
         rows[f"MRoPE {name}"] = (
             lambda rope=rope, q=q, k=k, p=thw, w=weights: rope.forward(q, k, positions=p, **w),
-            2 * qkv.element_size() * (q.numel() + k.numel()),
+            moved,
         )
     return rows
 
