@@ -934,3 +934,15 @@ def test_bench_host_group_runs_without_a_gpu(monkeypatch, capsys):
     for row in result["rows"]:
         assert row["ours_us"] > 0 and row["eager_us"] > 0 and "torch CPU eager" in row["note"]
     assert "host:" in err and "device:" not in err
+
+
+@GPU
+def test_bench_timer_resets_l2_persisting_lines_first():
+    """``median_us`` resets L2's persisting lines before it times (a failed reset raises), so
+    that lines an earlier measurement loaded evict-last (TileOPs' RoPE loads so) are not read
+    from L2 by the next; then a device time comes back."""
+    require("cuda", "torch")
+    from tileops_cupy._bench_harness import median_us
+
+    x = torch.randn(1 << 20, device="cuda")
+    assert 0 < median_us(lambda: x.mul_(1.0)) < 1e4
