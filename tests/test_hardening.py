@@ -936,6 +936,32 @@ def test_bench_host_group_runs_without_a_gpu(monkeypatch, capsys):
     assert "host:" in err and "device:" not in err
 
 
+def test_peer_rows_rotate_through_copies_of_their_inputs(monkeypatch):
+    """Each timed run of a peer row takes the next set of inputs, copies that share no memory,
+    enough of them to hold ``_ROTATED_BYTES`` (two at least), so that no run reads what an
+    earlier one left in L2; trailing items of a set can go by keyword."""
+    from tileops_cupy import _bench_peers
+
+    monkeypatch.setattr(_bench_peers, "_ROTATED_BYTES", 1000)
+    x, ids = torch.arange(50.0), torch.arange(5)  # 200 + 40 bytes: five sets
+    sets = _bench_peers._input_sets(x, ids)
+    assert len(sets) == 5 and sets[0][0] is x and sets[0][1] is ids
+    pointers = {t.data_ptr() for s in sets for t in s}
+    assert len(pointers) == 10
+    assert all(torch.equal(s[0], x) and torch.equal(s[1], ids) for s in sets)
+    assert len(_bench_peers._input_sets(torch.zeros(1000))) == 2
+    monkeypatch.setattr(_bench_peers, "_MAX_INPUT_SETS", 3)
+    assert len(_bench_peers._input_sets(torch.zeros(1))) == 3
+
+    seen = []
+    run = _bench_peers._rotating(lambda x, *, ids: seen.append((x, ids)), sets, "ids")
+    for _ in range(7):
+        run()
+    assert [(a.data_ptr(), b.data_ptr()) for a, b in seen] == [
+        (sets[i % 5][0].data_ptr(), sets[i % 5][1].data_ptr()) for i in range(7)
+    ]
+
+
 @GPU
 def test_bench_timer_resets_l2_persisting_lines_first():
     """``median_us`` resets L2's persisting lines before it times (a failed reset raises), so
