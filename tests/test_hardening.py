@@ -965,7 +965,7 @@ def test_peer_rows_rotate_through_copies_of_their_inputs(monkeypatch):
 @GPU
 def test_bench_timer_resets_l2_persisting_lines_first():
     """``median_us`` resets L2's persisting lines before it times (a failed reset raises), so
-    that lines an earlier measurement loaded evict-last (TileOPs' RoPE loads so) are not read
+    that lines an earlier measurement loaded evict-last (as TileOPs' neox RoPE does) are not read
     from L2 by the next; then a device time comes back."""
     require("cuda", "torch")
     from tileops_cupy._bench_harness import median_us

@@ -31,7 +31,7 @@ def _reset_persisting_lines() -> Callable[[], None]:
     """``reset()``: the device idle, then L2's persisting lines back to normal.
 
     do_bench's flush (a 256 MB write) does not evict lines that a kernel loaded under an
-    evict-last policy (TileOPs' RoPE loads so): up to the device's persisting set-aside (9.8
+    evict-last policy (TileOPs' neox RoPE loads so): up to the persisting set-aside (9.8
     MB by default on an H100) they stay in L2, and whatever is timed next on the same tensors
     reads them from there. On an H100 (the performance log, thirty-second session) our RoPE
     B2 S2048 took 28.6 µs alone and 25.7 right after TileOPs' on the same x, a plain copy of
