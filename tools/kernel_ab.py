@@ -252,13 +252,20 @@ def _pre_arguments(torch, dtype: str, n: int, batch: int, c_x: int) -> tuple:
 
 
 def _decode_rows(torch) -> dict[str, Row]:
-    """mHC pre at decode batches (bf16 n4), as the bench's decode rows: device µs."""
-    from tileops_cupy.sequence_modeling import MHCPreFwdOp
+    """mHC pre at decode batches (bf16 n4), as the bench's decode rows, and post at three of
+    them (TileOPs' post took 4.3 µs at B1 c_x1280 where ours took 5.2-5.9, a torch add of
+    x_res's bytes 4.8: the performance log, thirty-second session): device µs."""
+    from tileops_cupy.sequence_modeling import MHCPostFwdOp, MHCPreFwdOp
 
-    n, pre, rows = 4, MHCPreFwdOp(1.0, 1.0, 1.0, 20), {}
+    n, pre, post, rows = 4, MHCPreFwdOp(1.0, 1.0, 1.0, 20), MHCPostFwdOp(), {}
     for batch, c_x in ((1, 1280), (4, 7168), (16, 4096), (64, 1280), (128, 4096)):
         arguments = _pre_arguments(torch, "bfloat16", n, batch, c_x)
         rows[f"mhc pre B{batch} c_x{c_x} (µs)"] = (lambda a=arguments: pre(*a), 0)
+    for batch, c_x in ((1, 1280), (4, 7168), (128, 4096)):
+        layer = torch.randn(batch, c_x, device="cuda").bfloat16()
+        gates = 2 * torch.rand(batch, n, device="cuda")
+        res = torch.randn(batch, n * c_x, device="cuda").bfloat16()
+        rows[f"mhc post B{batch} c_x{c_x} (µs)"] = (lambda a=(layer, gates, res): post(*a), 0)
     return rows
 
 
