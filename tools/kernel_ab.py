@@ -212,13 +212,12 @@ def _norm_rows(torch) -> dict[str, Row]:
 
 
 def _mhc_rows(torch) -> dict[str, Row]:
+    from tileops_cupy._bench_mhc import _post_inputs
     from tileops_cupy.sequence_modeling import MHCPostBwdOp, MHCPostFwdOp, MHCPreFwdOp
 
     n, rows = 4, {}
     for batch, c_x in ((4096, 4096), (16384, 7168)):
-        layer = torch.randn(batch, c_x, device="cuda").bfloat16()
-        gates = 2 * torch.rand(batch, n, device="cuda")
-        res = torch.randn(batch, n * c_x, device="cuda").bfloat16()
+        layer, gates, res = _post_inputs(batch, n, c_x)
         grad = torch.randn(batch, n * c_x, device="cuda").bfloat16()
         post, post_bwd = MHCPostFwdOp(), MHCPostBwdOp()
         rows[f"mhc post B{batch} c_x{c_x}"] = (
@@ -255,6 +254,7 @@ def _decode_rows(torch) -> dict[str, Row]:
     """mHC pre at decode batches (bf16 n4), as the bench's decode rows, and post at three of
     them (TileOPs' post took 4.3 µs at B1 c_x1280 where ours took 5.2-5.9, a torch add of
     x_res's bytes 4.8: the performance log, thirty-second session): device µs."""
+    from tileops_cupy._bench_mhc import _post_inputs
     from tileops_cupy.sequence_modeling import MHCPostFwdOp, MHCPreFwdOp
 
     n, pre, post, rows = 4, MHCPreFwdOp(1.0, 1.0, 1.0, 20), MHCPostFwdOp(), {}
@@ -262,10 +262,8 @@ def _decode_rows(torch) -> dict[str, Row]:
         arguments = _pre_arguments(torch, "bfloat16", n, batch, c_x)
         rows[f"mhc pre B{batch} c_x{c_x} (µs)"] = (lambda a=arguments: pre(*a), 0)
     for batch, c_x in ((1, 1280), (4, 7168), (128, 4096)):
-        layer = torch.randn(batch, c_x, device="cuda").bfloat16()
-        gates = 2 * torch.rand(batch, n, device="cuda")
-        res = torch.randn(batch, n * c_x, device="cuda").bfloat16()
-        rows[f"mhc post B{batch} c_x{c_x} (µs)"] = (lambda a=(layer, gates, res): post(*a), 0)
+        arguments = _post_inputs(batch, n, c_x)
+        rows[f"mhc post B{batch} c_x{c_x} (µs)"] = (lambda a=arguments: post(*a), 0)
     return rows
 
 
