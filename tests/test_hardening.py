@@ -938,8 +938,9 @@ def test_bench_host_group_runs_without_a_gpu(monkeypatch, capsys):
 
 def test_peer_rows_rotate_through_copies_of_their_inputs(monkeypatch):
     """Each timed run of a peer row takes the next set of inputs, copies that share no memory,
-    enough of them to hold ``_ROTATED_BYTES`` (two at least), so that no run reads what an
-    earlier one left in L2; trailing items of a set can go by keyword."""
+    enough of them to hold ``_ROTATED_BYTES`` (four at least: an L2 evict-last line of the
+    first set stays for every later turn of it, so those runs must be fewer than half);
+    trailing items of a set can go by keyword."""
     from tileops_cupy import _bench_peers
 
     monkeypatch.setattr(_bench_peers, "_ROTATED_BYTES", 1000)
@@ -949,7 +950,7 @@ def test_peer_rows_rotate_through_copies_of_their_inputs(monkeypatch):
     pointers = {t.data_ptr() for s in sets for t in s}
     assert len(pointers) == 10
     assert all(torch.equal(s[0], x) and torch.equal(s[1], ids) for s in sets)
-    assert len(_bench_peers._input_sets(torch.zeros(1000))) == 2
+    assert len(_bench_peers._input_sets(torch.zeros(1000))) == 4
     monkeypatch.setattr(_bench_peers, "_MAX_INPUT_SETS", 3)
     assert len(_bench_peers._input_sets(torch.zeros(1))) == 3
 

@@ -6,8 +6,9 @@ peer's, and ours/peer (below 1 means we are faster). Each timed run of either si
 next of several copies of the row's inputs (:func:`_input_sets`): TileOPs' neox RoPE loads
 its input under an L2 evict-last policy, whose lines do_bench's flush leaves in L2, so on
 one input its next run read part of it from there (H100, B2 S2048: 27.1 µs against 27.8 on
-fresh inputs; the performance log, thirty-second session). (What is timed after it on the
-same tensors reads them from L2 too; the timer resets those lines before each measurement.)
+fresh inputs; the performance log, thirty-second session), and on two inputs in turn too.
+(What is timed after it on the same tensors reads them from L2 too; the timer resets those
+lines before each measurement.)
 ``../shared/PERF.md`` says how to carry the peers' wheels to a machine without network.
 """
 
@@ -34,18 +35,25 @@ def _peer(module: str) -> object | None:
         return None
 
 
-# Inputs a row rotates through: at least this many bytes and two sets, so that no run finds
-# lines that an earlier run left in L2's persisting set-aside (9.8 MB by default on an H100,
-# at most 32.8 MB), and at most this many sets.
+# Inputs a row rotates through: at least this many bytes and _MIN_INPUT_SETS sets, at most
+# _MAX_INPUT_SETS. L2's persisting set-aside (9.8 MB by default on an H100, at most 32.8 MB)
+# keeps the evict-last lines of the first set read after the timer's reset, and a full
+# set-aside takes later hinted loads as normal ones, so 1 run in N still reads part of its
+# input from L2. Two sets left TileOPs' neox B2 S2048 at its one-input time (26.6-26.8 µs
+# against 26.8-27.0; its interleaved kernel, unhinted, 28.1); four in turn gave its time
+# under a reset before every run (27.8 against 27.7): the performance log, thirty-second and
+# thirty-third sessions. From three sets on such runs are never the median.
 _ROTATED_BYTES = 64 << 20
+_MIN_INPUT_SETS = 4
 _MAX_INPUT_SETS = 64
 
 
 def _input_sets(*tensors) -> list[tuple]:
-    """``tensors`` and copies of them: two sets at least, and as many as hold
+    """``tensors`` and copies of them: ``_MIN_INPUT_SETS`` sets at least, and as many as hold
     ``_ROTATED_BYTES`` up to ``_MAX_INPUT_SETS``."""
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    count = min(_MAX_INPUT_SETS, max(2, -(-_ROTATED_BYTES // max(nbytes, 1))))
+    wanted = max(_MIN_INPUT_SETS, -(-_ROTATED_BYTES // max(nbytes, 1)))
+    count = min(_MAX_INPUT_SETS, wanted)
     return [tensors] + [tuple(t.clone() for t in tensors) for _ in range(count - 1)]
 
 
