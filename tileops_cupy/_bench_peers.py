@@ -37,8 +37,8 @@ def _peer(module: str) -> object | None:
 
 # Inputs a row rotates through: at least this many bytes and _MIN_INPUT_SETS sets, at most
 # _MAX_INPUT_SETS. L2's persisting set-aside (9.8 MB by default on an H100, at most 32.8 MB)
-# keeps the evict-last lines of the first set read after the timer's reset, and a full
-# set-aside takes later hinted loads as normal ones, so 1 run in N still reads part of its
+# seems to keep the evict-last lines of the first set read after the timer's reset, a full
+# set-aside taking later hinted loads as normal ones, so 1 run in N still reads part of its
 # input from L2. Two sets left TileOPs' neox B2 S2048 at its one-input time (26.6-26.8 µs
 # against 26.8-27.0; its interleaved kernel, unhinted, 28.1); four in turn gave its time
 # under a reset before every run (27.8 against 27.7): the performance log, thirty-second and
