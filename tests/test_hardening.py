@@ -963,6 +963,41 @@ def test_peer_rows_rotate_through_copies_of_their_inputs(monkeypatch):
     ]
 
 
+def test_peer_rows_name_a_side_whose_dispatch_outlasts_the_flush(monkeypatch, capsys):
+    """A peer row measures each side's host time a call; a side that takes longer than
+    do_bench's flush is named in the row and its note (its device time then counts host
+    time), and a side below it is not."""
+    from tileops_cupy import _bench_peers
+
+    device_us = {"ours": 30.0, "theirs": 40.0}
+    dispatch_us = {"ours": 12.0, "theirs": 150.0}
+    monkeypatch.setattr(_bench_peers, "median_us", lambda call: device_us[call()])
+    monkeypatch.setattr(_bench_peers, "host_us", lambda call: dispatch_us[call()])
+    monkeypatch.setattr(_bench_peers, "flush_us", lambda: 85.0)
+    row = _bench_peers._row("w", "tileops", lambda: "ours", lambda: "theirs", 10**6, 1000.0)
+    assert row["host_bound"] == ["tileops"] and row["flush_us"] == 85.0
+    assert (row["ours_host_us"], row["peer_host_us"]) == (12.0, 150.0)
+    assert row["ours_over_peer"] == 0.75
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.endswith("| host-bound: tileops's dispatch 150.0 µs a call, the flush 85.0 µs;")
+    dispatch_us["theirs"] = 60.0
+    row = _bench_peers._row("w", "tileops", lambda: "ours", lambda: "theirs", 10**6, 1000.0)
+    assert row["host_bound"] == []
+    assert capsys.readouterr().out.strip().endswith("|")
+
+
+@GPU
+def test_bench_host_and_flush_timers():
+    """``host_us`` gives a call's host time and ``flush_us`` do_bench's flush's device time
+    (the peer rows compare the two), both positive and bounded."""
+    require("cuda", "torch")
+    from tileops_cupy._bench_harness import flush_us, host_us
+
+    x = torch.randn(1 << 20, device="cuda")
+    assert 0 < host_us(lambda: x.mul_(1.0)) < 1e5
+    assert 10 < flush_us() < 1e4  # 256 MiB zeroed: about 90 µs on an H100
+
+
 @GPU
 def test_bench_timer_resets_l2_persisting_lines_first():
     """``median_us`` resets L2's persisting lines before it times (a failed reset raises), so

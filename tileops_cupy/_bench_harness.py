@@ -74,6 +74,43 @@ def call_us(fn: Callable[[], object], calls: int = 2000) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
+# What triton.testing.do_bench zeroes before each timed run, to flush L2.
+_FLUSH_BYTES = 256 << 20
+
+
+@functools.cache
+def flush_us() -> float:
+    """Device time of do_bench's flush, median of 20, in µs (once a process). A call whose
+    host dispatch takes longer than this leaves the device idle inside its timed span (the
+    start event follows the flush in the stream, the call's kernels arrive later), so its
+    time then counts host time: :func:`host_us` tells such calls apart."""
+    torch = torch_module()
+    cache = torch.empty(_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        cache.zero_()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return float(np.median(times))
+
+
+def host_us(fn: Callable[[], object], calls: int = 20) -> float:
+    """Host time of one call, from the call to its return, median, in µs: the device idle
+    before each, so that no call waits for room in the launch queue."""
+    torch = torch_module()
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e6)
+    torch.cuda.synchronize()
+    return float(np.median(times))
+
+
 def copy_ceiling_gbs() -> float:
     torch = torch_module()
     x = torch.empty(512 << 20, dtype=torch.uint8, device="cuda").random_()
