@@ -938,9 +938,9 @@ def test_bench_host_group_runs_without_a_gpu(monkeypatch, capsys):
 
 def test_peer_rows_rotate_through_copies_of_their_inputs(monkeypatch):
     """Each timed run of a peer row takes the next set of inputs, copies that share no memory,
-    enough of them to hold ``_ROTATED_BYTES`` (four at least: an L2 evict-last line of the
-    first set stays for every later turn of it, so those runs must be fewer than half);
-    trailing items of a set can go by keyword."""
+    enough of them to hold ``_ROTATED_BYTES`` (four at least: on two, TileOPs' evict-last
+    lines still served its median run, as if those of the first set stayed for each later
+    turn of it); trailing items of a set can go by keyword."""
     from tileops_cupy import _bench_peers
 
     monkeypatch.setattr(_bench_peers, "_ROTATED_BYTES", 1000)

@@ -73,8 +73,8 @@ def _rotating(call: Callable, input_sets: Sequence[tuple], *keywords: str) -> Ca
 def _row(name: str, peer: str, ours: Callable, theirs: Callable, bytes_moved: int, ceiling: float):
     """Time both (the peer first), print and return the row; None if the peer's call fails.
     A side whose host dispatch outlasts do_bench's flush is named as host-bound: its time
-    counts host time (TileOPs' mHC pre at B1 read 16.1 µs in one H100 run and 109.5 in the
-    next; the performance log, thirty-third session)."""
+    counts host time (the likely reason why TileOPs' mHC pre at B1 read 16.1 µs in one H100
+    run and 109.5 in the next; the performance log, thirty-third session)."""
     try:
         theirs()
         peer_us = median_us(theirs)
