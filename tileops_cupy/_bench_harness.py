@@ -80,21 +80,14 @@ _FLUSH_BYTES = 256 << 20
 
 @functools.cache
 def flush_us() -> float:
-    """Device time of do_bench's flush, median of 20, in µs (once a process). A call whose
-    host dispatch takes longer than this leaves the device idle inside its timed span (the
-    start event follows the flush in the stream, the call's kernels arrive later), so its
-    time then counts host time: :func:`host_us` tells such calls apart."""
+    """Device time of do_bench's flush (:func:`median_us` of the same write), in µs, once a
+    process. A call whose host dispatch takes longer than this leaves the device idle inside
+    its timed span (the start event follows the flush in the stream, the call's kernels
+    arrive later), so its time then counts host time: :func:`host_us` tells such calls
+    apart."""
     torch = torch_module()
     cache = torch.empty(_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        cache.zero_()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return float(np.median(times))
+    return median_us(cache.zero_)
 
 
 def host_us(fn: Callable[[], object], calls: int = 20) -> float:
