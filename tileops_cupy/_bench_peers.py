@@ -155,13 +155,10 @@ def _tileops_rope(peer_rope, ceiling: float) -> Iterator[dict | None]:
 
 def _tileops_mhc(peer_module, ceiling: float) -> Iterator[dict | None]:
     from . import sequence_modeling as ours_module
+    from ._bench_mhc import _post_inputs, _pre_inputs
 
-    torch = torch_module()
     for batch, n, c_x in ((1, 4, 1280), (128, 4, 4096), (4096, 4, 4096), (16384, 4, 7168)):
-        width = n * c_x
-        phi = torch.randn(width, n * n + 2 * n, device="cuda") * 0.02
-        x = torch.randn(batch, width, device="cuda").to(torch.bfloat16)
-        b = torch.randn(n * n + 2 * n, device="cuda") * 0.1
+        phi, x, b = _pre_inputs(batch, n, c_x)
         gates = (1.0, 1.0, 1.0, 20, 0.02)
         ours, theirs = ours_module.MHCPreFwdOp(*gates), peer_module.MHCPreFwdOp(*gates)
         pre_bytes = 2 * x.numel() * 2 + phi.numel() * 4 + batch * (c_x * 2 + n * 4)
@@ -171,14 +168,14 @@ def _tileops_mhc(peer_module, ceiling: float) -> Iterator[dict | None]:
             f"mhc pre {shape}", "tileops", _rotating(ours, inputs), _rotating(theirs, inputs),
             pre_bytes, ceiling,
         )  # fmt: skip
-        layer = torch.randn(batch, c_x, device="cuda").to(torch.bfloat16)
-        h_post = torch.rand(batch, n, device="cuda") * 2
-        inputs = _input_sets(layer, h_post, x)
+        del inputs  # (the pre row's copies, before post's are made)
+        layer, h_post, x_res = _post_inputs(batch, n, c_x)
+        inputs = _input_sets(layer, h_post, x_res)
         post_ours, post_theirs = ours_module.MHCPostFwdOp(), peer_module.MHCPostFwdOp()
         yield _row(
             f"mhc post {shape}", "tileops", _rotating(post_ours, inputs),
             _rotating(post_theirs, inputs),
-            layer.numel() * 2 + h_post.numel() * 4 + 2 * x.numel() * 2, ceiling,
+            layer.numel() * 2 + h_post.numel() * 4 + 2 * x_res.numel() * 2, ceiling,
         )  # fmt: skip
 
 
