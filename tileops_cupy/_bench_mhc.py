@@ -54,13 +54,13 @@ def torch_post(x_layer_out, h_post, x_res):
     return mixed.view(batch, n * c_x).to(x_res.dtype)
 
 
-def _pre_inputs(batch: int, n: int, c_x: int) -> tuple:
-    """(phi float32 [n*c_x, Q] scaled to unit logits, x bf16 [batch, n*c_x], b float32 [Q])
-    on the device."""
+def _pre_inputs(batch: int, n: int, c_x: int, dtype: str = "bfloat16") -> tuple:
+    """(phi float32 [n*c_x, Q] scaled to unit logits, x [batch, n*c_x] of ``dtype``, b
+    float32 [Q]) on the device."""
     torch = torch_module()
     width, q = n * c_x, n * n + 2 * n
     phi = torch.randn(width, q, device="cuda") / math.sqrt(width)
-    x = torch.randn(batch, width, device="cuda").bfloat16()
+    x = torch.randn(batch, width, device="cuda").to(getattr(torch, dtype))
     return phi, x, 0.5 * torch.randn(q, device="cuda")
 
 

@@ -241,25 +241,16 @@ def _mhc_rows(torch) -> dict[str, Row]:
     return rows
 
 
-def _pre_arguments(torch, dtype: str, n: int, batch: int, c_x: int) -> tuple:
-    """mHC pre's (phi, x, b) on the device, as the bench makes them: phi float32 scaled to
-    unit logits, x of ``dtype``, b float32."""
-    width, q = n * c_x, n * n + 2 * n
-    phi = torch.randn(width, q, device="cuda") / width**0.5
-    x = torch.randn(batch, width, device="cuda").to(getattr(torch, dtype))
-    return phi, x, 0.5 * torch.randn(q, device="cuda")
-
-
 def _decode_rows(torch) -> dict[str, Row]:
     """mHC pre at decode batches (bf16 n4), as the bench's decode rows, and post at three of
     them (TileOPs' post took 4.3 µs at B1 c_x1280 where ours took 5.2-5.9, a torch add of
     x_res's bytes 4.8: the performance log, thirty-second session): device µs."""
-    from tileops_cupy._bench_mhc import _post_inputs
+    from tileops_cupy._bench_mhc import _post_inputs, _pre_inputs
     from tileops_cupy.sequence_modeling import MHCPostFwdOp, MHCPreFwdOp
 
     n, pre, post, rows = 4, MHCPreFwdOp(1.0, 1.0, 1.0, 20), MHCPostFwdOp(), {}
     for batch, c_x in ((1, 1280), (4, 7168), (16, 4096), (64, 1280), (128, 4096)):
-        arguments = _pre_arguments(torch, "bfloat16", n, batch, c_x)
+        arguments = _pre_inputs(batch, n, c_x)
         rows[f"mhc pre B{batch} c_x{c_x} (µs)"] = (lambda a=arguments: pre(*a), 0)
     for batch, c_x in ((1, 1280), (4, 7168), (128, 4096)):
         arguments = _post_inputs(batch, n, c_x)
@@ -272,7 +263,7 @@ def _prebwd_rows(torch) -> dict[str, Row]:
     B4096 c_x4096 and a smaller batch, float32 n4, bf16 n2 (two grad blocks a multiprocessor),
     and past n = 4 (float32 n5 and n8, whose grad pass runs 2x slower a byte than n = 4's,
     and bf16 n7 and n8); the bench's alphas, repeat and eps."""
-    from tileops_cupy._bench_mhc import _ALPHAS, _EPS, _REPEAT
+    from tileops_cupy._bench_mhc import _ALPHAS, _EPS, _REPEAT, _pre_inputs
     from tileops_cupy.sequence_modeling import MHCPreBwdOp
 
     op, rows = MHCPreBwdOp(*_ALPHAS, _REPEAT, _EPS), {}
@@ -286,7 +277,7 @@ def _prebwd_rows(torch) -> dict[str, Row]:
         ("bfloat16", 7, 1024, 2048),
         ("bfloat16", 8, 1024, 1280),
     ):
-        phi, x, b = _pre_arguments(torch, dtype, n, batch, c_x)
+        phi, x, b = _pre_inputs(batch, n, c_x, dtype)
         grad_x_res = torch.randn(x.shape, device="cuda").to(x.dtype)
         grad_x_layer = torch.randn(batch, c_x, device="cuda").to(x.dtype)
         arguments = (phi, x, b, grad_x_res, grad_x_layer, torch.randn(batch, n, device="cuda"))
@@ -299,7 +290,7 @@ def _pre_rows(torch) -> dict[str, Row]:
     """mHC pre from 512 tokens (the four-kernel plans, whose projection pipeline depends on
     the batch), whole call, device µs: bf16 n4 over batches and widths, bf16 n2, fp16 n4;
     the bench's alphas, repeat and eps."""
-    from tileops_cupy._bench_mhc import _ALPHAS, _EPS, _REPEAT
+    from tileops_cupy._bench_mhc import _ALPHAS, _EPS, _REPEAT, _pre_inputs
     from tileops_cupy.sequence_modeling import MHCPreFwdOp
 
     op, rows = MHCPreFwdOp(*_ALPHAS, _REPEAT, _EPS), {}
@@ -314,7 +305,7 @@ def _pre_rows(torch) -> dict[str, Row]:
         ("bfloat16", 2, 4096, 4096),
         ("float16", 4, 4096, 4096),
     ):
-        arguments = _pre_arguments(torch, dtype, n, batch, c_x)
+        arguments = _pre_inputs(batch, n, c_x, dtype)
         rows[f"mhc pre {dtype} n{n} B{batch} c_x{c_x} (µs)"] = (lambda a=arguments: op(*a), 0)
     return rows
 
