@@ -103,12 +103,23 @@ def _rope_rows(torch) -> dict[str, Row]:
     from tileops_cupy.rope import RoPEFwdOp
 
     rows = {}
-    for layout in ("neox", "interleaved"):
-        for batch, seq in ((8, 4096), (1, 8192), (2, 2048)):
-            x = torch.randn(batch, seq, 32, 128, device="cuda").bfloat16()
+    shapes = {  # (batch, seq, heads, head_dim, dtype) of each layout's rows
+        "neox": ((8, 4096, 32, 128, "bfloat16"), (1, 8192, 32, 128, "bfloat16"),
+                 (2, 2048, 32, 128, "bfloat16"), (8, 4096, 32, 128, "float32"),
+                 (1, 8192, 32, 128, "float32"), (4, 8192, 8, 128, "bfloat16"),
+                 (8, 4096, 32, 64, "bfloat16")),
+        "interleaved": ((8, 4096, 32, 128, "bfloat16"), (1, 8192, 32, 128, "bfloat16"),
+                        (2, 2048, 32, 128, "bfloat16"), (8, 4096, 32, 128, "float32")),
+    }  # fmt: skip
+    for layout, cases in shapes.items():
+        for batch, seq, heads, head_dim, dtype in cases:
+            x = torch.randn(batch, seq, heads, head_dim, device="cuda").to(getattr(torch, dtype))
             op = RoPEFwdOp(layout, "2d")
-            name = f"rope {layout} B{batch} S{seq} H32 D128"
-            rows[name] = (lambda op=op, x=x: op(x), 4 * x.numel())  # bf16 x read, y written
+            name = f"rope {layout} B{batch} S{seq} H{heads} D{head_dim}"
+            if dtype != "bfloat16":
+                name += f" {dtype}"
+            moved = 2 * x.numel() * x.element_size()  # x read, y written
+            rows[name] = (lambda op=op, x=x: op(x), moved)
     return rows
 
 
@@ -124,7 +135,7 @@ def _component_rows(torch) -> dict[str, Row]:
     from tileops_cupy.rope import RoPE, apply_rope_with_cos_sin_cache_inplace
 
     rows = {}
-    for tokens in (8192, 32768):
+    for tokens in (4096, 8192, 32768):
         q, k, moved = _qkv(torch, tokens)
         positions = torch.randint(0, 32768, (tokens,), device="cuda")
         rope = RoPE(128, 32, 8, max_position=1 << 16)
@@ -198,7 +209,7 @@ def _norm_rows(torch) -> dict[str, Row]:
     rope = RoPE(128, 32, 8, norm_eps=1e-6)
     q_weight, k_weight = ((1 + 0.1 * torch.randn(128, device="cuda")).bfloat16() for _ in "qk")
     rows = {}
-    for tokens in (8192, 32768):
+    for tokens in (4096, 8192, 32768):
         q, k, moved = _qkv(torch, tokens)
         positions = torch.randint(0, 1 << 16, (tokens,), device="cuda")
 
