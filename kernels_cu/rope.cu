@@ -97,9 +97,21 @@ struct Chunk {
   int column[LOADS];  // first column of each load
   float cos_v[PAIRS], sin_v[PAIRS];
 
+  // The columns alone (form() adds cos/sin): what a load needs.
+  __device__ __forceinline__ Chunk(int chunk, int pairs) {
+    column[0] = NEOX ? chunk * VEC : 2 * chunk * PAIRS;
+    if constexpr (SPLIT) column[1] = NEOX ? pairs + chunk * VEC : column[0] + 1;
+  }
+
   // cos_sin_of(pair) gives the pair's (cos, sin) at this token (the table mode's lookup)
   template <typename CosSinOf>
-  __device__ __forceinline__ Chunk(int chunk, int pairs, CosSinOf cos_sin_of, float sin_sign) {
+  __device__ __forceinline__ Chunk(int chunk, int pairs, CosSinOf cos_sin_of, float sin_sign)
+      : Chunk(chunk, pairs) {
+    form(chunk, cos_sin_of, sin_sign);
+  }
+
+  template <typename CosSinOf>
+  __device__ __forceinline__ void form(int chunk, CosSinOf cos_sin_of, float sin_sign) {
     const int first_pair = chunk * PAIRS;
 #pragma unroll
     for (int i = 0; i < PAIRS; ++i) {
@@ -107,8 +119,6 @@ struct Chunk {
       cos_v[i] = cs.x;
       sin_v[i] = cs.y * sin_sign;
     }
-    column[0] = NEOX ? chunk * VEC : 2 * first_pair;
-    if constexpr (SPLIT) column[1] = NEOX ? pairs + chunk * VEC : column[0] + 1;
   }
 
   __device__ __forceinline__ void load(const T* in, Data& data) const {
@@ -608,6 +618,73 @@ struct TwoLevelRows {
   }
 };
 
+// One token of a launch: its rows (q's heads, then k's) and its positions. The token's part of
+// each address is formed once (a full 64-bit address per row cost a fifth of rope_rotate's
+// instructions); the choice between q and k is a select, not a branch.
+template <typename T>
+struct TokenRows {
+  const RopeParams& p;
+  int q_heads, batch, seq;
+  long long token;
+  int b, s;
+  const T* q_in;  // row 0 of the token's q and k
+  T* q_out;
+  const T* k_in;
+  T* k_out;
+
+  __device__ __forceinline__ TokenRows(const RopeParams& params, long long t)
+      : p(params), q_heads(params.q_heads), batch(params.batch), seq(params.seq), token(t),
+        b(static_cast<int>(t / seq)), s(static_cast<int>(t - static_cast<long long>(b) * seq)) {
+    q_in = static_cast<const T*>(p.q_in) + b * p.q_in_stride[0] + s * p.q_in_stride[1];
+    q_out = static_cast<T*>(p.q_out) + b * p.q_out_stride[0] + s * p.q_out_stride[1];
+    k_in = static_cast<const T*>(p.k_in) + b * p.k_in_stride[0] + s * p.k_in_stride[1];
+    k_out = static_cast<T*>(p.k_out) + b * p.k_out_stride[0] + s * p.k_out_stride[1];
+  }
+
+  __device__ __forceinline__ const T* in(int h) const {
+    const bool is_q = h < q_heads;
+    return (is_q ? q_in : k_in) +
+           (is_q ? h : h - q_heads) * (is_q ? p.q_in_stride[2] : p.k_in_stride[2]);
+  }
+
+  __device__ __forceinline__ T* out(int h) const {
+    const bool is_q = h < q_heads;
+    return (is_q ? q_out : k_out) +
+           (is_q ? h : h - q_heads) * (is_q ? p.q_out_stride[2] : p.k_out_stride[2]);
+  }
+
+  // position row `row` of the token (rows other than 0 exist under MRoPE only)
+  __device__ __forceinline__ long long position(int row) const {
+    const long long id = token + row * (static_cast<long long>(batch) * seq);
+    return token_position(p.ids, p.ids_is_int64, p.offsets, p.offsets_is_int64,
+                          p.position_offset, b, s, id, p.position_limit, p.error_flag);
+  }
+};
+
+// f(cos_sin_of), where cos_sin_of(j) is (cos, sin) of the token's pair j in the TABLE mode
+// (of `pairs` pairs a row): the two-level tables at its position, at a position row chosen per
+// pair (MRoPE), or the caller's cos_sin_cache row.
+template <int TABLE, typename T, typename F>
+__device__ __forceinline__ void with_cos_sin(const TokenRows<T>& token, int pairs, F f) {
+  const RopeParams& p = token.p;
+  const long long position = token.position(0);
+  if constexpr (TABLE == TABLE_TWO_LEVEL) {
+    const TwoLevelRows rows(p.fine, p.coarse, position, pairs);
+    f([=](int j) { return rows.cos_sin(j); });
+  } else if constexpr (TABLE == TABLE_MROPE) {
+    const TwoLevelRows rows[3] = {TwoLevelRows(p.fine, p.coarse, position, pairs),
+                                  TwoLevelRows(p.fine, p.coarse, token.position(1), pairs),
+                                  TwoLevelRows(p.fine, p.coarse, token.position(2), pairs)};
+    f([&](int j) {
+      const int row = mrope_row(j, p.mrope_section, p.mrope_interleaved);
+      return (row == 0 ? rows[0] : row == 1 ? rows[1] : rows[2]).cos_sin(j);
+    });
+  } else {
+    const float* cache_row = p.cos_sin_cache + position * (2 * pairs);
+    f([=](int j) { return make_float2(cache_row[j], cache_row[pairs + j]); });
+  }
+}
+
 // Blocks of ROPE_THREADS (NORM_ROWS: ROPE_ROWS_THREADS); the minimum blocks per SM cap the
 // registers (defines from tileops_cupy._rotate, which sizes the launch and says why): some
 // 16-bit neox kernels spill up to 36 bytes (sm_90: the MRoPE norm ones at the norm's cap, the
@@ -620,14 +697,8 @@ __global__ void __launch_bounds__(NORM == NORM_ROWS ? ROPE_ROWS_THREADS : ROPE_T
                                   : NORM            ? ROPE_NORM_MIN_BLOCKS
                                                     : ROPE_MIN_BLOCKS)
     rope_rotate(const RopeParams p) {
-  const T* q_in = static_cast<const T*>(p.q_in);
-  T* q_out = static_cast<T*>(p.q_out);
-  const T* k_in = static_cast<const T*>(p.k_in);
-  T* k_out = static_cast<T*>(p.k_out);
-  const int q_heads = p.q_heads, k_heads = p.k_heads, batch = p.batch, seq = p.seq;
+  const int q_heads = p.q_heads, k_heads = p.k_heads;
   const int tail_chunks = p.tail_chunks;
-  const float2* fine = p.fine;
-  const float2* coarse = p.coarse;
   const int rotary_dim = ROTARY_DIM > 0 ? ROTARY_DIM : p.rotary_dim;
   const int pairs = rotary_dim / 2;
   const int rotate_chunks = pairs / (NEOX || VEC == 1 ? VEC : VEC / 2);
@@ -635,34 +706,16 @@ __global__ void __launch_bounds__(NORM == NORM_ROWS ? ROPE_ROWS_THREADS : ROPE_T
   extern __shared__ __align__(16) float norm_weights[];  // NORM: stage_norm_weights
   if constexpr (NORM) stage_norm_weights<T>(p, rotary_dim + tail_chunks * VEC, norm_weights);
 
-  const long long tokens = static_cast<long long>(batch) * seq;
+  const long long tokens = static_cast<long long>(p.batch) * p.seq;
   const long long thread_token = static_cast<long long>(blockIdx.x) * blockDim.z + threadIdx.z;
   const bool live = thread_token < tokens;
   if (!NORM && !live) return;
   // NORM: a thread past the last token stays for its warp's shuffles, reading the last token
   // (always in bounds) and writing nothing
-  const long long token = live ? thread_token : tokens - 1;
-  const int b = static_cast<int>(token / seq);
-  const int s = static_cast<int>(token - static_cast<long long>(b) * seq);
-
+  const TokenRows<T> token(p, live ? thread_token : tokens - 1);
   const int total_heads = q_heads + k_heads;
-  // Row h of the token: q's heads, then k's. The token's part of each address is formed once
-  // (a full 64-bit address per row cost a fifth of the kernel's instructions); the choice
-  // between q and k is a select, not a branch.
-  const T* const q_in_token = q_in + b * p.q_in_stride[0] + s * p.q_in_stride[1];
-  T* const q_out_token = q_out + b * p.q_out_stride[0] + s * p.q_out_stride[1];
-  const T* const k_in_first = k_in + b * p.k_in_stride[0] + s * p.k_in_stride[1];
-  T* const k_out_first = k_out + b * p.k_out_stride[0] + s * p.k_out_stride[1];
-  auto row_in = [&](int h) -> const T* {
-    const bool is_q = h < q_heads;
-    return (is_q ? q_in_token : k_in_first) +
-           (is_q ? h : h - q_heads) * (is_q ? p.q_in_stride[2] : p.k_in_stride[2]);
-  };
-  auto row_out = [&](int h) -> T* {
-    const bool is_q = h < q_heads;
-    return (is_q ? q_out_token : k_out_first) +
-           (is_q ? h : h - q_heads) * (is_q ? p.q_out_stride[2] : p.k_out_stride[2]);
-  };
+  auto row_in = [&](int h) { return token.in(h); };
+  auto row_out = [&](int h) { return token.out(h); };
 
   // Columns at or past rotary_dim are copied unchanged (out-of-place launches only; NORM
   // writes them normalised).
@@ -675,17 +728,11 @@ __global__ void __launch_bounds__(NORM == NORM_ROWS ? ROPE_ROWS_THREADS : ROPE_T
     }
   }
 
-  // position row `row` of the token (rows other than 0 exist under MRoPE only)
-  auto position_of_row = [&](int row) {
-    const long long id = token + row * (static_cast<long long>(batch) * seq);
-    return token_position(p.ids, p.ids_is_int64, p.offsets, p.offsets_is_int64,
-                          p.position_offset, b, s, id, p.position_limit, p.error_flag);
-  };
-  auto rotate_all = [&](auto cos_sin_of) {
+  with_cos_sin<TABLE>(token, pairs, [&](auto cos_sin_of) {
     if constexpr (NORM == NORM_ROWS) {
       static_assert(ROTARY_DIM > 0, "NORM_ROWS rows are ROTARY_DIM elements, all rotated");
       rotate_rows_in_place<T, NEOX, ROTARY_DIM, HEADS>(
-          q_out_token, k_out_first, static_cast<int>(p.q_out_stride[2]),
+          token.q_out, token.k_out, static_cast<int>(p.q_out_stride[2]),
           static_cast<int>(p.k_out_stride[2]), q_heads, total_heads, cos_sin_of, p.sin_sign,
           norm_weights, p.norm_eps, live);
     } else if constexpr (NORM) {  // each lane: its first chunk, the rest of its share of every row
@@ -702,23 +749,47 @@ __global__ void __launch_bounds__(NORM == NORM_ROWS ? ROPE_ROWS_THREADS : ROPE_T
                                                  total_heads, row_in, row_out, RowNorm{});
       }
     }
-  };
-  const long long position = position_of_row(0);
-  if constexpr (TABLE == TABLE_TWO_LEVEL) {
-    const TwoLevelRows rows(fine, coarse, position, pairs);
-    rotate_all([=](int j) { return rows.cos_sin(j); });
-  } else if constexpr (TABLE == TABLE_MROPE) {
-    const TwoLevelRows rows[3] = {TwoLevelRows(fine, coarse, position, pairs),
-                                  TwoLevelRows(fine, coarse, position_of_row(1), pairs),
-                                  TwoLevelRows(fine, coarse, position_of_row(2), pairs)};
-    rotate_all([&](int j) {
-      const int row = mrope_row(j, p.mrope_section, p.mrope_interleaved);
-      return (row == 0 ? rows[0] : row == 1 ? rows[1] : rows[2]).cos_sin(j);
+  });
+}
+
+// ------------------------------------------------------------------ cos/sin shared by a block
+
+// The plain rotation of large launches (tileops_cupy._rotate's _shared_layout says which):
+// one chunk of one head row a thread (VEC pairs of a neox row, two accesses; or VEC
+// interleaved elements, one), no loop, as a copy kernel moves its bytes; blockDim.y rows of
+// one token a block (q's heads, then k's), blockIdx.x / (blocks a token) its token. The
+// token's cos/sin are formed once a block into shared memory, a pair a thread (any table
+// mode), while the rows' loads are in flight: forming them per thread costs a thread more
+// table traffic than its row (a thread per 16 bytes with per-thread cos/sin: 43.6% of the copy
+// ceiling at bf16 B8 S4096, the performance log), and holding several rows a thread to share
+// them (rope_rotate, rope_rotate_packs) keeps fewer threads in flight. Rows are rotated whole
+// at ROTARY_DIM (no tail).
+template <typename T, bool NEOX, int VEC, int ROTARY_DIM, int TABLE>
+__global__ void __launch_bounds__(ROPE_SHARED_THREADS, ROPE_SHARED_MIN_BLOCKS)
+    rope_rotate_shared(const RopeParams p) {
+  typedef Chunk<T, NEOX, VEC> C;
+  constexpr int PAIRS = ROTARY_DIM / 2;
+  __shared__ float2 cos_sin[PAIRS];
+  const int total_heads = p.q_heads + p.k_heads;
+  const unsigned blocks_a_token = (total_heads + blockDim.y - 1) / blockDim.y;
+  const unsigned token_index = blockIdx.x / blocks_a_token;
+  const int h = (blockIdx.x - token_index * blocks_a_token) * blockDim.y + threadIdx.y;
+  const TokenRows<T> token(p, token_index);
+  const C chunk_columns(threadIdx.x, PAIRS);
+  typename C::Data data;
+  if (h < total_heads) chunk_columns.load(token.in(h), data);
+  const int thread = threadIdx.x + threadIdx.y * blockDim.x;
+  if (thread < PAIRS) {
+    with_cos_sin<TABLE>(token, PAIRS, [&](auto cos_sin_of) {
+      for (int j = thread; j < PAIRS; j += blockDim.x * blockDim.y) cos_sin[j] = cos_sin_of(j);
     });
-  } else {
-    const float* cache_row = p.cos_sin_cache + position * rotary_dim;
-    rotate_all([=](int j) { return make_float2(cache_row[j], cache_row[pairs + j]); });
   }
+  __syncthreads();
+  if (h >= total_heads) return;
+  C chunk = chunk_columns;
+  chunk.form(threadIdx.x, [&](int j) { return cos_sin[j]; }, p.sin_sign);
+  const float no_weight[C::LOADS][VEC] = {};
+  chunk.template rotate_store<false>(data, token.out(h), 1.f, no_weight);
 }
 
 // ------------------------------------------------------------------ whole rows, one pack a lane

@@ -63,7 +63,7 @@ from _oracle import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tileops_cupy import _rotate, rope
+from tileops_cupy import _cuda, _rotate, rope
 from tileops_cupy.rope import (
     BUILTIN,
     LongRoPEFwdOp,
@@ -213,27 +213,58 @@ def test_large_neox_launches_move_8_bytes_an_access(rng, monkeypatch, dtype, dir
     assert torch.equal(outputs[narrow], outputs[wide])
 
 
-def _assert_whole_rows_match_chunks(monkeypatch, host, case, direction, packs_from):
-    """``case``'s op on ``host`` (on the device) with ``_rotate._PACK_MIN_HEAD_ROWS`` at
-    ``packs_from`` takes rope_rotate_packs: every element against the oracle, and the same
-    bits as the chunk layout (rope_rotate, forced by a bound no launch reaches)."""
+def _assert_layout_matches_chunks(monkeypatch, host, case, direction, threshold, bound, takes):
+    """``case``'s op on ``host`` (on the device) with the ``_rotate`` head-row ``threshold`` of
+    a layout at ``bound`` takes that layout (``takes(plan)``): every element against the
+    oracle, and the same bits as the chunk layout (rope_rotate, forced by a bound no launch
+    reaches)."""
     x = to_place(host, "cuda")
-    outputs, blocks = {}, {}
-    for layout, bound in (("chunks", 1 << 62), ("packs", packs_from)):
-        monkeypatch.setattr(_rotate, "_PACK_MIN_HEAD_ROWS", bound)
+    outputs, plans = {}, {}
+    for layout, at in (("chunks", 1 << 62), ("tried", bound)):
+        monkeypatch.setattr(_rotate, threshold, at)
         _rotate._plans.clear()
         # (a new op each time, the same scheme: an op keeps the launch of its first call)
         op, freqs, neox = case.make(direction, "2d", host.shape[-1], np.random.default_rng(7))
         outputs[layout] = op(x)
         torch.cuda.synchronize()
-        (plan,) = _rotate._plans.values()
-        blocks[layout] = plan.steps[0].block
-    assert blocks["packs"] == (_rotate._PACK_THREADS, 1, 1) != blocks["chunks"], blocks
+        (plans[layout],) = _rotate._plans.values()
+    assert takes(plans["tried"]) and not takes(plans["chunks"]), plans
     assert_matches_oracle(
-        outputs["packs"], host.astype(np.float64), sequence_positions(host.shape, "2d"), freqs,
+        outputs["tried"], host.astype(np.float64), sequence_positions(host.shape, "2d"), freqs,
         dtype_name(host), neox=neox, inverse=direction == "Bwd",
     )  # fmt: skip
-    assert torch.equal(outputs["packs"], outputs["chunks"])
+    assert torch.equal(outputs["tried"], outputs["chunks"])
+
+
+def _assert_whole_rows_match_chunks(monkeypatch, host, case, direction, packs_from):
+    """:func:`_assert_layout_matches_chunks` of rope_rotate_packs (``_PACK_MIN_HEAD_ROWS`` at
+    ``packs_from``)."""
+    _assert_layout_matches_chunks(
+        monkeypatch, host, case, direction, "_PACK_MIN_HEAD_ROWS", packs_from,
+        lambda plan: plan.steps[0].block == (_rotate._PACK_THREADS, 1, 1),
+    )  # fmt: skip
+
+
+@GPU
+@pytest.mark.parametrize("case", SEQUENCE_OPS, ids=SEQUENCE_OP_IDS)
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("dtype", ("bfloat16", "float16", "float32"))
+@pytest.mark.parametrize("shape", ((1, 1031, 8, 128), (2, 515, 12, 64)), ids=("D128", "D64"))
+def test_large_launches_share_a_token_s_cos_sin(rng, monkeypatch, shape, dtype, direction, case):
+    """Large launches take rope_rotate_shared (a chunk of one row a thread, each block's
+    token's cos/sin formed once into shared memory; ``_rotate._SHARED_MIN_HEAD_ROWS`` lowered
+    here to this call's rows), every scheme, both directions: every element against the
+    oracle, and the same bits as rope_rotate."""
+    require("cuda", "torch")
+    spec = _rotate.module_spec(dtype, shape[-1])
+    shared = [
+        _cuda.function(spec, _rotate._shared_name(dtype, neox, shape[-1], _rotate.TWO_LEVEL), 0)
+        for neox in (True, False)
+    ]
+    _assert_layout_matches_chunks(
+        monkeypatch, random_data(rng, shape, dtype), case, direction, "_SHARED_MIN_HEAD_ROWS", 0,
+        lambda plan: any(plan.steps[0].kernel is kernel for kernel in shared),
+    )  # fmt: skip
 
 
 @GPU
