@@ -8,7 +8,7 @@ import contextlib
 
 import torch
 
-from tileops_cupy import _mhc
+from tileops_cupy import _mhc, _rotate
 from tileops_cupy.rope import (
     RoPE,
     RoPEBwdOp,
@@ -74,47 +74,55 @@ for dtype in (torch.bfloat16, torch.float32):
             "q_norm_weight": torch.rand(128, device=cuda),
             "k_norm_weight": torch.rand(128, device=cuda, dtype=dtype),
         })  # fmt: skip
-    # rope_rotate_packs (rows rotated whole, 16 bytes of a row a lane): launches large enough
-    # for it, 9 row groups of an odd token count (in bf16 its last warp half past the last
-    # row), rows of a wider buffer, both layouts, forward and backward; a prefill of q and k in
-    # a fused QKV row (10 q row groups, then 1 of k: in bf16 the last warp half past k's last
-    # row); the same at per-token positions, a few past max_position (read clamped, flagged),
-    # MRoPE in sections on lane boundaries, and from a cos_sin_cache; MRoPE sections that split
-    # a lane's pairs, and the interleaved rows, at the same size (rope_rotate's chunks)
-    wide = torch.randn(1, 4097, 37, 128, device=cuda, dtype=dtype)[:, :, 1:]  # 36 heads
-    for rope_layout in ("neox", "interleaved"):
-        RoPEFwdOp(rope_layout, "2d")(wide)
-        RoPEBwdOp(rope_layout, "2d")(wide)
-    qkv = torch.randn(1, 4097, 48, 128, device=cuda, dtype=dtype)
-    RoPE(128, 40, 4).prefill(qkv[:, :, :40], qkv[:, :, 40:44], 5)
-    ids = torch.randint(0, 1 << 16, (4097,), device=cuda)
-    ids[::97] = (1 << 16) + 5
-    for rope_layout in ("neox", "interleaved"):
-        packed = RoPE(128, 40, 4, rope_layout=rope_layout, max_position=1 << 16)
-        packed.forward(qkv[0, :, :40], qkv[0, :, 40:44], positions=ids)
-        torch.cuda.synchronize()
-        with contextlib.suppress(ValueError):  # the flag of the clamped positions
-            packed.check()
-        three_rows = torch.randint(0, 4096, (3, 4097), device=cuda)
-        for section, interleaved in (((16, 24, 24), False), ((17, 23, 24), False),
-                                     ((24, 20, 20), True)):  # fmt: skip
-            sectioned = RoPE(128, 40, 4, rope_layout=rope_layout, mrope_section=section,
-                             mrope_interleaved=interleaved)  # fmt: skip
-            sectioned.forward(qkv[0, :, :40], qkv[0, :, 40:44], positions=three_rows)
-        cache = torch.randn(5000, 128, device=cuda)
-        apply_rope_with_cos_sin_cache_inplace(
-            ids % 5000, qkv[0, :, :40], qkv[0, :, 40:44], 128, cache, rope_layout == "neox"
-        )
-        if dtype != torch.float32:  # the fused norm in the same layout, misaligned weights
-            normed = RoPE(128, 40, 4, rope_layout=rope_layout, max_position=1 << 16)
-            w = torch.rand(2, 129, device=cuda, dtype=dtype)[:, 1:]
-            normed.forward(qkv[0, :, :40], qkv[0, :, 40:44], positions=ids % (1 << 16),
-                           q_norm_weight=w[0], k_norm_weight=w[1])  # fmt: skip
-            for interleaved in (False, True):
-                normed = RoPE(128, 40, 4, rope_layout=rope_layout, mrope_section=(24, 20, 20),
-                              mrope_interleaved=interleaved)  # fmt: skip
-                normed.forward(qkv[0, :, :40], qkv[0, :, 40:44], positions=three_rows,
+    # rope_rotate_shared (a chunk of one row a thread; a block's token's cos/sin in shared
+    # memory) and rope_rotate_packs (rows rotated whole, 16 bytes of a row a lane): launches
+    # large enough for them, 9 row groups of an odd token count (in bf16 its last warp half
+    # past the last row), rows of a wider buffer, both layouts, forward and backward; a
+    # prefill of q and k in a fused QKV row (10 q row groups, then 1 of k: in bf16 the last
+    # warp half past k's last row; shared: 44 rows a token, blocks of 15, 15 and 14); the same
+    # at per-token positions, a few past max_position (read clamped, flagged), MRoPE in
+    # sections on lane boundaries, and from a cos_sin_cache; MRoPE sections that split a
+    # lane's pairs, and the interleaved rows, at the same size (rope_rotate's chunks). Each
+    # twice: with the shipped bounds, then with rope_rotate_shared out of reach.
+    shipped = _rotate._SHARED_MIN_HEAD_ROWS
+    for shared_from in (shipped, 1 << 62):
+        _rotate._SHARED_MIN_HEAD_ROWS = shared_from
+        _rotate._plans.clear()
+        wide = torch.randn(1, 4097, 37, 128, device=cuda, dtype=dtype)[:, :, 1:]  # 36 heads
+        for rope_layout in ("neox", "interleaved"):
+            RoPEFwdOp(rope_layout, "2d")(wide)
+            RoPEBwdOp(rope_layout, "2d")(wide)
+        qkv = torch.randn(1, 4097, 48, 128, device=cuda, dtype=dtype)
+        RoPE(128, 40, 4).prefill(qkv[:, :, :40], qkv[:, :, 40:44], 5)
+        ids = torch.randint(0, 1 << 16, (4097,), device=cuda)
+        ids[::97] = (1 << 16) + 5
+        for rope_layout in ("neox", "interleaved"):
+            packed = RoPE(128, 40, 4, rope_layout=rope_layout, max_position=1 << 16)
+            packed.forward(qkv[0, :, :40], qkv[0, :, 40:44], positions=ids)
+            torch.cuda.synchronize()
+            with contextlib.suppress(ValueError):  # the flag of the clamped positions
+                packed.check()
+            three_rows = torch.randint(0, 4096, (3, 4097), device=cuda)
+            for section, interleaved in (((16, 24, 24), False), ((17, 23, 24), False),
+                                         ((24, 20, 20), True)):  # fmt: skip
+                sectioned = RoPE(128, 40, 4, rope_layout=rope_layout, mrope_section=section,
+                                 mrope_interleaved=interleaved)  # fmt: skip
+                sectioned.forward(qkv[0, :, :40], qkv[0, :, 40:44], positions=three_rows)
+            cache = torch.randn(5000, 128, device=cuda)
+            apply_rope_with_cos_sin_cache_inplace(
+                ids % 5000, qkv[0, :, :40], qkv[0, :, 40:44], 128, cache, rope_layout == "neox"
+            )
+            if dtype != torch.float32:  # the fused norm in the same layout, misaligned weights
+                normed = RoPE(128, 40, 4, rope_layout=rope_layout, max_position=1 << 16)
+                w = torch.rand(2, 129, device=cuda, dtype=dtype)[:, 1:]
+                normed.forward(qkv[0, :, :40], qkv[0, :, 40:44], positions=ids % (1 << 16),
                                q_norm_weight=w[0], k_norm_weight=w[1])  # fmt: skip
+                for interleaved in (False, True):
+                    normed = RoPE(128, 40, 4, rope_layout=rope_layout, mrope_section=(24, 20, 20),
+                                  mrope_interleaved=interleaved)  # fmt: skip
+                    normed.forward(qkv[0, :, :40], qkv[0, :, 40:44], positions=three_rows,
+                                   q_norm_weight=w[0], k_norm_weight=w[1])  # fmt: skip
+    _rotate._SHARED_MIN_HEAD_ROWS = shipped
     cache = torch.randn(100, 40, device=cuda)
     tokens = torch.randn(15, 4 * 64 + 1, device=cuda, dtype=dtype)[:, 1:]
     token_ids = torch.tensor([0, 99, 100, -1, 7] * 3, device=cuda)  # two out of range: clamped
