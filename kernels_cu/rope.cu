@@ -754,42 +754,52 @@ __global__ void __launch_bounds__(NORM == NORM_ROWS ? ROPE_ROWS_THREADS : ROPE_T
 
 // ------------------------------------------------------------------ cos/sin shared by a block
 
-// The plain rotation of large launches (tileops_cupy._rotate's _shared_layout says which):
+// The plain rotation of large launches (tileops_cupy._rotate's _shared_geometry says which):
 // one chunk of one head row a thread (VEC pairs of a neox row, two accesses; or VEC
-// interleaved elements, one), no loop, as a copy kernel moves its bytes; blockDim.y rows of
-// one token a block (q's heads, then k's), blockIdx.x / (blocks a token) its token. The
-// token's cos/sin are formed once a block into shared memory, a pair a thread (any table
+// interleaved elements, one), no loop, as a copy kernel moves its bytes; a block holds
+// blockDim.y rows of token blockIdx.x (q's heads, then k's), from row blockIdx.y * blockDim.y.
+// The token's cos/sin are formed once a block into shared memory, a pair a thread (any table
 // mode), while the rows' loads are in flight: forming them per thread costs a thread more
 // table traffic than its row (a thread per 16 bytes with per-thread cos/sin: 43.6% of the copy
 // ceiling at bf16 B8 S4096, the performance log), and holding several rows a thread to share
-// them (rope_rotate, rope_rotate_packs) keeps fewer threads in flight. Rows are rotated whole
-// at ROTARY_DIM (no tail).
+// them (rope_rotate, rope_rotate_packs) keeps fewer threads in flight. A thread's own work is
+// kept to its loads, its stores and the rotation: the plan takes operands whose sequences are
+// one run of rows (stride[0] == seq * stride[1], or one sequence), so a row's address is the
+// token's index times stride[1], with no division; the token's batch and seq indices (its
+// position) are formed by the threads that form the table alone. Rows rotated whole at
+// ROTARY_DIM (no tail).
 template <typename T, bool NEOX, int VEC, int ROTARY_DIM, int TABLE>
 __global__ void __launch_bounds__(ROPE_SHARED_THREADS, ROPE_SHARED_MIN_BLOCKS)
     rope_rotate_shared(const RopeParams p) {
   typedef Chunk<T, NEOX, VEC> C;
   constexpr int PAIRS = ROTARY_DIM / 2;
   __shared__ float2 cos_sin[PAIRS];
-  const int total_heads = p.q_heads + p.k_heads;
-  const unsigned blocks_a_token = (total_heads + blockDim.y - 1) / blockDim.y;
-  const unsigned token_index = blockIdx.x / blocks_a_token;
-  const int h = (blockIdx.x - token_index * blocks_a_token) * blockDim.y + threadIdx.y;
-  const TokenRows<T> token(p, token_index);
-  const C chunk_columns(threadIdx.x, PAIRS);
+  const long long token = blockIdx.x;
+  const int h = blockIdx.y * blockDim.y + threadIdx.y;
+  const int q_heads = p.q_heads, total_heads = q_heads + p.k_heads;
+  const bool is_q = h < q_heads;
+  const long long head = is_q ? h : h - q_heads;
+  const T* in = static_cast<const T*>(is_q ? p.q_in : p.k_in) +
+                token * (is_q ? p.q_in_stride[1] : p.k_in_stride[1]) +
+                head * (is_q ? p.q_in_stride[2] : p.k_in_stride[2]);
+  const C columns(threadIdx.x, PAIRS);
   typename C::Data data;
-  if (h < total_heads) chunk_columns.load(token.in(h), data);
+  if (h < total_heads) columns.load(in, data);
   const int thread = threadIdx.x + threadIdx.y * blockDim.x;
   if (thread < PAIRS) {
-    with_cos_sin<TABLE>(token, PAIRS, [&](auto cos_sin_of) {
+    with_cos_sin<TABLE>(TokenRows<T>(p, token), PAIRS, [&](auto cos_sin_of) {
       for (int j = thread; j < PAIRS; j += blockDim.x * blockDim.y) cos_sin[j] = cos_sin_of(j);
     });
   }
   __syncthreads();
   if (h >= total_heads) return;
-  C chunk = chunk_columns;
+  T* out = static_cast<T*>(is_q ? p.q_out : p.k_out) +
+           token * (is_q ? p.q_out_stride[1] : p.k_out_stride[1]) +
+           head * (is_q ? p.q_out_stride[2] : p.k_out_stride[2]);
+  C chunk = columns;
   chunk.form(threadIdx.x, [&](int j) { return cos_sin[j]; }, p.sin_sign);
   const float no_weight[C::LOADS][VEC] = {};
-  chunk.template rotate_store<false>(data, token.out(h), 1.f, no_weight);
+  chunk.template rotate_store<false>(data, out, 1.f, no_weight);
 }
 
 // ------------------------------------------------------------------ whole rows, one pack a lane
