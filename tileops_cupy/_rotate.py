@@ -829,8 +829,8 @@ def _shared_geometry(
     operand's sequences one run of rows (one sequence, or batch stride = seq * token stride:
     the kernel addresses a row by the token's index alone), at least _SHARED_MIN_HEADS rows a
     token and _SHARED_MIN_HEAD_ROWS in all. A block holds a chunk of each of up to
-    _SHARED_THREADS // chunks rows of one token (grid x), a token's rows spread evenly over
-    its blocks (grid y)."""
+    _SHARED_THREADS // chunks rows of one token, a token's rows spread evenly over its
+    blocks, which are adjacent in the grid."""
     if aligned_width * ITEMSIZE[dtype] != 16 or not _shared_compiled(rotary_dim, norm):
         return None
     batch, seq, _, head_dim = rows[0].shape
@@ -840,15 +840,17 @@ def _shared_geometry(
         rotary_dim != head_dim
         or total_heads < _SHARED_MIN_HEADS
         or tokens * total_heads < _SHARED_MIN_HEAD_ROWS
-        or tokens >= 1 << 31
         or not all(batch == 1 or r.strides[0] == seq * r.strides[1] for r in rows)
     ):
         return None
     vec = _shared_vec(dtype, neox)
     chunks = (rotary_dim // 2) // (vec if neox else vec // 2)
     blocks_a_token = -(-total_heads // (_SHARED_THREADS // chunks))
+    if tokens * blocks_a_token >= 1 << 31:
+        return None
+    # (the kernel derives blocks_a_token again as ceil(total_heads / rows_a_block): the same)
     rows_a_block = -(-total_heads // blocks_a_token)
-    return (tokens, blocks_a_token, 1), (chunks, rows_a_block, 1)
+    return (tokens * blocks_a_token, 1, 1), (chunks, rows_a_block, 1)
 
 
 def _lanes_in_one_row(dtype: str, section: tuple[int, ...] | None, interleaved: bool) -> bool:
