@@ -757,31 +757,32 @@ __global__ void __launch_bounds__(NORM == NORM_ROWS ? ROPE_ROWS_THREADS : ROPE_T
 // The plain rotation of large launches (tileops_cupy._rotate's _shared_geometry says which):
 // one chunk of one head row a thread (VEC pairs of a neox row, two accesses; or VEC
 // interleaved elements, one), no loop, as a copy kernel moves its bytes; a block holds
-// blockDim.y rows of one token (q's heads, then k's), a token's blocks adjacent in grid x.
+// blockDim.y rows of one token (q's heads, then k's): the token's blocks are grid x (adjacent
+// in launch order), the token blockIdx.z * gridDim.y + blockIdx.y (a grid of 65535 tokens a
+// row), so a thread's place takes no division.
 // The token's cos/sin are formed once a block into shared memory, a pair a thread (any table
 // mode), while the rows' loads are in flight: forming them per thread costs a thread more
 // table traffic than its row (a thread per 16 bytes with per-thread cos/sin: 43.6% of the copy
 // ceiling at bf16 B8 S4096, the performance log), and holding several rows a thread to share
 // them (rope_rotate, rope_rotate_packs) keeps fewer threads in flight. A thread's own work is
-// kept to its loads, its stores and the rotation: the plan takes operands whose sequences are
+// kept to its loads, its stores and the rotation (the kernel moves 32 bytes a thread, so its
+// instructions are most of what a multiprocessor issues: a division by the blocks a token cost
+// 2 points of the ceiling, the performance log): the plan takes operands whose sequences are
 // one run of rows (stride[0] == seq * stride[1], or one sequence), so a row's address is the
-// token's index times stride[1], with no division; the token's batch and seq indices (its
-// position) are formed by the threads that form the table alone. Rows rotated whole at
-// ROTARY_DIM (no tail).
+// token's index times stride[1]; the token's batch and seq indices (its position) are formed
+// by the threads that form the table alone. Rows rotated whole at ROTARY_DIM (no tail).
 template <typename T, bool NEOX, int VEC, int ROTARY_DIM, int TABLE>
 __global__ void __launch_bounds__(ROPE_SHARED_THREADS, ROPE_SHARED_MIN_BLOCKS)
     rope_rotate_shared(const RopeParams p) {
   typedef Chunk<T, NEOX, VEC> C;
   constexpr int PAIRS = ROTARY_DIM / 2;
   __shared__ float2 cos_sin[PAIRS];
-  // blocks a token: the plan's, ceil(total rows / rows a block); a token's blocks adjacent
-  // (its blocks in grid y instead, every token's first block before any second: 96.2 against
-  // 98.x% at bf16 B8 S4096, the performance log)
-  const int q_heads = p.q_heads, total_heads = q_heads + p.k_heads;
-  const unsigned blocks_a_token = (total_heads + blockDim.y - 1) / blockDim.y;
-  const unsigned token_index = blockIdx.x / blocks_a_token;
+  const unsigned token_index = blockIdx.z * gridDim.y + blockIdx.y;
+  // the grid's last row of tokens may be partial (a whole block returns: no barrier missed)
+  if (token_index >= static_cast<unsigned>(p.batch) * static_cast<unsigned>(p.seq)) return;
   const long long token = token_index;
-  const int h = (blockIdx.x - token_index * blocks_a_token) * blockDim.y + threadIdx.y;
+  const int q_heads = p.q_heads, total_heads = q_heads + p.k_heads;
+  const int h = blockIdx.x * blockDim.y + threadIdx.y;
   const bool is_q = h < q_heads;
   const long long head = is_q ? h : h - q_heads;
   const T* in = static_cast<const T*>(is_q ? p.q_in : p.k_in) +

@@ -127,6 +127,7 @@ _PACK_MAX_THREADS = 1 << 31  # rope_rotate_packs numbers its threads in 32 bits
 _SHARED_THREADS, _SHARED_REGISTERS = 256, 32
 _SHARED_MIN_HEAD_ROWS = 1 << 17
 _SHARED_MIN_HEADS = 8  # rows a token, q's and k's (fewer: a block would form cos/sin for few rows)
+_MAX_GRID_Y = 65535  # a launch's grid y and z (CUDA's limit)
 _SHARED_BYTES = 48 * 1024  # dynamic shared memory any launch may take without opting in
 _DEFINES = (
     f"ROPE_THREADS={_THREADS_PER_BLOCK}",
@@ -830,7 +831,8 @@ def _shared_geometry(
     the kernel addresses a row by the token's index alone), at least _SHARED_MIN_HEADS rows a
     token and _SHARED_MIN_HEAD_ROWS in all. A block holds a chunk of each of up to
     _SHARED_THREADS // chunks rows of one token, a token's rows spread evenly over its
-    blocks, which are adjacent in the grid."""
+    blocks (grid x, adjacent in launch order), the tokens in rows of _MAX_GRID_Y (grid y, the
+    rows z; the kernel numbers tokens in 32 bits)."""
     if aligned_width * ITEMSIZE[dtype] != 16 or not _shared_compiled(rotary_dim, norm):
         return None
     batch, seq, _, head_dim = rows[0].shape
@@ -841,16 +843,15 @@ def _shared_geometry(
         or total_heads < _SHARED_MIN_HEADS
         or tokens * total_heads < _SHARED_MIN_HEAD_ROWS
         or not all(batch == 1 or r.strides[0] == seq * r.strides[1] for r in rows)
+        or tokens > _MAX_GRID_Y * _MAX_GRID_Y
     ):
         return None
     vec = _shared_vec(dtype, neox)
     chunks = (rotary_dim // 2) // (vec if neox else vec // 2)
     blocks_a_token = -(-total_heads // (_SHARED_THREADS // chunks))
-    if tokens * blocks_a_token >= 1 << 31:
-        return None
-    # (the kernel derives blocks_a_token again as ceil(total_heads / rows_a_block): the same)
     rows_a_block = -(-total_heads // blocks_a_token)
-    return (tokens * blocks_a_token, 1, 1), (chunks, rows_a_block, 1)
+    token_rows = min(tokens, _MAX_GRID_Y)  # tokens a row of the grid (y), rows in z
+    return (blocks_a_token, token_rows, -(-tokens // token_rows)), (chunks, rows_a_block, 1)
 
 
 def _lanes_in_one_row(dtype: str, section: tuple[int, ...] | None, interleaved: bool) -> bool:
