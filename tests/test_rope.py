@@ -254,8 +254,11 @@ def test_large_launches_share_a_token_s_cos_sin(rng, monkeypatch, shape, dtype, 
     """Large launches take rope_rotate_shared (a chunk of one row a thread, each block's
     token's cos/sin formed once into shared memory; ``_rotate._SHARED_MIN_HEAD_ROWS`` lowered
     here to this call's rows), every scheme, both directions: every element against the
-    oracle, and the same bits as rope_rotate."""
+    oracle, and the same bits as rope_rotate. The D64 calls number their tokens in grid rows
+    of 7 (``_rotate._MAX_GRID_Y``), the last one partial."""
     require("cuda", "torch")
+    if shape[-1] == 64:
+        monkeypatch.setattr(_rotate, "_MAX_GRID_Y", 7)
     spec = _rotate.module_spec(dtype, shape[-1])
     shared = [
         _cuda.function(spec, _rotate._shared_name(dtype, neox, shape[-1], _rotate.TWO_LEVEL), 0)
