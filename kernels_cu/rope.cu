@@ -633,8 +633,15 @@ struct TokenRows {
   T* k_out;
 
   __device__ __forceinline__ TokenRows(const RopeParams& params, long long t)
+      : TokenRows(params, t, static_cast<int>(t / params.seq)) {}
+
+  // a token numbered in 32 bits: its batch index by a 32-bit division
+  __device__ __forceinline__ TokenRows(const RopeParams& params, unsigned t)
+      : TokenRows(params, t, static_cast<int>(t / static_cast<unsigned>(params.seq))) {}
+
+  __device__ __forceinline__ TokenRows(const RopeParams& params, long long t, int batch_index)
       : p(params), q_heads(params.q_heads), batch(params.batch), seq(params.seq), token(t),
-        b(static_cast<int>(t / seq)), s(static_cast<int>(t - static_cast<long long>(b) * seq)) {
+        b(batch_index), s(static_cast<int>(t - static_cast<long long>(b) * seq)) {
     q_in = static_cast<const T*>(p.q_in) + b * p.q_in_stride[0] + s * p.q_in_stride[1];
     q_out = static_cast<T*>(p.q_out) + b * p.q_out_stride[0] + s * p.q_out_stride[1];
     k_in = static_cast<const T*>(p.k_in) + b * p.k_in_stride[0] + s * p.k_in_stride[1];
@@ -791,11 +798,11 @@ __global__ void __launch_bounds__(ROPE_SHARED_THREADS, ROPE_SHARED_MIN_BLOCKS)
   const C columns(threadIdx.x, PAIRS);
   typename C::Data data;
   if (h < total_heads) columns.load(in, data);
+  // a pair a thread (the plan's blocks hold PAIRS threads or more)
   const int thread = threadIdx.x + threadIdx.y * blockDim.x;
   if (thread < PAIRS) {
-    with_cos_sin<TABLE>(TokenRows<T>(p, token), PAIRS, [&](auto cos_sin_of) {
-      for (int j = thread; j < PAIRS; j += blockDim.x * blockDim.y) cos_sin[j] = cos_sin_of(j);
-    });
+    with_cos_sin<TABLE>(TokenRows<T>(p, token_index), PAIRS,
+                        [&](auto cos_sin_of) { cos_sin[thread] = cos_sin_of(thread); });
   }
   __syncthreads();
   if (h >= total_heads) return;

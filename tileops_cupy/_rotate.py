@@ -127,7 +127,7 @@ _PACK_MAX_THREADS = 1 << 31  # rope_rotate_packs numbers its threads in 32 bits
 _SHARED_THREADS, _SHARED_REGISTERS = 256, 32
 _SHARED_MIN_HEAD_ROWS = 1 << 17
 _SHARED_MIN_HEADS = 8  # rows a token, q's and k's (fewer: a block would form cos/sin for few rows)
-_MAX_GRID_Y = 65535  # a launch's grid y and z (CUDA's limit)
+_MAX_GRID_Y = _MAX_GRID_Z = 65535  # a launch's grid y and z (CUDA's limits)
 _SHARED_BYTES = 48 * 1024  # dynamic shared memory any launch may take without opting in
 _DEFINES = (
     f"ROPE_THREADS={_THREADS_PER_BLOCK}",
@@ -843,7 +843,6 @@ def _shared_geometry(
         or total_heads < _SHARED_MIN_HEADS
         or tokens * total_heads < _SHARED_MIN_HEAD_ROWS
         or not all(batch == 1 or r.strides[0] == seq * r.strides[1] for r in rows)
-        or tokens > _MAX_GRID_Y * _MAX_GRID_Y
     ):
         return None
     vec = _shared_vec(dtype, neox)
@@ -851,7 +850,12 @@ def _shared_geometry(
     blocks_a_token = -(-total_heads // (_SHARED_THREADS // chunks))
     rows_a_block = -(-total_heads // blocks_a_token)
     token_rows = min(tokens, _MAX_GRID_Y)  # tokens a row of the grid (y), rows in z
-    return (blocks_a_token, token_rows, -(-tokens // token_rows)), (chunks, rows_a_block, 1)
+    grid_rows = -(-tokens // token_rows)
+    if grid_rows > _MAX_GRID_Z:
+        return None
+    # (a block forms its token's cos/sin a pair a thread: blocks of 8 rows or more hold them)
+    assert chunks * rows_a_block >= rotary_dim // 2, (chunks, rows_a_block)
+    return (blocks_a_token, token_rows, grid_rows), (chunks, rows_a_block, 1)
 
 
 def _lanes_in_one_row(dtype: str, section: tuple[int, ...] | None, interleaved: bool) -> bool:
