@@ -783,7 +783,7 @@ __global__ void __launch_bounds__(ROPE_SHARED_THREADS, ROPE_SHARED_MIN_BLOCKS)
     rope_rotate_shared(const RopeParams p) {
   typedef Chunk<T, NEOX, VEC> C;
   constexpr int PAIRS = ROTARY_DIM / 2;
-  __shared__ float2 cos_sin[PAIRS];
+  static __shared__ float2 cos_sin[PAIRS];  // (static: one for all threads on host threads too)
   const unsigned token_index = blockIdx.z * gridDim.y + blockIdx.y;
   // the grid's last row of tokens may be partial (a whole block returns: no barrier missed)
   if (token_index >= static_cast<unsigned>(p.batch) * static_cast<unsigned>(p.seq)) return;

@@ -25,7 +25,7 @@
 #define __align__(n) __attribute__((aligned(n)))
 struct dim3 { unsigned x = 1, y = 1, z = 1; };
 thread_local dim3 threadIdx, blockIdx;
-dim3 blockDim;
+dim3 blockDim, gridDim;
 struct float2 { float x, y; };
 struct alignas(16) float4 { float x, y, z, w; };
 inline float2 make_float2(float x, float y) { return float2{x, y}; }
@@ -127,30 +127,36 @@ inline u32 __shfl_xor_sync(unsigned mask, u32 v, int offset, int width = 32) {
 }
 
 // Run `kernel` (the body of one CUDA thread) over a grid of `grid` blocks of `block`, one
-// block at a time, one std::thread per CUDA thread. A thread that returns leaves every
-// barrier (as an exited CUDA thread no longer holds up __syncthreads).
-inline void launch_on_threads(unsigned grid, dim3 block, const std::function<void()>& kernel) {
+// block at a time (x fastest, as CUDA numbers them), one std::thread per CUDA thread. A
+// thread that returns leaves every barrier (as an exited CUDA thread no longer holds up
+// __syncthreads). A kernel's static __shared__ arrays are static there: one for all blocks.
+inline void launch_on_threads(dim3 grid, dim3 block, const std::function<void()>& kernel) {
+  gridDim = grid;
   blockDim = block;
   const unsigned threads = block.x * block.y * block.z;
-  for (unsigned b = 0; b < grid; ++b) {
-    Block state(threads);
-    for (unsigned w = 0; w + 32 <= threads; w += 32) state.warps.emplace_back(new Lanes(32));
-    for (unsigned g = 0; g < block.y * block.z; ++g) state.groups.emplace_back(new Lanes(block.x));
-    std::vector<std::thread> workers;
-    for (unsigned z = 0; z < block.z; ++z)
-      for (unsigned y = 0; y < block.y; ++y)
-        for (unsigned x = 0; x < block.x; ++x)
-          workers.emplace_back([&, x, y, z, b] {
-            threadIdx = dim3{x, y, z};
-            blockIdx = dim3{b, 0, 0};
-            my_block = &state;
-            kernel();
-            const unsigned thread = linear_thread();
-            state.exited[thread] = 1;
-            state.all.arrive_and_drop();
-            if (thread / 32 < state.warps.size()) state.warps[thread / 32]->bar.arrive_and_drop();
-            state.groups[y + block.y * z]->bar.arrive_and_drop();
-          });
-    for (auto& worker : workers) worker.join();
-  }
+  for (unsigned bz = 0; bz < grid.z; ++bz)
+    for (unsigned by = 0; by < grid.y; ++by)
+      for (unsigned bx = 0; bx < grid.x; ++bx) {
+        Block state(threads);
+        for (unsigned w = 0; w + 32 <= threads; w += 32) state.warps.emplace_back(new Lanes(32));
+        for (unsigned g = 0; g < block.y * block.z; ++g)
+          state.groups.emplace_back(new Lanes(block.x));
+        std::vector<std::thread> workers;
+        for (unsigned z = 0; z < block.z; ++z)
+          for (unsigned y = 0; y < block.y; ++y)
+            for (unsigned x = 0; x < block.x; ++x)
+              workers.emplace_back([&, x, y, z] {
+                threadIdx = dim3{x, y, z};
+                blockIdx = dim3{bx, by, bz};
+                my_block = &state;
+                kernel();
+                const unsigned thread = linear_thread();
+                state.exited[thread] = 1;
+                state.all.arrive_and_drop();
+                if (thread / 32 < state.warps.size())
+                  state.warps[thread / 32]->bar.arrive_and_drop();
+                state.groups[y + block.y * z]->bar.arrive_and_drop();
+              });
+        for (auto& worker : workers) worker.join();
+      }
 }

@@ -1,5 +1,5 @@
 """The CUDA rotation kernels (``kernels_cu/rope.cu``: ``rope_rotate``, fused QK-RMSNorm
-included, and ``rope_rotate_packs``), executed on the host: compiled by the C++ compiler
+included, ``rope_rotate_packs`` and ``rope_rotate_shared``), executed on the host: compiled by the C++ compiler
 against ``cuda_on_host.h`` (one thread per CUDA thread, block barriers and warp shuffles
 through std::barrier), launched with the geometry, vector width and parameter struct the
 package computes (``_rotate._geometry``, ``_vector_width``, ``ROPE_PARAMS``), and compared
@@ -60,19 +60,26 @@ _SHIM = """
 // the dynamic shared memory of rope_rotate (2 * head_dim floats at most: the norm's weights)
 alignas(16) float norm_weights[2 * 6144];
 
+#define GEOMETRY unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz
 template <typename T, bool NEOX, int VEC, int RD, int TABLE, int NORM, int HEADS>
-void run(const RopeParams& p, unsigned grid, unsigned bx, unsigned by, unsigned bz) {{
-  launch_on_threads(grid, dim3{{bx, by, bz}},
+void run(const RopeParams& p, GEOMETRY) {{
+  launch_on_threads(dim3{{gx, gy, gz}}, dim3{{bx, by, bz}},
                     [&] {{ rope_rotate<T, NEOX, VEC, RD, TABLE, NORM, HEADS>(p); }});
 }}
 
 template <typename T, bool NEOX, int RD, int ROWS, int TABLE, bool NORM>
-void run_packs(const RopeParams& p, unsigned grid, unsigned bx, unsigned by, unsigned bz) {{
-  launch_on_threads(grid, dim3{{bx, by, bz}},
+void run_packs(const RopeParams& p, GEOMETRY) {{
+  launch_on_threads(dim3{{gx, gy, gz}}, dim3{{bx, by, bz}},
                     [&] {{ rope_rotate_packs<T, NEOX, RD, ROWS, TABLE, NORM>(p); }});
 }}
 
-typedef void (*Runner)(const RopeParams&, unsigned, unsigned, unsigned, unsigned);
+template <typename T, bool NEOX, int VEC, int RD, int TABLE>
+void run_shared(const RopeParams& p, GEOMETRY) {{
+  launch_on_threads(dim3{{gx, gy, gz}}, dim3{{bx, by, bz}},
+                    [&] {{ rope_rotate_shared<T, NEOX, VEC, RD, TABLE>(p); }});
+}}
+
+typedef void (*Runner)(const RopeParams&, GEOMETRY);
 extern "C" Runner runners[] = {{{runners}}};
 """
 
@@ -111,7 +118,7 @@ def _name_expressions() -> list[str]:
             ("float32", "bfloat16"), (True, False), TABLE_CASES
         )
     ]
-    names = [  # (the packs kernels each shipped module holds)
+    names = [  # (the packs and shared kernels each shipped module holds)
         name
         for dtype, rotary_dim, mode, norm in itertools.product(
             ("bfloat16", "float16", "float32"), _rotate.SHIPPED_ROTARY_DIMS, _rotate.TABLE_MODES,
@@ -119,7 +126,7 @@ def _name_expressions() -> list[str]:
         )
         if not norm or mode in _rotate.NORM_TABLE_MODES
         for name in _rotate.module_spec(dtype, rotary_dim, mode, norm).name_expressions
-        if name.startswith("rope_rotate_packs<")
+        if name.startswith(("rope_rotate_packs<", "rope_rotate_shared<"))
     ]  # fmt: skip
     for dtype, neox, rotary_dim, mode, norm in launches:
         for vec, layout, heads in _rotate.instantiations(dtype, neox, rotary_dim, norm, mode):
@@ -156,9 +163,7 @@ def kernels(tmp_path_factory):
         pytest.fail(f"g++ could not build the host kernels:\n{build.stderr[:3000]}")
     handle = ctypes.CDLL(str(library))
     table = (ctypes.c_void_p * len(names)).in_dll(handle, "runners")
-    runner_type = ctypes.CFUNCTYPE(
-        None, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint
-    )
+    runner_type = ctypes.CFUNCTYPE(None, ctypes.c_void_p, *[ctypes.c_uint] * 6)
     return {name: runner_type(table[i]) for i, name in enumerate(names)}
 
 
@@ -206,7 +211,7 @@ def _launch(kernel, grid, block, q_rows, k_rows, **fields) -> None:
         k_in_stride=k_rows[0].strides[:3], k_out_stride=k_rows[1].strides[:3],
         **{**defaults, **fields},
     )  # fmt: skip
-    kernel(ctypes.create_string_buffer(params), grid[0], *block)
+    kernel(ctypes.create_string_buffer(params), *grid, *[1] * (3 - len(grid)), *block)
     assert flag[0] == 0
 
 
@@ -435,12 +440,13 @@ def _pack_positions(rng, kind: str, rotary_dim: int, batch: int, seq: int, offse
 
 
 def _launch_packs(kernels, rng, dtype, neox, rotary_dim, shape, operands, in_place, case,
-                  norm=False, **fields):  # fmt: skip
-    """One rope_rotate_packs launch over fresh data: ``shape`` (batch, seq), ``operands`` (q
-    heads, k heads, k in an array of its own, else in q's rows), in place or into zeroed
-    arrays; each array holds two more heads that nothing may touch. Returns (the rotated
-    heads of each array {name: [(first head, heads)]}, the data as made {name: array}, the
-    buffers launched on, the arrays written, the launch's threads)."""
+                  norm=False, shared=False, **fields):  # fmt: skip
+    """One rope_rotate_packs launch (``shared``: rope_rotate_shared, in the plan's geometry)
+    over fresh data: ``shape`` (batch, seq), ``operands`` (q heads, k heads, k in an array of
+    its own, else in q's rows), in place or into zeroed arrays; each array holds two more
+    heads that nothing may touch. Returns (the rotated heads of each array {name: [(first
+    head, heads)]}, the data as made {name: array}, the buffers launched on, the arrays
+    written, the launch's threads)."""
     (batch, seq), (q_heads, k_heads, k_apart) = shape, operands
     rotated = {"q": [(0, q_heads)]}
     if k_heads:
@@ -457,11 +463,20 @@ def _launch_packs(kernels, rng, dtype, neox, rotary_dim, shape, operands, in_pla
         k_array, k_first = ("k", 0) if k_apart else ("q", q_heads)
         k_arrays = (buffers[k_array], results[k_array])
         k_rows = _array_rows(k_arrays, dtype, k_heads, rotary_dim, k_first)
-    lanes = rotary_dim // (16 // ITEMSIZE[dtype])  # (16 bytes a lane)
-    threads = batch * seq * (q_heads + k_heads) // _rotate._PACK_ROWS * lanes
-    name = _rotate._packs_name(dtype, neox, rotary_dim, case["mode"], norm)
+    aligned_width = 16 // ITEMSIZE[dtype]  # (16 bytes a lane)
+    if shared:
+        rows = q_rows + (k_rows if k_heads else [])
+        geometry = _rotate._shared_geometry(dtype, neox, rotary_dim, norm, rows, aligned_width)
+        grid, block = geometry
+        threads = math.prod(grid) * math.prod(block)
+        name = _rotate._shared_name(dtype, neox, rotary_dim, case["mode"])
+    else:
+        threads = batch * seq * (q_heads + k_heads) // _rotate._PACK_ROWS * rotary_dim
+        threads //= aligned_width
+        grid, block = (-(-threads // _rotate._PACK_THREADS),), (_rotate._PACK_THREADS, 1, 1)
+        name = _rotate._packs_name(dtype, neox, rotary_dim, case["mode"], norm)
     _launch(
-        kernels[name], (-(-threads // _rotate._PACK_THREADS),), (_rotate._PACK_THREADS, 1, 1),
+        kernels[name], grid, block,
         q_rows, k_rows, q_heads=q_heads, k_heads=k_heads, batch=batch, seq=seq,
         rotary_dim=rotary_dim, tail_chunks=0, **case["fields"], **fields,
     )  # fmt: skip
@@ -539,6 +554,51 @@ def test_packs_layout_on_host_threads(kernels, rng, dtype, neox, rotary_dim):
                     neox=neox, inverse=inverse, per_pair=case["per_pair"], what=f"{what} {array}",
                 )  # fmt: skip
     assert partial_warps or (dtype, rotary_dim) == ("float32", 128)  # (a row: a warp)
+
+
+@pytest.mark.parametrize("rotary_dim", _rotate.SHIPPED_ROTARY_DIMS)
+@pytest.mark.parametrize("neox", (True, False), ids=("neox", "interleaved"))
+@pytest.mark.parametrize("dtype", ("bfloat16", "float16", "float32"))
+def test_shared_layout_on_host_threads(kernels, rng, monkeypatch, dtype, neox, rotary_dim):
+    """rope_rotate_shared (a chunk of one row a thread; a block's rows of one token, whose
+    cos/sin the block forms once into shared memory, a pair a thread), in the plan's geometry
+    (``_SHARED_MIN_HEAD_ROWS`` lowered to these calls, tokens in grid rows of 4 whose last is
+    partial: ``_MAX_GRID_Y``): q alone, q with k in q's rows and apart, a token's rows over
+    one block and over two (32 rows: 16-bit D128 blocks hold 16; float32 interleaved D128 a
+    token of 12 rows in blocks of 6), per-sequence offsets, every kind of positions of
+    PACK_POSITIONS (each table mode), both directions, in place and into new arrays, every
+    element against the oracle and nothing else written. Under 8 rows a token the plan keeps
+    other layouts."""
+    monkeypatch.setattr(_rotate, "_SHARED_MIN_HEAD_ROWS", 0)
+    monkeypatch.setattr(_rotate, "_MAX_GRID_Y", 4)
+    batch, seq = 3, 3
+    offsets = np.array([0, 700, 3], np.int64)
+    operands = ((8, 0, False), (24, 8, False), (4, 8, True), (8, 4, True))
+    for ((q_heads, k_heads, k_apart), kind), (inverse, in_place) in zip(
+        itertools.product(operands, PACK_POSITIONS),
+        itertools.cycle(itertools.product((False, True), (False, True))),
+    ):  # (each operand set with each kind of positions, directions and placements in turn)
+        case = _pack_positions(rng, kind, rotary_dim, batch, seq, offsets)
+        launched = _launch_packs(
+            kernels, rng, dtype, neox, rotary_dim, (batch, seq), (q_heads, k_heads, k_apart),
+            in_place, case, shared=True, sin_sign=-1.0 if inverse else 1.0,
+        )  # fmt: skip
+        what = f"{dtype} neox={neox} D{rotary_dim} heads={q_heads}+{k_heads} "
+        what += f"k_apart={k_apart} in_place={in_place} positions={kind} shared"
+        for array, _, x64, y in _packs_heads(launched, rotary_dim, what):
+            if "cache" in case:
+                row = case["cache"][:, :, None, :].astype(np.float64)
+                cos, sin = row[..., : rotary_dim // 2], row[..., rotary_dim // 2 :]
+                y64 = rotate_reference(x64, cos, sin, neox=neox, inverse=inverse)
+                assert_matches_reference(y, y64, x64, rotary_dim, dtype, what=f"{what} {array}")
+            else:
+                assert_matches_oracle(
+                    y, x64, case["positions"], standard_frequencies(rotary_dim), dtype,
+                    neox=neox, inverse=inverse, per_pair=case["per_pair"], what=f"{what} {array}",
+                )  # fmt: skip
+    few = _array_rows([np.zeros((1, 1 << 16, 7 * rotary_dim))] * 2, dtype, 7, rotary_dim, 0)
+    width = 16 // ITEMSIZE[dtype]
+    assert _rotate._shared_geometry(dtype, neox, rotary_dim, False, few, width) is None
 
 
 @pytest.mark.parametrize("rotary_dim", _rotate.SHIPPED_ROTARY_DIMS)
