@@ -1,9 +1,9 @@
 """The CUDA rotation kernels (``kernels_cu/rope.cu``: ``rope_rotate``, fused QK-RMSNorm
-included, ``rope_rotate_packs`` and ``rope_rotate_shared``), executed on the host: compiled by the C++ compiler
-against ``cuda_on_host.h`` (one thread per CUDA thread, block barriers and warp shuffles
-through std::barrier), launched with the geometry, vector width and parameter struct the
-package computes (``_rotate._geometry``, ``_vector_width``, ``ROPE_PARAMS``), and compared
-with the float64 oracle.
+included, ``rope_rotate_packs`` and ``rope_rotate_shared``), executed on the host: compiled
+by the C++ compiler against ``cuda_on_host.h`` (one thread per CUDA thread, block barriers
+and warp shuffles through std::barrier), launched with the geometry, vector width and
+parameter struct the package computes (``_rotate._geometry``, ``_vector_width``,
+``ROPE_PARAMS``), and compared with the float64 oracle.
 
 What this adds to the GPU tests: every lane layout of the norm's reduction (groups of 1 to
 32 lanes, rows with more chunks than lanes, tails, one-element accesses, blocks of whole
