@@ -761,24 +761,27 @@ __global__ void __launch_bounds__(NORM == NORM_ROWS ? ROPE_ROWS_THREADS : ROPE_T
 
 // ------------------------------------------------------------------ cos/sin shared by a block
 
-// The plain rotation of large launches (tileops_cupy._rotate's _shared_geometry says which):
-// one chunk of one head row a thread (VEC pairs of a neox row, two accesses; or VEC
-// interleaved elements, one), no loop, as a copy kernel moves its bytes; a block holds
-// blockDim.y rows of one token (q's heads, then k's): the token's blocks are grid x (adjacent
-// in launch order), the token blockIdx.z * gridDim.y + blockIdx.y (a grid of 65535 tokens a
-// row), so a thread's place takes no division.
-// The token's cos/sin are formed once a block into shared memory, a pair a thread (any table
-// mode), while the rows' loads are in flight: forming them per thread costs a thread more
-// table traffic than its row (a thread per 16 bytes with per-thread cos/sin: 43.6% of the copy
-// ceiling at bf16 B8 S4096, the performance log), and holding several rows a thread to share
-// them (rope_rotate, rope_rotate_packs) keeps fewer threads in flight. A thread's own work is
-// kept to its loads, its stores and the rotation (the kernel moves 32 bytes a thread, so its
-// instructions are most of what a multiprocessor issues: a division by the blocks a token cost
-// 2 points of the ceiling, the performance log): the plan takes operands whose sequences are
-// one run of rows (stride[0] == seq * stride[1], or one sequence), so a row's address is the
-// token's index times stride[1]; the token's batch and seq indices (its position) are formed
-// by the threads that form the table alone. Rows rotated whole at ROTARY_DIM (no tail).
-template <typename T, bool NEOX, int VEC, int ROTARY_DIM, int TABLE>
+// The plain rotation of large launches at sequential positions (tileops_cupy._rotate's
+// _shared_geometry says which): one chunk of one head row a thread (VEC pairs of a neox row,
+// two accesses; or VEC interleaved elements, one), no loop, as a copy kernel moves its bytes;
+// a block holds blockDim.y rows of one token (q's heads, then k's): the token's blocks are
+// grid x (adjacent in launch order), the token blockIdx.z * gridDim.y + blockIdx.y (a grid
+// of 65535 tokens a row), so a thread's place takes no division.
+// The token's cos/sin are formed once a block into shared memory, a pair a thread, while the
+// rows' loads are in flight: forming them per thread costs a thread more table traffic than
+// its row (a thread per 16 bytes with per-thread cos/sin: 43.6% of the copy ceiling at bf16
+// B8 S4096, the performance log), and holding several rows a thread to share them
+// (rope_rotate, rope_rotate_packs) keeps fewer threads in flight. Every thread of a block
+// waits for its table, so the few threads that form it hold up the block's bytes: at bf16
+// B8 S4096 the batch index by a 64-bit division and a loop over pairs cost 1.6 points of the
+// ceiling, positions read as ids (a load before the table's) lose to rope_rotate (the plan
+// keeps them there), and the general position path (ids, offsets, the bound) still costs a
+// point against s + offset alone (98.5 against 99.5%). A thread's own work is kept to its
+// loads, its stores and the rotation: the plan takes operands whose sequences are one run of
+// rows (stride[0] == seq * stride[1], or one sequence), so a row's address is the token's
+// index times stride[1]; the token's batch and seq indices (its position) are formed by the
+// threads that form the table alone. Rows rotated whole at ROTARY_DIM (no tail).
+template <typename T, bool NEOX, int VEC, int ROTARY_DIM>
 __global__ void __launch_bounds__(ROPE_SHARED_THREADS, ROPE_SHARED_MIN_BLOCKS)
     rope_rotate_shared(const RopeParams p) {
   typedef Chunk<T, NEOX, VEC> C;
@@ -801,8 +804,8 @@ __global__ void __launch_bounds__(ROPE_SHARED_THREADS, ROPE_SHARED_MIN_BLOCKS)
   // a pair a thread (the plan's blocks hold PAIRS threads or more)
   const int thread = threadIdx.x + threadIdx.y * blockDim.x;
   if (thread < PAIRS) {
-    with_cos_sin<TABLE>(TokenRows<T>(p, token_index), PAIRS,
-                        [&](auto cos_sin_of) { cos_sin[thread] = cos_sin_of(thread); });
+    with_cos_sin<TABLE_TWO_LEVEL>(TokenRows<T>(p, token_index), PAIRS,
+                                  [&](auto cos_sin_of) { cos_sin[thread] = cos_sin_of(thread); });
   }
   __syncthreads();
   if (h >= total_heads) return;

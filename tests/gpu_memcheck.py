@@ -83,10 +83,12 @@ for dtype in (torch.bfloat16, torch.float32):
     # at per-token positions, a few past max_position (read clamped, flagged), MRoPE in
     # sections on lane boundaries, and from a cos_sin_cache; MRoPE sections that split a
     # lane's pairs, and the interleaved rows, at the same size (rope_rotate's chunks). Each
-    # twice: with the shipped bounds, then with rope_rotate_shared out of reach.
-    shipped = _rotate._SHARED_MIN_HEAD_ROWS
-    for shared_from in (shipped, 1 << 62):
-        _rotate._SHARED_MIN_HEAD_ROWS = shared_from
+    # twice: with the shipped bounds (rope_rotate_packs), then with rope_rotate_packs out of
+    # reach and rope_rotate_shared from any size (the sequential launches; their tokens in
+    # grid rows of 1000, the last partial).
+    shipped = (_rotate._PACK_MIN_HEAD_ROWS, _rotate._SHARED_MIN_HEAD_ROWS, _rotate._MAX_GRID_Y)
+    for bounds in (shipped, (1 << 62, 0, 1000)):
+        _rotate._PACK_MIN_HEAD_ROWS, _rotate._SHARED_MIN_HEAD_ROWS, _rotate._MAX_GRID_Y = bounds
         _rotate._plans.clear()
         wide = torch.randn(1, 4097, 37, 128, device=cuda, dtype=dtype)[:, :, 1:]  # 36 heads
         for rope_layout in ("neox", "interleaved"):
@@ -122,7 +124,8 @@ for dtype in (torch.bfloat16, torch.float32):
                                   mrope_interleaved=interleaved)  # fmt: skip
                     normed.forward(qkv[0, :, :40], qkv[0, :, 40:44], positions=three_rows,
                                    q_norm_weight=w[0], k_norm_weight=w[1])  # fmt: skip
-    _rotate._SHARED_MIN_HEAD_ROWS = shipped
+    _rotate._PACK_MIN_HEAD_ROWS, _rotate._SHARED_MIN_HEAD_ROWS, _rotate._MAX_GRID_Y = shipped
+    _rotate._plans.clear()
     cache = torch.randn(100, 40, device=cuda)
     tokens = torch.randn(15, 4 * 64 + 1, device=cuda, dtype=dtype)[:, 1:]
     token_ids = torch.tensor([0, 99, 100, -1, 7] * 3, device=cuda)  # two out of range: clamped

@@ -585,71 +585,37 @@ def test_mid_sized_table_modes_rotate_whole_rows(rng, monkeypatch, head_dim, dty
 
 
 @GPU
-@pytest.mark.parametrize(
-    "table", ["offsets", "positions", "mrope", "mrope-interleaved", "cos_sin_cache"]
-)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize(("head_dim", "hq", "hkv"), [(128, 32, 8), (64, 6, 2)], ids=["D128", "D64"])
 def test_shared_table_layout_rotates_like_the_chunks(
-    rng, monkeypatch, head_dim, hq, hkv, dtype, layout, table
+    rng, monkeypatch, head_dim, hq, hkv, dtype, layout
 ):
-    """Large calls take rope_rotate_shared (a chunk of one row a thread, a block's token's
+    """Large prefills take rope_rotate_shared (a chunk of one row a thread, a block's token's
     cos/sin formed once into shared memory; ``_rotate._SHARED_MIN_HEAD_ROWS`` lowered here to
-    this call's rows) in every table mode: a prefill's per-sequence offsets, per-token
-    positions, MRoPE in sections and interleaved, the cos_sin_cache drop-in. q and k in place
-    in a fused QKV row (32q/8kv: a token's 40 rows spread evenly over its blocks; 6q/2kv D64
-    at the fewest rows a token it takes), every element against the float64 oracle, v
-    untouched, and the same bits as rope_rotate."""
+    this call's rows): per-sequence offsets, q and k in place in a fused QKV row (32q/8kv: a
+    token's 40 rows spread evenly over its blocks; 6q/2kv D64 at the fewest rows a token it
+    takes), every element against the float64 oracle, v untouched, and the same bits as
+    rope_rotate."""
     require("cuda", "torch")
     batch, seq = 2, 131
-    heads, pairs = hq + 2 * hkv, head_dim // 2
-    neox = layout == "neox"
+    heads = hq + 2 * hkv
     host = random_data(rng, (batch, seq, heads * head_dim), dtype)
     offsets = np.array([5, 3000])
-    if table == "cos_sin_cache":
-        cache = rng.uniform(-1.5, 1.5, (300, head_dim)).astype(np.float32)
-        ids = rng.integers(0, 300, (batch, seq))
-    elif table.startswith("mrope"):
-        section = MROPE_SECTIONS[pairs][table]
-        ids = rng.integers(0, 1 << 16, (3, batch, seq))
-    else:
-        ids = rng.integers(0, 1 << 16, (batch, seq))
 
     def rotate(qkv):
         split = qkv.view(batch, seq, heads, head_dim)
         q, k = split[:, :, :hq], split[:, :, hq : hq + hkv]
-        positions = torch.from_numpy(ids).cuda()
-        if table == "cos_sin_cache":
-            q, k = q.reshape(batch * seq, hq, head_dim), k.reshape(batch * seq, hkv, head_dim)
-            device_cache = torch.from_numpy(cache).cuda()
-            apply_rope_with_cos_sin_cache_inplace(
-                positions.reshape(-1), q, k, head_dim, device_cache, neox
-            )  # fmt: skip
-            return
-        rope = RoPE(
-            head_dim, hq, hkv, rope_layout=layout, max_position=1 << 16,
-            mrope_section=section if table.startswith("mrope") else None,
-            mrope_interleaved=table == "mrope-interleaved",
-        )  # fmt: skip
-        if table == "offsets":
-            assert_same(rope.prefill(q, k, offsets), q, k)
-        else:
-            assert_same(rope.forward(q, k, positions=positions), q, k)
+        rope = RoPE(head_dim, hq, hkv, rope_layout=layout, max_position=1 << 16)
+        assert_same(rope.prefill(q, k, offsets), q, k)
 
-    mode = {"cos_sin_cache": _rotate.COS_SIN_CACHE, "mrope": _rotate.MROPE}.get(
-        table.split("-")[0], _rotate.TWO_LEVEL
-    )
-    shared_kernel = _cuda.function(
-        _rotate.module_spec(dtype, head_dim, mode),
-        _rotate._shared_name(dtype, neox, head_dim, mode),
-        0,
-    )
-
-    def takes(plan):
-        return plan.steps[0].kernel is shared_kernel
-
-    shared = _layout_against_chunks(monkeypatch, host, rotate, "_SHARED_MIN_HEAD_ROWS", takes)
+    neox = layout == "neox"
+    spec = _rotate.module_spec(dtype, head_dim)
+    shared_kernel = _cuda.function(spec, _rotate._shared_name(dtype, neox, head_dim), 0)
+    shared = _layout_against_chunks(
+        monkeypatch, host, rotate, "_SHARED_MIN_HEAD_ROWS",
+        lambda plan: plan.steps[0].kernel is shared_kernel,
+    )  # fmt: skip
     before = host.astype(np.float64).reshape(batch, seq, heads, head_dim)
     after = to_float64(shared).reshape(batch, seq, heads, head_dim)
     v_after, v_before = (
@@ -658,23 +624,10 @@ def test_shared_table_layout_rotates_like_the_chunks(
     assert np.array_equal(v_after, v_before), "v changed"
     for name, heads_of in (("q", slice(0, hq)), ("k", slice(hq, hq + hkv))):
         x64, y = before[:, :, heads_of], after[:, :, heads_of]
-        what = f"{table} {dtype} {layout} D{head_dim} {name}"
-        if table == "cos_sin_cache":
-            row = cache[ids][:, :, None, :].astype(np.float64)
-            y64 = rotate_reference(x64, row[..., :pairs], row[..., pairs:], neox=neox)
-            assert_matches_reference(y, y64, x64, head_dim, dtype, what=what)
-        elif table.startswith("mrope"):
-            interleaved = table == "mrope-interleaved"
-            per_pair = mrope_pair_positions(ids, section, interleaved)
-            assert_matches_oracle(
-                y, x64, per_pair[..., None, :], standard_frequencies(head_dim), dtype,
-                neox=neox, per_pair=True, what=what,
-            )  # fmt: skip
-        else:
-            positions = token_positions(batch, seq, offsets) if table == "offsets" else ids
-            assert_rotated(
-                y, x64, positions, standard_frequencies(head_dim), dtype, layout=layout, what=what
-            )  # fmt: skip
+        assert_rotated(
+            y, x64, token_positions(batch, seq, offsets), standard_frequencies(head_dim), dtype,
+            layout=layout, what=f"{dtype} {layout} D{head_dim} {name}",
+        )  # fmt: skip
 
 
 # (scheme, per-sequence offsets, max_position, seq): both twins' settings, in both places

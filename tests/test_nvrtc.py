@@ -136,8 +136,6 @@ KNOWN_SPILLS = {
     ("sm_90", "rope_rotate<half_t, true, 8, 0, 1, 1, 4>"): 28,
     ("sm_90", "rope_rotate<half_t, true, 8, 128, 1, 1, 4>"): 28,
     ("sm_90", "rope_rotate<half_t, true, 8, 64, 1, 1, 4>"): 28,
-    ("sm_90", "rope_rotate_shared<float, true, 4, 128, 1>"): 40,  # (forming MRoPE's cos/sin)
-    ("sm_90", "rope_rotate_shared<float, true, 4, 64, 1>"): 40,
 }  # fmt: skip
 SPILL_SLACK = 8  # bytes: ptxas releases move these counts by a few
 
@@ -312,6 +310,55 @@ def test_packs_layout_takes_mid_sized_launches():
             assert takes(
                 dtype=dtype, head_dim=rotary_dim, rotary_dim=rotary_dim, neox=neox, norm=True,
             ) == (dtype != "float32")  # fmt: skip
+
+
+def test_shared_layout_takes_large_sequential_launches():
+    """rope_rotate_shared takes launches at sequential positions (the two-level tables, no
+    ids) from _SHARED_MIN_HEAD_ROWS head rows, of 8 rows a token or more, rotated whole at a
+    shipped rotary_dim, 16-byte aligned, whose sequences are each one run of rows; a block
+    holds a chunk of each of up to 256 // chunks rows of one token, a token's rows spread
+    evenly over its blocks (grid x), the tokens in grid rows of 65535 (y, the rows z). Per-
+    token ids, MRoPE, a cos_sin_cache and the norm keep other layouts. The kernel it names is
+    shipped in the two-level modules."""
+
+    def geometry(batch=8, seq=4096, heads=32, head_dim=128, rotary_dim=128, dtype="bfloat16",
+                 k_heads=0, neox=True, mode=_rotate.TWO_LEVEL, sequential=True, norm=False,
+                 batch_stride=None, offset=0):  # fmt: skip
+        width = (heads + k_heads) * head_dim
+        strides = (batch_stride or seq * width, width, head_dim, 1)
+        rows = [_rows(dtype, (batch, seq, heads, head_dim), strides, offset)] * 2
+        if k_heads:
+            rows += [_rows(dtype, (batch, seq, k_heads, head_dim), strides, heads * head_dim)] * 2
+        aligned = _rotate._vector_width(dtype, neox, rotary_dim, head_dim, False, rows)
+        return _rotate._shared_geometry(
+            dtype, neox, rotary_dim, mode, sequential, norm, rows, aligned
+        )  # fmt: skip
+
+    assert geometry() == ((2, 32768, 1), (16, 16, 1))  # (bf16 neox: 4 pairs a thread)
+    assert geometry(neox=False) == ((2, 32768, 1), (16, 16, 1))  # (8 elements a thread)
+    assert geometry(dtype="float32") == ((2, 32768, 1), (16, 16, 1))
+    assert geometry(dtype="float32", neox=False) == ((4, 32768, 1), (32, 8, 1))
+    assert geometry(head_dim=64, rotary_dim=64) == ((1, 32768, 1), (8, 32, 1))
+    assert geometry(heads=32, k_heads=8) == ((3, 32768, 1), (16, 14, 1))  # (40 rows: 14, 14, 12)
+    assert geometry(heads=6, k_heads=2, head_dim=64, rotary_dim=64) == ((1, 32768, 1), (8, 8, 1))
+    assert geometry(batch=1, seq=70000, heads=8) == ((1, 65535, 2), (16, 8, 1))
+    assert geometry(batch=1, seq=1 << 14, heads=8) is not None  # (2**17 head rows)
+    assert geometry(batch=1, seq=(1 << 14) - 1, heads=8) is None  # _SHARED_MIN_HEAD_ROWS
+    assert geometry(batch=1, seq=1 << 15, heads=7) is None  # (a block's table for few rows)
+    assert geometry(batch_stride=4096 * 32 * 128 + 128) is None  # (sequences apart)
+    assert geometry(batch=1, batch_stride=1) is not None  # (one sequence: any batch stride)
+    assert geometry(sequential=False) is None  # (per-token ids)
+    assert geometry(mode=_rotate.MROPE) is None and geometry(mode=_rotate.COS_SIN_CACHE) is None
+    assert geometry(norm=True) is None
+    assert geometry(rotary_dim=64) is None and geometry(head_dim=96, rotary_dim=96) is None
+    assert geometry(offset=1) is None  # (one element in: not 16-byte aligned)
+    for dtype, rotary_dim, neox, mode in itertools.product(
+        ("bfloat16", "float16", "float32"), _rotate.SHIPPED_ROTARY_DIMS, (True, False),
+        _rotate.TABLE_MODES,
+    ):  # fmt: skip
+        shipped = _rotate.module_spec(dtype, rotary_dim, mode).name_expressions
+        name = _rotate._shared_name(dtype, neox, rotary_dim)
+        assert (name in shipped) == (mode == _rotate.TWO_LEVEL)
 
 
 def test_mrope_takes_whole_rows_where_a_lane_sits_in_one_section():

@@ -261,7 +261,7 @@ def test_large_launches_share_a_token_s_cos_sin(rng, monkeypatch, shape, dtype, 
         monkeypatch.setattr(_rotate, "_MAX_GRID_Y", 7)
     spec = _rotate.module_spec(dtype, shape[-1])
     shared = [
-        _cuda.function(spec, _rotate._shared_name(dtype, neox, shape[-1], _rotate.TWO_LEVEL), 0)
+        _cuda.function(spec, _rotate._shared_name(dtype, neox, shape[-1]), 0)
         for neox in (True, False)
     ]
     _assert_layout_matches_chunks(

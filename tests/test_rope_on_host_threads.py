@@ -73,10 +73,10 @@ void run_packs(const RopeParams& p, GEOMETRY) {{
                     [&] {{ rope_rotate_packs<T, NEOX, RD, ROWS, TABLE, NORM>(p); }});
 }}
 
-template <typename T, bool NEOX, int VEC, int RD, int TABLE>
+template <typename T, bool NEOX, int VEC, int RD>
 void run_shared(const RopeParams& p, GEOMETRY) {{
   launch_on_threads(dim3{{gx, gy, gz}}, dim3{{bx, by, bz}},
-                    [&] {{ rope_rotate_shared<T, NEOX, VEC, RD, TABLE>(p); }});
+                    [&] {{ rope_rotate_shared<T, NEOX, VEC, RD>(p); }});
 }}
 
 typedef void (*Runner)(const RopeParams&, GEOMETRY);
@@ -466,10 +466,12 @@ def _launch_packs(kernels, rng, dtype, neox, rotary_dim, shape, operands, in_pla
     aligned_width = 16 // ITEMSIZE[dtype]  # (16 bytes a lane)
     if shared:
         rows = q_rows + (k_rows if k_heads else [])
-        geometry = _rotate._shared_geometry(dtype, neox, rotary_dim, norm, rows, aligned_width)
-        grid, block = geometry
+        grid, block = _rotate._shared_geometry(
+            dtype, neox, rotary_dim, case["mode"], not case["fields"]["ids"], norm, rows,
+            aligned_width,
+        )  # fmt: skip
         threads = math.prod(grid) * math.prod(block)
-        name = _rotate._shared_name(dtype, neox, rotary_dim, case["mode"])
+        name = _rotate._shared_name(dtype, neox, rotary_dim)
     else:
         threads = batch * seq * (q_heads + k_heads) // _rotate._PACK_ROWS * rotary_dim
         threads //= aligned_width
@@ -565,40 +567,32 @@ def test_shared_layout_on_host_threads(kernels, rng, monkeypatch, dtype, neox, r
     (``_SHARED_MIN_HEAD_ROWS`` lowered to these calls, tokens in grid rows of 4 whose last is
     partial: ``_MAX_GRID_Y``): q alone, q with k in q's rows and apart, a token's rows over
     one block and over two (32 rows: 16-bit D128 blocks hold 16; float32 interleaved D128 a
-    token of 12 rows in blocks of 6), per-sequence offsets, every kind of positions of
-    PACK_POSITIONS (each table mode), both directions, in place and into new arrays, every
-    element against the oracle and nothing else written. Under 8 rows a token the plan keeps
-    other layouts."""
+    token of 12 rows in blocks of 6), sequential positions with per-sequence offsets (what
+    the plan gives it), both directions, in place and into new arrays, every element against
+    the oracle and nothing else written. Under 8 rows a token the plan keeps other layouts."""
     monkeypatch.setattr(_rotate, "_SHARED_MIN_HEAD_ROWS", 0)
     monkeypatch.setattr(_rotate, "_MAX_GRID_Y", 4)
     batch, seq = 3, 3
     offsets = np.array([0, 700, 3], np.int64)
     operands = ((8, 0, False), (24, 8, False), (4, 8, True), (8, 4, True))
-    for ((q_heads, k_heads, k_apart), kind), (inverse, in_place) in zip(
-        itertools.product(operands, PACK_POSITIONS),
-        itertools.cycle(itertools.product((False, True), (False, True))),
-    ):  # (each operand set with each kind of positions, directions and placements in turn)
-        case = _pack_positions(rng, kind, rotary_dim, batch, seq, offsets)
+    case = _pack_positions(rng, "sequential", rotary_dim, batch, seq, offsets)
+    for (q_heads, k_heads, k_apart), inverse, in_place in itertools.product(
+        operands, (False, True), (False, True)
+    ):
         launched = _launch_packs(
             kernels, rng, dtype, neox, rotary_dim, (batch, seq), (q_heads, k_heads, k_apart),
             in_place, case, shared=True, sin_sign=-1.0 if inverse else 1.0,
         )  # fmt: skip
         what = f"{dtype} neox={neox} D{rotary_dim} heads={q_heads}+{k_heads} "
-        what += f"k_apart={k_apart} in_place={in_place} positions={kind} shared"
+        what += f"k_apart={k_apart} in_place={in_place} inverse={inverse} shared"
         for array, _, x64, y in _packs_heads(launched, rotary_dim, what):
-            if "cache" in case:
-                row = case["cache"][:, :, None, :].astype(np.float64)
-                cos, sin = row[..., : rotary_dim // 2], row[..., rotary_dim // 2 :]
-                y64 = rotate_reference(x64, cos, sin, neox=neox, inverse=inverse)
-                assert_matches_reference(y, y64, x64, rotary_dim, dtype, what=f"{what} {array}")
-            else:
-                assert_matches_oracle(
-                    y, x64, case["positions"], standard_frequencies(rotary_dim), dtype,
-                    neox=neox, inverse=inverse, per_pair=case["per_pair"], what=f"{what} {array}",
-                )  # fmt: skip
+            assert_matches_oracle(
+                y, x64, case["positions"], standard_frequencies(rotary_dim), dtype,
+                neox=neox, inverse=inverse, what=f"{what} {array}",
+            )  # fmt: skip
     few = _array_rows([np.zeros((1, 1 << 16, 7 * rotary_dim))] * 2, dtype, 7, rotary_dim, 0)
-    width = 16 // ITEMSIZE[dtype]
-    assert _rotate._shared_geometry(dtype, neox, rotary_dim, False, few, width) is None
+    width, mode = 16 // ITEMSIZE[dtype], _rotate.TWO_LEVEL
+    assert _rotate._shared_geometry(dtype, neox, rotary_dim, mode, True, False, few, width) is None
 
 
 @pytest.mark.parametrize("rotary_dim", _rotate.SHIPPED_ROTARY_DIMS)

@@ -118,12 +118,17 @@ _PACK_MAX_HEAD_ROWS = {  # (element size, neox): exclusive (float32 interleaved:
 _PACK_MAX_THREADS = 1 << 31  # rope_rotate_packs numbers its threads in 32 bits
 # The plain rotation's shared-table layout (rope.cu rope_rotate_shared): one chunk of one head
 # row a thread, blocks of up to _SHARED_THREADS threads holding rows of one token, whose cos/sin
-# each block forms once into shared memory; any table mode, rows rotated whole at a shipped
-# rotary_dim, 16-byte-aligned rows. A chunk is 4 pairs: a 16-bit neox chunk two 8-byte
-# accesses, the rest 16-byte ones. Standalone probe on an H100 (bf16 B8 S4096 H32 D128, % of
-# the copy ceiling, one process; the package 97.7 / 97.6%, a copy 100%): neox 99.7% (16-byte
-# halves 99.0%), interleaved 99.6% (8-byte accesses 83.6%); blocks of one token's 32 rows
-# lost 1.5-2 points against 16.
+# each block forms once into shared memory; two-level tables at sequential positions (no ids),
+# rows rotated whole at a shipped rotary_dim, 16-byte-aligned rows, launches that
+# rope_rotate_packs leaves to the chunk layout. A chunk is 4 pairs: a 16-bit neox chunk two
+# 8-byte accesses, the rest 16-byte ones. Chunks -> shared on an H100 (kernel_ab, % of the
+# copy ceiling, H32 D128 unless named): bf16 B8 S4096 neox 96.2 -> 98.1, interleaved 96.3 ->
+# 97.7; float32 neox 97.2 -> 99.5; bf16 D64 93.0 -> 95.2. Where it lost, others keep the
+# launch: rope_rotate_packs' mid sizes (packs -> shared: bf16 B1 S8192 88.9 -> 87.5, B2 S2048
+# 78.5 -> 76.3; float32 interleaved B8 S4096 99.2 -> 96.8), per-token ids (32q/8kv, chunks ->
+# shared: N32768 96.6 -> 95.1), the cos_sin_cache (N8192 88.3 -> 79.2) and MRoPE (N8192
+# 84-89 -> 66-68), whose positions reach the table through loads that every thread of a
+# block waits for.
 _SHARED_THREADS, _SHARED_REGISTERS = 256, 32
 _SHARED_MIN_HEAD_ROWS = 1 << 17
 _SHARED_MIN_HEADS = 8  # rows a token, q's and k's (fewer: a block would form cos/sin for few rows)
@@ -519,15 +524,15 @@ def module_spec(
     )
     if _packs_compiled(dtype, rotary_dim, norm):
         names += tuple(_packs_name(dtype, neox, rotary_dim, mode, norm) for neox in (True, False))
-    if _shared_compiled(rotary_dim, norm):
-        names += tuple(_shared_name(dtype, neox, rotary_dim, mode) for neox in (True, False))
+    if _shared_compiled(rotary_dim, mode, norm):
+        names += tuple(_shared_name(dtype, neox, rotary_dim) for neox in (True, False))
     return _cuda.ModuleSpec("rope", names, _DEFINES)
 
 
-def _shared_compiled(rotary_dim: int, norm: bool) -> bool:
-    """Whether rope_rotate_shared is compiled into this module (any dtype and table mode): a
-    shipped rotary_dim, no norm."""
-    return rotary_dim in SHIPPED_ROTARY_DIMS and not norm
+def _shared_compiled(rotary_dim: int, mode: int, norm: bool) -> bool:
+    """Whether rope_rotate_shared is compiled into this module (any dtype): the two-level
+    tables at a shipped rotary_dim, no norm."""
+    return rotary_dim in SHIPPED_ROTARY_DIMS and mode == TWO_LEVEL and not norm
 
 
 def _shared_vec(dtype: str, neox: bool) -> int:
@@ -536,8 +541,8 @@ def _shared_vec(dtype: str, neox: bool) -> int:
     return 4 if neox else 16 // ITEMSIZE[dtype]
 
 
-def _shared_name(dtype: str, neox: bool, rotary_dim: int, mode: int) -> str:
-    flags = f"{str(neox).lower()}, {_shared_vec(dtype, neox)}, {rotary_dim}, {mode}"
+def _shared_name(dtype: str, neox: bool, rotary_dim: int) -> str:
+    flags = f"{str(neox).lower()}, {_shared_vec(dtype, neox)}, {rotary_dim}"
     return f"rope_rotate_shared<{_cuda.CUDA_TYPES[dtype]}, {flags}>"
 
 
@@ -737,10 +742,12 @@ def _plan(
     copy_tail: bool,
     norm: RowNorm | None,
     lanes_in_one_row: bool,
+    sequential: bool,
 ) -> _LaunchPlan:
     """The launch of one layout (computed once): rope_rotate_packs where it takes the launch
     (_packs_layout; ``lanes_in_one_row``: :func:`_lanes_in_one_row` of the call's MRoPE
-    sections), else rope_rotate's geometry."""
+    sections), else rope_rotate_shared where it does (_shared_geometry; ``sequential``: the
+    positions are no ids), else rope_rotate's geometry."""
     q_in = rows[0]
     dtype, device = q_in.operand.dtype, q_in.operand.device
     alignment = 0
@@ -749,7 +756,7 @@ def _plan(
     rows_in_place = norm is not None and _rows_in_place(rows)  # (only the norm has two layouts)
     key = (
         dtype, neox, rotary_dim, mode, device, copy_tail, alignment, norm is not None,
-        rows_in_place, lanes_in_one_row,
+        rows_in_place, lanes_in_one_row, sequential,
         tuple((r.shape, r.strides) for r in rows),
     )  # fmt: skip
     plan = _plans.get(key)
@@ -760,17 +767,19 @@ def _plan(
     total_heads = q_heads + (rows[2].shape[2] if len(rows) > 2 else 0)
     aligned_width = _vector_width(dtype, neox, rotary_dim, head_dim, copy_tail, rows)
     normed = norm is not None
-    shared = _shared_geometry(dtype, neox, rotary_dim, normed, rows, aligned_width)
-    if shared is not None:
-        name = _shared_name(dtype, neox, rotary_dim, mode)
-        kernel = _cuda.function(module_spec(dtype, rotary_dim, mode, False), name, device)
-        step = _cuda.Step(kernel, *shared, 0)
-        return _remember_plan(key, _LaunchPlan(steps=(step,), tail_chunks=0))
     if _packs_layout(dtype, neox, rotary_dim, normed, rows, aligned_width, lanes_in_one_row):
         threads = _packs_threads(batch * seq * total_heads, rotary_dim, aligned_width)
         name = _packs_name(dtype, neox, rotary_dim, mode, normed)
         kernel = _cuda.function(module_spec(dtype, rotary_dim, mode, normed), name, device)
         step = _cuda.Step(kernel, (-(-threads // _PACK_THREADS), 1, 1), (_PACK_THREADS, 1, 1), 0)
+        return _remember_plan(key, _LaunchPlan(steps=(step,), tail_chunks=0))
+    shared = _shared_geometry(
+        dtype, neox, rotary_dim, mode, sequential, normed, rows, aligned_width
+    )
+    if shared is not None:
+        name = _shared_name(dtype, neox, rotary_dim)
+        kernel = _cuda.function(module_spec(dtype, rotary_dim, mode, False), name, device)
+        step = _cuda.Step(kernel, *shared, 0)
         return _remember_plan(key, _LaunchPlan(steps=(step,), tail_chunks=0))
     vec = access_width(
         dtype, neox, mode, norm is not None, batch * seq * total_heads, aligned_width
@@ -823,17 +832,29 @@ def _packs_layout(
 
 
 def _shared_geometry(
-    dtype: str, neox: bool, rotary_dim: int, norm: bool, rows: list[HeadRows], aligned_width: int
+    dtype: str,
+    neox: bool,
+    rotary_dim: int,
+    mode: int,
+    sequential: bool,
+    norm: bool,
+    rows: list[HeadRows],
+    aligned_width: int,
 ) -> tuple[tuple[int, int, int], tuple[int, int, int]] | None:
-    """(grid, block) of rope_rotate_shared where it takes the launch (_SHARED_* above), else
-    None: no norm, 16-byte-aligned rows rotated whole at a compiled rotary_dim, every
+    """(grid, block) of rope_rotate_shared where it takes a launch that rope_rotate_packs
+    does not (_SHARED_* above), else None: the two-level tables at ``sequential`` positions
+    (no ids), no norm, 16-byte-aligned rows rotated whole at a compiled rotary_dim, every
     operand's sequences one run of rows (one sequence, or batch stride = seq * token stride:
     the kernel addresses a row by the token's index alone), at least _SHARED_MIN_HEADS rows a
     token and _SHARED_MIN_HEAD_ROWS in all. A block holds a chunk of each of up to
     _SHARED_THREADS // chunks rows of one token, a token's rows spread evenly over its
     blocks (grid x, adjacent in launch order), the tokens in rows of _MAX_GRID_Y (grid y, the
     rows z; the kernel numbers tokens in 32 bits)."""
-    if aligned_width * ITEMSIZE[dtype] != 16 or not _shared_compiled(rotary_dim, norm):
+    if (
+        aligned_width * ITEMSIZE[dtype] != 16
+        or not sequential
+        or not _shared_compiled(rotary_dim, mode, norm)
+    ):
         return None
     batch, seq, _, head_dim = rows[0].shape
     total_heads = sum(r.shape[2] for r in rows[::2])
@@ -904,7 +925,7 @@ def _rotate_cuda(
     one_row = _lanes_in_one_row(
         q_in.operand.dtype, positions.mrope_section, positions.mrope_interleaved
     )  # fmt: skip
-    plan = _plan(rotary_dim, mode, neox, rows, copy_tail, norm, one_row)
+    plan = _plan(rotary_dim, mode, neox, rows, copy_tail, norm, one_row, positions.ids is None)
     k_weight = None if norm is None else norm.k_weight
 
     k_in, k_out = (None, None) if k is None else k  # k_heads = 0: the kernel never reads k
