@@ -2000,24 +2000,14 @@ __global__ void __launch_bounds__(PROJECT_THREADS, 1) mhc_pre_cluster(const PreP
 // ------------------------------------------------------------------ post
 
 // x_out[row, i*c_x + c] = h_post[row, i] * x_layer_out[row, c] + x_res[row, i*c_x + c]
-// One thread a row's 8 columns of every stream or, PER_STREAM, of one stream: at decode sizes
-// that spreads a row over n times the threads, each with one load of x_res in flight, and
-// the kernel's time is the few loads' latency (B1 c_x1280 n4 bf16 under the profiler after a
-// 256 MB flush: 2.4 -> 1.6 us, B4 c_x7168 2.7 -> 1.9, B128 c_x4096 even; large batches keep
-// the row's streams a thread: 95.1 against 93.4% of the copy ceiling at B4096 c_x4096).
-template <typename T, bool PER_STREAM>
+template <typename T>
 __global__ void __launch_bounds__(POST_THREADS) mhc_post(const PostParams p) {
   typedef typename Io<T>::elem E;
-  constexpr int GROUP = PER_STREAM ? 1 : 4;  // streams whose loads a thread issues at once
   const unsigned long long item = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-  const u32 streams = PER_STREAM ? (u32)p.n : 1u;  // the thread's row's items a column unit
-  if (item >= (unsigned long long)(p.batch * streams * p.units)) return;
-  // the host keeps the items below 2**32, so the divisions are 32-bit
-  const u32 row_item = (u32)item / (u32)p.units;  // row * streams (+ the stream)
-  const u32 row = PER_STREAM ? row_item / streams : row_item;
-  const i64 c0 = ((i64)item - (i64)row_item * p.units) * 8;
-  const i64 first = PER_STREAM ? (i64)(row_item - row * streams) : 0;  // the thread's streams
-  const i64 last = PER_STREAM ? first + 1 : p.n;
+  if (item >= (unsigned long long)(p.batch * p.units)) return;
+  // the host keeps batch * units below 2**32, so the division is 32-bit
+  const u32 row = (u32)item / (u32)p.units;
+  const i64 c0 = ((i64)item - (i64)row * p.units) * 8;
   const int count = p.c_x - c0 < 8 ? (int)(p.c_x - c0) : 8;
   const E* layer = (const E*)p.x_layer_out + row * p.layer_stride + c0;
   const E* res = (const E*)p.x_res + row * p.res_stride + c0;
@@ -2027,22 +2017,22 @@ __global__ void __launch_bounds__(POST_THREADS) mhc_post(const PostParams p) {
     load8<T>(layer, xl);
   else
     load_some<T>(layer, count, xl);
-  // The streams GROUP at a time, each group's loads issued before its first store: a load
+  // The streams four at a time, each group's loads issued before its first store: a load
   // placed after a store waits for it (the compiler cannot tell that out and x_res never
   // overlap). Held raw (16 bytes a stream for 16-bit types), so the group costs few registers.
-  for (i64 i0 = first; i0 < last; i0 += GROUP) {
-    Raw8<T> raw[GROUP];
-    float h[GROUP];
+  for (i64 i0 = 0; i0 < p.n; i0 += 4) {
+    Raw8<T> raw[4];
+    float h[4];
 #pragma unroll
-    for (int g = 0; g < GROUP; ++g) {
-      if (i0 + g < last) {
+    for (int g = 0; g < 4; ++g) {
+      if (i0 + g < p.n) {
         h[g] = p.h_post[row * p.h_stride_row + (i0 + g) * p.h_stride_col];
         load_raw8<T>(res + (i0 + g) * p.c_x, p.vector_io, count, raw[g]);
       }
     }
 #pragma unroll
-    for (int g = 0; g < GROUP; ++g) {
-      if (i0 + g < last) {
+    for (int g = 0; g < 4; ++g) {
+      if (i0 + g < p.n) {
         float v[8];
         unpack8<T>(raw[g], v);
 #pragma unroll

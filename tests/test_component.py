@@ -444,8 +444,10 @@ def _layout_against_chunks(
     ``_rotate`` head-row ``threshold`` of a layout out of reach (the chunk layout), then
     lowered to 0 so that the layout takes the call (``taken``; else that the chunk layout
     keeps it); asserts, by ``takes(plan)``, that each took its layout and that both wrote the
-    same bits. Returns the second copy."""
+    same bits (the other layouts' bounds out of reach). Returns the second copy."""
     results, plans = {}, {}
+    for other in ("_PACK_MIN_HEAD_ROWS", "_SHARED_MIN_HEAD_ROWS"):
+        monkeypatch.setattr(_rotate, other, 1 << 62)
     for lowered in (False, True):
         monkeypatch.setattr(_rotate, threshold, 0 if lowered else 1 << 62)
         _rotate._plans.clear()

@@ -516,27 +516,6 @@ def test_post_matches_oracle(rng, place, c_x, batch, n, dtype):
     assert_post_matches(layer, gates, res, out, dtype)
 
 
-@GPU
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n", (1, 4, 6))
-@pytest.mark.parametrize(("c_x", "batch"), ((1000, 3), (130, 33)))
-def test_post_thread_layouts_write_the_same_bits(rng, monkeypatch, c_x, batch, n, dtype):
-    """mHC post's two thread layouts (a row's 8 columns of every stream a thread, or of one
-    stream: ``_mhc._POST_STREAM_ITEMS`` set so that each takes the call) against the oracle,
-    bit for bit the same."""
-    require("cuda", "torch")
-    import torch
-
-    layer, gates, res = _post_inputs_random(rng, batch, n, c_x, dtype)
-    outputs = {}
-    for bound in (0, 1 << 62):  # every stream a thread, then one
-        monkeypatch.setattr(_mhc, "_POST_STREAM_ITEMS", bound)
-        out = MHCPostFwdOp()(*(to_place(a, "cuda", "torch") for a in (layer, gates, res)))
-        assert_post_matches(layer, gates, res, out, dtype)
-        outputs[bound] = out
-    assert torch.equal(*outputs.values())
-
-
 POST_STRIDED_SHAPES = {"cpu": (6, 4, 70), "cuda": (5, 4, 512)}  # (batch, n, c_x)
 
 

@@ -216,10 +216,12 @@ def test_large_neox_launches_move_8_bytes_an_access(rng, monkeypatch, dtype, dir
 def _assert_layout_matches_chunks(monkeypatch, host, case, direction, threshold, bound, takes):
     """``case``'s op on ``host`` (on the device) with the ``_rotate`` head-row ``threshold`` of
     a layout at ``bound`` takes that layout (``takes(plan)``): every element against the
-    oracle, and the same bits as the chunk layout (rope_rotate, forced by a bound no launch
-    reaches)."""
+    oracle, and the same bits as the chunk layout (rope_rotate, forced by bounds of the other
+    layouts that no launch reaches)."""
     x = to_place(host, "cuda")
     outputs, plans = {}, {}
+    for other in ("_PACK_MIN_HEAD_ROWS", "_SHARED_MIN_HEAD_ROWS"):
+        monkeypatch.setattr(_rotate, other, 1 << 62)
     for layout, at in (("chunks", 1 << 62), ("tried", bound)):
         monkeypatch.setattr(_rotate, threshold, at)
         _rotate._plans.clear()
@@ -288,8 +290,8 @@ def test_mid_sized_launches_rotate_whole_rows(rng, monkeypatch, shape, dtype, di
 @GPU
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_large_float32_interleaved_launches_rotate_whole_rows(rng, monkeypatch, direction):
-    """float32 interleaved rows take rope_rotate_packs at every size, where neox goes back to
-    the chunk layout from 2**19 head rows (``_rotate._PACK_MAX_HEAD_ROWS``): 2**19 + 2**13
+    """float32 interleaved rows take rope_rotate_packs at every size, where neox leaves it
+    from 2**19 head rows (``_rotate._PACK_MAX_HEAD_ROWS``): 2**19 + 2**13
     head rows under the shipped bounds, every element against the oracle, and the same bits
     as the chunk layout."""
     require("cuda", "torch")

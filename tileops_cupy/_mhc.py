@@ -405,21 +405,9 @@ def pre_module(dtype: str, n: int) -> _cuda.ModuleSpec:
     return _cuda.ModuleSpec("mhc", names, _FORWARD_DEFINES)
 
 
-# mHC post launches of fewer than _POST_STREAM_ITEMS (row, stream, 8 columns) items take one
-# thread an item (mhc_post's PER_STREAM); larger ones one thread a row's 8 columns of every
-# stream. Under the profiler after a 256 MB flush (H100, bf16 n4, µs, row's streams a
-# thread -> one stream): B1 c_x1280 (640 items) 2.1 -> 1.6, B4 c_x7168 (14336) 2.5 -> 1.9,
-# B128 c_x4096 (2**18) 5.6 -> 5.3, where the shipped row kernel took 5.2.
-_POST_STREAM_ITEMS = 1 << 17
-
-
-def _post_name(dtype: str, per_stream: bool) -> str:
-    return f"mhc_post<{CUDA_TYPES[dtype]}, {str(per_stream).lower()}>"
-
-
 def post_module() -> _cuda.ModuleSpec:
-    """The post kernel for every dtype and thread layout (small: one module)."""
-    names = tuple(_post_name(t, per_stream) for t in CUDA_TYPES for per_stream in (False, True))
+    """The post kernel for every dtype (small: one module)."""
+    names = tuple(f"mhc_post<{t}>" for t in CUDA_TYPES.values())
     return _cuda.ModuleSpec("mhc", names, _FORWARD_DEFINES)
 
 
@@ -1050,10 +1038,8 @@ def _post_cuda(
     items = batch * -(-c_x // 8)
     if items >= 1 << 32:
         raise ValueError(f"mHC post takes batch * ceil(c_x / 8) < 2**32, got {items}")
-    per_stream = items * gates.shape[1] < _POST_STREAM_ITEMS
-    if per_stream:
-        items *= gates.shape[1]
-    kernel = _cuda.function(post_module(), _post_name(layer.dtype, per_stream), layer.device)
+    spec = post_module()
+    kernel = _cuda.function(spec, f"mhc_post<{CUDA_TYPES[layer.dtype]}>", layer.device)
     params = post_launch_params(layer, gates, res, x_out)
     grid = (-(-items // _POST_THREADS), 1, 1)
     step = _cuda.Step(kernel, grid, (_POST_THREADS, 1, 1))
