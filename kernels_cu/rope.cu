@@ -6,6 +6,10 @@
 // of q then k. cos/sin of a chunk are formed once per token and reused for every head.
 // Where cos/sin come from is the TABLE template argument (TABLE_* below): the two-level
 // tables, the same at a position row chosen per pair (MRoPE), or the caller's cos_sin_cache.
+// Two other layouts take launches the plan (tileops_cupy._rotate) gives them: mid sizes,
+// whole rows in 16-byte packs (rope_rotate_packs); large launches at sequential positions,
+// one chunk of one row a thread with a token's cos/sin formed once a block in shared memory
+// (rope_rotate_shared).
 //
 // Fused QK-RMSNorm (the NORM instantiations): each head row is first scaled, in float32, by
 // 1/sqrt(mean(x*x) + eps) over its whole head_dim and by (weight + offset) per column, then
