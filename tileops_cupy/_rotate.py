@@ -874,7 +874,8 @@ def _shared_geometry(
     grid_rows = -(-tokens // token_rows)
     if grid_rows > _MAX_GRID_Z:
         return None
-    # (a block forms its token's cos/sin a pair a thread: blocks of 8 rows or more hold them)
+    # (a block forms its token's cos/sin a pair a thread: from 8 rows a token, each block holds
+    # half the rows _SHARED_THREADS takes or more, so at least a row's pairs in threads)
     assert chunks * rows_a_block >= rotary_dim // 2, (chunks, rows_a_block)
     return (blocks_a_token, token_rows, grid_rows), (chunks, rows_a_block, 1)
 
