@@ -36,6 +36,7 @@ from _cases import (
     synchronize,
     to_place,
 )
+from _layouts import chunks_only, takes_packs, takes_shared
 from _oracle import (
     DEVICE_DTYPES,
     MROPE_SECTIONS,
@@ -58,7 +59,7 @@ from _oracle import (
     yarn_frequencies,
 )
 
-from tileops_cupy import _cuda, _rotate
+from tileops_cupy import _rotate
 from tileops_cupy import rope as rope_module
 from tileops_cupy.rope import (
     RoPE,
@@ -446,8 +447,7 @@ def _layout_against_chunks(
     keeps it); asserts, by ``takes(plan)``, that each took its layout and that both wrote the
     same bits (the other layouts' bounds out of reach). Returns the second copy."""
     results, plans = {}, {}
-    for other in ("_PACK_MIN_HEAD_ROWS", "_SHARED_MIN_HEAD_ROWS"):
-        monkeypatch.setattr(_rotate, other, 1 << 62)
+    chunks_only(monkeypatch)
     for lowered in (False, True):
         monkeypatch.setattr(_rotate, threshold, 0 if lowered else 1 << 62)
         _rotate._plans.clear()
@@ -469,9 +469,8 @@ def _whole_rows_against_chunks(
 ) -> torch.Tensor:
     """:func:`_layout_against_chunks` of rope_rotate_packs (``_PACK_MIN_HEAD_ROWS``)."""
     return _layout_against_chunks(
-        monkeypatch, host, rotate, "_PACK_MIN_HEAD_ROWS",
-        lambda plan: plan.steps[0].block == (_rotate._PACK_THREADS, 1, 1), packs,
-    )  # fmt: skip
+        monkeypatch, host, rotate, "_PACK_MIN_HEAD_ROWS", takes_packs, packs
+    )
 
 
 @GPU
@@ -611,13 +610,13 @@ def test_shared_table_layout_rotates_like_the_chunks(
         rope = RoPE(head_dim, hq, hkv, rope_layout=layout, max_position=1 << 16)
         assert_same(rope.prefill(q, k, offsets), q, k)
 
-    neox = layout == "neox"
-    spec = _rotate.module_spec(dtype, head_dim)
-    shared_kernel = _cuda.function(spec, _rotate._shared_name(dtype, neox, head_dim), 0)
     shared = _layout_against_chunks(
-        monkeypatch, host, rotate, "_SHARED_MIN_HEAD_ROWS",
-        lambda plan: plan.steps[0].kernel is shared_kernel,
-    )  # fmt: skip
+        monkeypatch,
+        host,
+        rotate,
+        "_SHARED_MIN_HEAD_ROWS",
+        takes_shared(dtype, head_dim, neox=layout == "neox"),
+    )
     before = host.astype(np.float64).reshape(batch, seq, heads, head_dim)
     after = to_float64(shared).reshape(batch, seq, heads, head_dim)
     v_after, v_before = (

@@ -31,6 +31,7 @@ from _cases import (
     require,
     to_place,
 )
+from _layouts import chunks_only, takes_packs, takes_shared
 from _oracle import (
     BF16,
     DEVICE_DTYPES,
@@ -63,7 +64,7 @@ from _oracle import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tileops_cupy import _cuda, _rotate, rope
+from tileops_cupy import _rotate, rope
 from tileops_cupy.rope import (
     BUILTIN,
     LongRoPEFwdOp,
@@ -220,8 +221,7 @@ def _assert_layout_matches_chunks(monkeypatch, host, case, direction, threshold,
     layouts that no launch reaches)."""
     x = to_place(host, "cuda")
     outputs, plans = {}, {}
-    for other in ("_PACK_MIN_HEAD_ROWS", "_SHARED_MIN_HEAD_ROWS"):
-        monkeypatch.setattr(_rotate, other, 1 << 62)
+    chunks_only(monkeypatch)
     for layout, at in (("chunks", 1 << 62), ("tried", bound)):
         monkeypatch.setattr(_rotate, threshold, at)
         _rotate._plans.clear()
@@ -242,9 +242,8 @@ def _assert_whole_rows_match_chunks(monkeypatch, host, case, direction, packs_fr
     """:func:`_assert_layout_matches_chunks` of rope_rotate_packs (``_PACK_MIN_HEAD_ROWS`` at
     ``packs_from``)."""
     _assert_layout_matches_chunks(
-        monkeypatch, host, case, direction, "_PACK_MIN_HEAD_ROWS", packs_from,
-        lambda plan: plan.steps[0].block == (_rotate._PACK_THREADS, 1, 1),
-    )  # fmt: skip
+        monkeypatch, host, case, direction, "_PACK_MIN_HEAD_ROWS", packs_from, takes_packs
+    )
 
 
 @GPU
@@ -261,14 +260,9 @@ def test_large_launches_share_a_token_s_cos_sin(rng, monkeypatch, shape, dtype, 
     require("cuda", "torch")
     if shape[-1] == 64:
         monkeypatch.setattr(_rotate, "_MAX_GRID_Y", 7)
-    spec = _rotate.module_spec(dtype, shape[-1])
-    shared = [
-        _cuda.function(spec, _rotate._shared_name(dtype, neox, shape[-1]), 0)
-        for neox in (True, False)
-    ]
     _assert_layout_matches_chunks(
         monkeypatch, random_data(rng, shape, dtype), case, direction, "_SHARED_MIN_HEAD_ROWS", 0,
-        lambda plan: any(plan.steps[0].kernel is kernel for kernel in shared),
+        takes_shared(dtype, shape[-1]),
     )  # fmt: skip
 
 

@@ -439,14 +439,14 @@ def _pack_positions(rng, kind: str, rotary_dim: int, batch: int, seq: int, offse
     return dict(mode=_rotate.COS_SIN_CACHE, fields=fields, keep=(cache, ids), cache=cache[ids])
 
 
-def _launch_packs(kernels, rng, dtype, neox, rotary_dim, shape, operands, in_place, case,
-                  norm=False, shared=False, **fields):  # fmt: skip
-    """One rope_rotate_packs launch (``shared``: rope_rotate_shared, in the plan's geometry)
-    over fresh data: ``shape`` (batch, seq), ``operands`` (q heads, k heads, k in an array of
-    its own, else in q's rows), in place or into zeroed arrays; each array holds two more
-    heads that nothing may touch. Returns (the rotated heads of each array {name: [(first
-    head, heads)]}, the data as made {name: array}, the buffers launched on, the arrays
-    written, the launch's threads)."""
+def _launch_whole_rows(kernels, rng, dtype, neox, rotary_dim, shape, operands, in_place, case,
+                       norm=False, shared=False, **fields):  # fmt: skip
+    """One launch of a layout that rotates rows whole, rope_rotate_packs (``shared``:
+    rope_rotate_shared, in the plan's geometry), over fresh data: ``shape`` (batch, seq),
+    ``operands`` (q heads, k heads, k in an array of its own, else in q's rows), in place or
+    into zeroed arrays; each array holds two more heads that nothing may touch. Returns (the
+    rotated heads of each array {name: [(first head, heads)]}, the data as made {name:
+    array}, the buffers launched on, the arrays written, the launch's threads)."""
     (batch, seq), (q_heads, k_heads, k_apart) = shape, operands
     rotated = {"q": [(0, q_heads)]}
     if k_heads:
@@ -485,8 +485,8 @@ def _launch_packs(kernels, rng, dtype, neox, rotary_dim, shape, operands, in_pla
     return rotated, hosts, buffers, results, threads
 
 
-def _packs_heads(launched, rotary_dim: int, what: str):
-    """Each rotated run of a :func:`_launch_packs` result as (its array's name, its first
+def _whole_rows_heads(launched, rotary_dim: int, what: str):
+    """Each rotated run of a :func:`_launch_whole_rows` result as (its array's name, its first
     head, the source heads in float64 ``[B, T, heads, rotary_dim]``, the written heads, the
     same) after checking that nothing else was written: the two spare heads of each array as
     they were (zeros, out of place), and an out-of-place source unchanged."""
@@ -537,14 +537,14 @@ def test_packs_layout_on_host_threads(kernels, rng, dtype, neox, rotary_dim):
         if kind in ("mrope", "cache") and inverse == in_place:
             continue  # (the other tables: half the direction and placement pairs)
         case = _pack_positions(rng, kind, rotary_dim, batch, seq, offsets)
-        launched = _launch_packs(
+        launched = _launch_whole_rows(
             kernels, rng, dtype, neox, rotary_dim, (batch, seq), (q_heads, k_heads, k_apart),
             in_place, case, sin_sign=-1.0 if inverse else 1.0,
         )  # fmt: skip
         partial_warps += launched[-1] % 32 != 0
         what = f"{dtype} neox={neox} D{rotary_dim} heads={q_heads}+{k_heads} "
         what += f"k_apart={k_apart} in_place={in_place} positions={kind}"
-        for array, _, x64, y in _packs_heads(launched, rotary_dim, what):
+        for array, _, x64, y in _whole_rows_heads(launched, rotary_dim, what):
             if "cache" in case:
                 row = case["cache"][:, :, None, :].astype(np.float64)
                 cos, sin = row[..., : rotary_dim // 2], row[..., rotary_dim // 2 :]
@@ -579,13 +579,13 @@ def test_shared_layout_on_host_threads(kernels, rng, monkeypatch, dtype, neox, r
     for (q_heads, k_heads, k_apart), inverse, in_place in itertools.product(
         operands, (False, True), (False, True)
     ):
-        launched = _launch_packs(
+        launched = _launch_whole_rows(
             kernels, rng, dtype, neox, rotary_dim, (batch, seq), (q_heads, k_heads, k_apart),
             in_place, case, shared=True, sin_sign=-1.0 if inverse else 1.0,
         )  # fmt: skip
         what = f"{dtype} neox={neox} D{rotary_dim} heads={q_heads}+{k_heads} "
         what += f"k_apart={k_apart} in_place={in_place} inverse={inverse} shared"
-        for array, _, x64, y in _packs_heads(launched, rotary_dim, what):
+        for array, _, x64, y in _whole_rows_heads(launched, rotary_dim, what):
             assert_matches_oracle(
                 y, x64, case["positions"], standard_frequencies(rotary_dim), dtype,
                 neox=neox, inverse=inverse, what=f"{what} {array}",
@@ -622,7 +622,7 @@ def test_packs_norm_on_host_threads(kernels, rng, dtype, neox, rotary_dim):
             spare = rng.uniform(0.5, 1.5, rotary_dim + 16).astype(w_dtype)
             start = -spare.ctypes.data % 16 // w_dtype.itemsize + (not aligned)
             weights[name] = spare[start : start + rotary_dim]
-        launched = _launch_packs(
+        launched = _launch_whole_rows(
             kernels, rng, dtype, neox, rotary_dim, (batch, seq), (q_heads, k_heads, k_apart),
             in_place, case, norm=True, q_norm_weight=weights["q"].ctypes.data,
             k_norm_weight=weights["k"].ctypes.data if k_heads else 0,
@@ -633,7 +633,7 @@ def test_packs_norm_on_host_threads(kernels, rng, dtype, neox, rotary_dim):
         partial_warps += launched[-1] % 32 != 0
         what = f"{dtype} neox={neox} D{rotary_dim} heads={q_heads}+{k_heads} "
         what += f"in_place={in_place} positions={kind} weights={weight_kind} aligned={aligned}"
-        for array, first, x64, y in _packs_heads(launched, rotary_dim, what):
+        for array, first, x64, y in _whole_rows_heads(launched, rotary_dim, what):
             operand = "q" if array == "q" and first == 0 else "k"
             normed = rms_norm_reference(x64, weights[operand].astype(np.float64), EPS, offset)
             assert_matches_oracle(
