@@ -62,30 +62,45 @@ __device__ __forceinline__ int thread_in_block() {
 
 constexpr int FINE_BITS = 10;
 
-// Position of token (b, s): offset + per-sequence offset + (explicit id or s). Out-of-range
-// positions raise the error flag and are clamped, so no table is ever read out of bounds.
-__device__ __forceinline__ long long token_position(const void* ids, int ids_is_int64,
-                                                    const void* offsets, int offsets_is_int64,
-                                                    long long position_offset, int b, int s,
-                                                    long long token, long long position_limit,
-                                                    volatile int* error_flag) {
-  long long position = position_offset;
+// Position of the token (b, s) of a sequence at sequential positions, without its bound:
+// offset + per-sequence offset + s.
+__device__ __forceinline__ long long sequential_position(const void* offsets, int offsets_is_int64,
+                                                         long long position_offset, int b,
+                                                         int s) {
+  long long position = position_offset + s;
   if (offsets != nullptr) {
     position += offsets_is_int64 ? static_cast<const long long*>(offsets)[b]
                                  : static_cast<long long>(static_cast<const int*>(offsets)[b]);
   }
-  if (ids != nullptr) {
-    position += ids_is_int64 ? static_cast<const long long*>(ids)[token]
-                             : static_cast<long long>(static_cast<const int*>(ids)[token]);
-  } else {
-    position += s;
-  }
+  return position;
+}
+
+// A position within [0, position_limit): out-of-range positions raise the error flag and are
+// clamped, so no table is ever read out of bounds.
+__device__ __forceinline__ long long bounded_position(long long position,
+                                                      long long position_limit,
+                                                      volatile int* error_flag) {
   if (position < 0 || position >= position_limit) {
     *error_flag = 1;
     __threadfence_system();
     position = position < 0 ? 0 : position_limit - 1;
   }
   return position;
+}
+
+// Position of token (b, s): offset + per-sequence offset + (explicit id or s), bounded.
+__device__ __forceinline__ long long token_position(const void* ids, int ids_is_int64,
+                                                    const void* offsets, int offsets_is_int64,
+                                                    long long position_offset, int b, int s,
+                                                    long long token, long long position_limit,
+                                                    volatile int* error_flag) {
+  long long position = sequential_position(offsets, offsets_is_int64, position_offset, b,
+                                           ids != nullptr ? 0 : s);
+  if (ids != nullptr) {
+    position += ids_is_int64 ? static_cast<const long long*>(ids)[token]
+                             : static_cast<long long>(static_cast<const int*>(ids)[token]);
+  }
+  return bounded_position(position, position_limit, error_flag);
 }
 
 // The pairs of one chunk of a head row (VEC pairs of a neox row, or VEC interleaved elements):
@@ -808,8 +823,13 @@ __global__ void __launch_bounds__(ROPE_SHARED_THREADS, ROPE_SHARED_MIN_BLOCKS)
   // a pair a thread (the plan's blocks hold PAIRS threads or more)
   const int thread = threadIdx.x + threadIdx.y * blockDim.x;
   if (thread < PAIRS) {
-    with_cos_sin<TABLE_TWO_LEVEL>(TokenRows<T>(p, token_index), PAIRS,
-                                  [&](auto cos_sin_of) { cos_sin[thread] = cos_sin_of(thread); });
+    // sequential positions (the plan's): no ids; with no per-sequence offsets the host has
+    // bounded offset + s (the bound's compare and fence cost the block's bytes a point)
+    const unsigned seq = static_cast<unsigned>(p.seq), b = token_index / seq;
+    long long position = sequential_position(p.offsets, p.offsets_is_int64, p.position_offset,
+                                             b, token_index - b * seq);
+    if (p.offsets != nullptr) position = bounded_position(position, p.position_limit, p.error_flag);
+    cos_sin[thread] = TwoLevelRows(p.fine, p.coarse, position, PAIRS).cos_sin(thread);
   }
   __syncthreads();
   if (h >= total_heads) return;
