@@ -192,10 +192,11 @@ def _array_rows(arrays, dtype: str, heads: int, rotary_dim: int, first_head: int
     return _head_rows(arrays, dtype, shape, strides, first_head * rotary_dim)
 
 
-def _launch(kernel, grid, block, q_rows, k_rows, **fields) -> None:
+def _launch(kernel, grid, block, q_rows, k_rows, flagged=False, **fields) -> None:
     """Run ``kernel`` on host threads over q's (in, out) and k's (in, out) rows, with
     ``fields`` of RopeParams over these defaults: BATCH x SEQ tokens, HEADS q heads and
-    KV_HEADS k heads, no ids or offsets, no table, no norm. Its error flag must stay 0."""
+    KV_HEADS k heads, no ids or offsets, no table, no norm. Its error flag must stay 0 (be
+    raised when ``flagged``)."""
     flag = np.zeros(1, np.int32)
     defaults = dict(
         ids=0, offsets=0, error_flag=flag.ctypes.data, fine=0, coarse=0, position_offset=0,
@@ -212,7 +213,7 @@ def _launch(kernel, grid, block, q_rows, k_rows, **fields) -> None:
         **{**defaults, **fields},
     )  # fmt: skip
     kernel(ctypes.create_string_buffer(params), *grid, *[1] * (3 - len(grid)), *block)
-    assert flag[0] == 0
+    assert flag[0] == flagged
 
 
 def _run_case(
@@ -593,6 +594,37 @@ def test_shared_layout_on_host_threads(kernels, rng, monkeypatch, dtype, neox, r
     few = _array_rows([np.zeros((1, 1 << 16, 7 * rotary_dim))] * 2, dtype, 7, rotary_dim, 0)
     width, mode = 16 // ITEMSIZE[dtype], _rotate.TWO_LEVEL
     assert _rotate._shared_geometry(dtype, neox, rotary_dim, mode, True, False, few, width) is None
+
+
+@pytest.mark.parametrize("neox", (True, False), ids=("neox", "interleaved"))
+@pytest.mark.parametrize("dtype", ("bfloat16", "float32"))
+def test_shared_layout_positions_on_host_threads(kernels, rng, monkeypatch, dtype, neox):
+    """rope_rotate_shared's two kinds of sequential positions: offset + s alone (no
+    per-sequence offsets: the host has bounded them, as for the seed ops), and per-sequence
+    offsets that take a sequence past the table's limit (device offsets are bounded by the
+    kernel: the error flag is raised and the positions clamped, so no table row past the
+    limit is read). Every element against the oracle at the clamped positions."""
+    monkeypatch.setattr(_rotate, "_SHARED_MIN_HEAD_ROWS", 0)
+    rotary_dim, batch, seq = 128, 3, 3
+    for offsets_given, flagged in ((False, False), (True, True)):
+        offsets = np.array([0, 6000, 3] if offsets_given else [0, 0, 0], np.int64)
+        case = _pack_positions(rng, "sequential", rotary_dim, batch, seq, offsets)
+        if offsets_given:  # sequence 1 runs from POSITION + 6000, past the table's last row
+            limit = POSITION + 6000 + 1
+            case["fields"]["position_limit"] = limit
+            case["positions"] = np.minimum(case["positions"], limit - 1)
+        else:
+            case["fields"]["offsets"] = 0
+        launched = _launch_whole_rows(
+            kernels, rng, dtype, neox, rotary_dim, (batch, seq), (24, 8, False), True, case,
+            shared=True, flagged=flagged,
+        )  # fmt: skip
+        what = f"{dtype} neox={neox} offsets={offsets_given} shared"
+        for array, _, x64, y in _whole_rows_heads(launched, rotary_dim, what):
+            assert_matches_oracle(
+                y, x64, case["positions"], standard_frequencies(rotary_dim), dtype, neox=neox,
+                what=f"{what} {array}",
+            )  # fmt: skip
 
 
 @pytest.mark.parametrize("rotary_dim", _rotate.SHIPPED_ROTARY_DIMS)
