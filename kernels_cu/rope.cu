@@ -62,17 +62,12 @@ __device__ __forceinline__ int thread_in_block() {
 
 constexpr int FINE_BITS = 10;
 
-// Position of the token (b, s) of a sequence at sequential positions, without its bound:
-// offset + per-sequence offset + s.
-__device__ __forceinline__ long long sequential_position(const void* offsets, int offsets_is_int64,
-                                                         long long position_offset, int b,
-                                                         int s) {
-  long long position = position_offset + s;
-  if (offsets != nullptr) {
-    position += offsets_is_int64 ? static_cast<const long long*>(offsets)[b]
-                                 : static_cast<long long>(static_cast<const int*>(offsets)[b]);
-  }
-  return position;
+// The per-sequence offset of sequence b (0 without offsets).
+__device__ __forceinline__ long long sequence_offset(const void* offsets, int offsets_is_int64,
+                                                     int b) {
+  if (offsets == nullptr) return 0;
+  return offsets_is_int64 ? static_cast<const long long*>(offsets)[b]
+                          : static_cast<long long>(static_cast<const int*>(offsets)[b]);
 }
 
 // A position within [0, position_limit): out-of-range positions raise the error flag and are
@@ -94,11 +89,12 @@ __device__ __forceinline__ long long token_position(const void* ids, int ids_is_
                                                     long long position_offset, int b, int s,
                                                     long long token, long long position_limit,
                                                     volatile int* error_flag) {
-  long long position = sequential_position(offsets, offsets_is_int64, position_offset, b,
-                                           ids != nullptr ? 0 : s);
+  long long position = position_offset + sequence_offset(offsets, offsets_is_int64, b);
   if (ids != nullptr) {
     position += ids_is_int64 ? static_cast<const long long*>(ids)[token]
                              : static_cast<long long>(static_cast<const int*>(ids)[token]);
+  } else {
+    position += s;
   }
   return bounded_position(position, position_limit, error_flag);
 }
@@ -826,8 +822,8 @@ __global__ void __launch_bounds__(ROPE_SHARED_THREADS, ROPE_SHARED_MIN_BLOCKS)
     // sequential positions (the plan's): no ids; with no per-sequence offsets the host has
     // bounded offset + s (the bound's compare and fence cost the block's bytes a point)
     const unsigned seq = static_cast<unsigned>(p.seq), b = token_index / seq;
-    long long position = sequential_position(p.offsets, p.offsets_is_int64, p.position_offset,
-                                             b, token_index - b * seq);
+    long long position = p.position_offset + sequence_offset(p.offsets, p.offsets_is_int64, b) +
+                         (token_index - b * seq);
     if (p.offsets != nullptr) position = bounded_position(position, p.position_limit, p.error_flag);
     cos_sin[thread] = TwoLevelRows(p.fine, p.coarse, position, PAIRS).cos_sin(thread);
   }
