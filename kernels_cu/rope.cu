@@ -9,7 +9,7 @@
 // Two other layouts take launches the plan (tileops_cupy._rotate) gives them: mid sizes,
 // whole rows in 16-byte packs (rope_rotate_packs); large launches at sequential positions,
 // one chunk of one row a thread with a token's cos/sin formed once a block in shared memory
-// (rope_rotate_shared).
+// (rope_rotate_shared, on devices of an H100's memory bandwidth a multiprocessor or less).
 //
 // Fused QK-RMSNorm (the NORM instantiations): each head row is first scaled, in float32, by
 // 1/sqrt(mean(x*x) + eps) over its whole head_dim and by (weight + offset) per column, then
@@ -790,12 +790,15 @@ __global__ void __launch_bounds__(NORM == NORM_ROWS ? ROPE_ROWS_THREADS : ROPE_T
 // waits for its table, so the few threads that form it hold up the block's bytes: at bf16
 // B8 S4096 the batch index by a 64-bit division and a loop over pairs cost 1.6 points of the
 // ceiling, positions read as ids (a load before the table's) lose to rope_rotate (the plan
-// keeps them there), and the general position path (ids, offsets, the bound) still costs a
-// point against s + offset alone (98.5 against 99.5%). A thread's own work is kept to its
-// loads, its stores and the rotation: the plan takes operands whose sequences are one run of
-// rows (stride[0] == seq * stride[1], or one sequence), so a row's address is the token's
-// index times stride[1]; the token's batch and seq indices (its position) are formed by the
-// threads that form the table alone. Rows rotated whole at ROTARY_DIM (no tail).
+// keeps them there), and the general position path (ids, offsets, the bound) cost a point
+// against s + offset alone (98.5 against 99.5%: the table threads now take the sequential
+// path alone). On a faster memory (an H200) a thread's 16 bytes in flight are too few: the
+// plan keeps this layout to devices whose DRAM asks little of each multiprocessor (an H100).
+// A thread's own work is kept to its loads, its stores and the rotation: the plan takes
+// operands whose sequences are one run of rows (stride[0] == seq * stride[1], or one
+// sequence), so a row's address is the token's index times stride[1]; the token's batch and
+// seq indices (its position) are formed by the threads that form the table alone. Rows
+// rotated whole at ROTARY_DIM (no tail).
 template <typename T, bool NEOX, int VEC, int ROTARY_DIM>
 __global__ void __launch_bounds__(ROPE_SHARED_THREADS, ROPE_SHARED_MIN_BLOCKS)
     rope_rotate_shared(const RopeParams p) {
@@ -819,8 +822,9 @@ __global__ void __launch_bounds__(ROPE_SHARED_THREADS, ROPE_SHARED_MIN_BLOCKS)
   // a pair a thread (the plan's blocks hold PAIRS threads or more)
   const int thread = threadIdx.x + threadIdx.y * blockDim.x;
   if (thread < PAIRS) {
-    // sequential positions (the plan's): no ids; with no per-sequence offsets the host has
-    // bounded offset + s (the bound's compare and fence cost the block's bytes a point)
+    // the plan's positions are sequential (no ids); the host has bounded offset + s, so only
+    // per-sequence offsets (device values) take the bound: the path every thread of the block
+    // waits for is kept short
     const unsigned seq = static_cast<unsigned>(p.seq), b = token_index / seq;
     long long position = p.position_offset + sequence_offset(p.offsets, p.offsets_is_int64, b) +
                          (token_index - b * seq);

@@ -84,11 +84,18 @@ for dtype in (torch.bfloat16, torch.float32):
     # sections on lane boundaries, and from a cos_sin_cache; MRoPE sections that split a
     # lane's pairs, and the interleaved rows, at the same size (rope_rotate's chunks). Each
     # twice: with the shipped bounds (rope_rotate_packs), then with rope_rotate_packs out of
-    # reach and rope_rotate_shared from any size (the sequential launches; their tokens in
-    # grid rows of 1000, the last partial).
-    shipped = (_rotate._PACK_MIN_HEAD_ROWS, _rotate._SHARED_MIN_HEAD_ROWS, _rotate._MAX_GRID_Y)
-    for bounds in (shipped, (1 << 62, 0, 1000)):
-        _rotate._PACK_MIN_HEAD_ROWS, _rotate._SHARED_MIN_HEAD_ROWS, _rotate._MAX_GRID_Y = bounds
+    # reach and rope_rotate_shared from any size on any device (the sequential launches; their
+    # tokens in grid rows of 1000, the last partial).
+    names = (
+        "_PACK_MIN_HEAD_ROWS",
+        "_SHARED_MIN_HEAD_ROWS",
+        "_MAX_GRID_Y",
+        "_SHARED_MAX_SM_BANDWIDTH",
+    )
+    shipped = tuple(getattr(_rotate, name) for name in names)
+    for bounds in (shipped, (1 << 62, 0, 1000, float("inf"))):
+        for name, bound in zip(names, bounds, strict=True):
+            setattr(_rotate, name, bound)
         _rotate._plans.clear()
         wide = torch.randn(1, 4097, 37, 128, device=cuda, dtype=dtype)[:, :, 1:]  # 36 heads
         for rope_layout in ("neox", "interleaved"):
@@ -124,7 +131,8 @@ for dtype in (torch.bfloat16, torch.float32):
                                   mrope_interleaved=interleaved)  # fmt: skip
                     normed.forward(qkv[0, :, :40], qkv[0, :, 40:44], positions=three_rows,
                                    q_norm_weight=w[0], k_norm_weight=w[1])  # fmt: skip
-    _rotate._PACK_MIN_HEAD_ROWS, _rotate._SHARED_MIN_HEAD_ROWS, _rotate._MAX_GRID_Y = shipped
+    for name, bound in zip(names, shipped, strict=True):
+        setattr(_rotate, name, bound)
     _rotate._plans.clear()
     cache = torch.randn(100, 40, device=cuda)
     tokens = torch.randn(15, 4 * 64 + 1, device=cuda, dtype=dtype)[:, 1:]

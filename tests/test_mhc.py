@@ -29,7 +29,7 @@ from _mhc_oracle import (
 )
 from _oracle import dtype_name, framework_name
 
-from tileops_cupy import _mhc
+from tileops_cupy import _cuda, _mhc
 from tileops_cupy._mhc import plan_geometry, small_geometry
 from tileops_cupy.sequence_modeling import MHCPostFwdOp, MHCPreFwdOp, streams_of
 
@@ -223,7 +223,7 @@ def test_pre_cluster_launch(rng, n, dtype):
     require("cuda", "torch")
     import torch
 
-    clustered = _mhc._attribute(0, _mhc._COMPUTE_MAJOR) >= 9
+    clustered = _cuda.device_attribute(0, _cuda.COMPUTE_MAJOR) >= 9
     for c_x, batch in CLUSTER_SHAPES:
         case = random_pre_case(rng, n, c_x, batch, dtype=dtype)
         plan = _mhc._pre_plan(0, dtype, n, c_x, batch)
@@ -255,7 +255,7 @@ def test_pre_cluster_launch_split_over_clusters(rng, n, dtype, monkeypatch):
     require("cuda", "torch")
     import torch
 
-    if _mhc._attribute(0, _mhc._COMPUTE_MAJOR) < 9:
+    if _cuda.device_attribute(0, _cuda.COMPUTE_MAJOR) < 9:
         pytest.skip("thread block clusters need sm_90")
     monkeypatch.setattr(_mhc, "_MIN_CLUSTER_GROUPS", 3)
     monkeypatch.setattr(_mhc, "_pre_plans", {})
@@ -289,7 +289,7 @@ def test_cluster_plan_takes_the_fewest_clusters_a_token_group_that_fit(monkeypat
     it fits, with no scratch; K split over the fewest clusters that fit otherwise, their
     sums and tickets in the stream's workspace (counters first, the size every workspace
     plan gives them)."""
-    monkeypatch.setattr(_mhc, "_attribute", lambda device, attribute: 9)
+    monkeypatch.setattr(_cuda, "device_attribute", lambda device, attribute: 9)
     monkeypatch.setattr(_mhc._cuda, "function", lambda spec, name, device: None)
     monkeypatch.setattr(_mhc, "_dynamic_smem_limit", lambda kernel, device: 227 * 1024)
     monkeypatch.setattr(
@@ -341,7 +341,7 @@ def test_pre_launched_early_gives_the_same_bits(rng):
     case = random_pre_case(rng, 4, 512, 300 + 4096)
     phi, x, b = (to_place(a, "cuda", "torch") for a in (case.phi, case.x, case.b))
     plan = _mhc._pre_plan(0, "bfloat16", 4, 512, x.shape[0])
-    early = _mhc._attribute(0, _mhc._COMPUTE_MAJOR) >= 9
+    early = _cuda.device_attribute(0, _cuda.COMPUTE_MAJOR) >= 9
     assert [step.programmatic for step in plan.steps] == [False, early, early, early]
     results = []
     for programmatic in (False, early):  # (the cached plan is left as it was made)
@@ -681,12 +681,14 @@ def _modelled_sm90(monkeypatch, optin: int = 227 << 10, major: int = 9) -> None:
     fit, by shared memory alone), no kernels, and no cluster plan
     (test_cluster_plan_takes_the_fewest_clusters_a_token_group_that_fit)."""
     attributes = {
-        _mhc._MULTIPROCESSORS: 132,
-        _mhc._MAX_SMEM_OPTIN: optin,
-        _mhc._COMPUTE_MAJOR: major,
+        _cuda.MULTIPROCESSORS: 132,
+        _cuda.MAX_SMEM_OPTIN: optin,
+        _cuda.COMPUTE_MAJOR: major,
     }
     monkeypatch.setattr(_mhc, "_cluster_plan", lambda *args: None)
-    monkeypatch.setattr(_mhc, "_attribute", lambda device, attribute: attributes.get(attribute, 9))
+    monkeypatch.setattr(
+        _cuda, "device_attribute", lambda device, attribute: attributes.get(attribute, 9)
+    )
     monkeypatch.setattr(_mhc._cuda, "function", lambda spec, name, device: name)
     monkeypatch.setattr(
         _mhc, "_raise_smem_limit", lambda kernel, device, nbytes: min(2, (227 << 10) // nbytes)

@@ -27,7 +27,7 @@ from _mhc_oracle import (
     torch_pre_reference,
 )
 
-from tileops_cupy import _mhc, _mhc_host, sequence_modeling
+from tileops_cupy import _cuda, _mhc, _mhc_host, sequence_modeling
 from tileops_cupy.sequence_modeling import (
     MHCPostBwdOp,
     MHCPostFwdOp,
@@ -424,7 +424,7 @@ def test_pre_backward_launched_early_gives_the_same_bits(rng, monkeypatch, n, c_
         monkeypatch.setattr(_mhc, "_MIN_EARLY_ROWS", threshold)
         monkeypatch.setattr(_mhc, "_pre_backward_plans", {})
         plan = _mhc._pre_backward_plan(0, "bfloat16", n, c_x, batch, 20)
-        early = _mhc._attribute(0, _mhc._COMPUTE_MAJOR) >= 9 and threshold <= batch
+        early = _cuda.device_attribute(0, _cuda.COMPUTE_MAJOR) >= 9 and threshold <= batch
         assert [step.programmatic for step in plan.steps[1:]] == [early] * (len(plan.steps) - 1)
         results.append(pre_backward("cuda", case, upstream))
     names = ("grad_phi", "grad_x", "grad_b", "grad_alpha")
@@ -437,8 +437,10 @@ def _modelled_device(monkeypatch, optin: int, function, major: int = 9) -> None:
     """A device for _pre_backward_plan: sm_``major``0 with 132 multiprocessors, ``optin``
     bytes of shared memory a block, 132 resident blocks of any kernel, kernels as
     ``function`` makes them, and no plan remembered."""
-    limits = {_mhc._MAX_SMEM_OPTIN: optin, _mhc._MULTIPROCESSORS: 132, _mhc._COMPUTE_MAJOR: major}
-    monkeypatch.setattr(_mhc, "_attribute", lambda device, attribute: limits.get(attribute, 9))
+    limits = {_cuda.MAX_SMEM_OPTIN: optin, _cuda.MULTIPROCESSORS: 132, _cuda.COMPUTE_MAJOR: major}
+    monkeypatch.setattr(
+        _cuda, "device_attribute", lambda device, attribute: limits.get(attribute, 9)
+    )
     monkeypatch.setattr(_mhc._cuda, "function", function)
     monkeypatch.setattr(_mhc, "_resident_blocks", lambda kernel, device, threads, smem: 132)
     monkeypatch.setattr(_mhc, "_pre_backward_plans", {})

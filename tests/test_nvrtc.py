@@ -361,6 +361,39 @@ def test_shared_layout_takes_large_sequential_launches():
         assert (name in shipped) == (mode == _rotate.TWO_LEVEL)
 
 
+# (MEMORY_CLOCK_KHZ, MEMORY_BUS_BITS, MULTIPROCESSORS) as the driver reports them
+H100_SXM, H200 = (2619000, 5120, 132), (3201000, 6016, 132)
+
+
+@pytest.mark.parametrize(
+    ("device", "shared"), [(H100_SXM, True), (H200, False), ((0, 5120, 132), False)],
+    ids=["H100", "H200", "no-memory-clock"],
+)  # fmt: skip
+def test_shared_layout_only_where_the_memory_asks_few_bytes_of_a_multiprocessor(
+    monkeypatch, device, shared
+):
+    """The plan takes rope_rotate_shared only on a device whose DRAM bandwidth a
+    multiprocessor is at most _SHARED_MAX_SM_BANDWIDTH (an H100's 25.4 GB/s: on an H200's
+    36.5 it lost 5-6 points of the copy ceiling to the chunk layout), and not where the
+    driver reports no memory clock; the chunk layout takes the launch elsewhere."""
+    attributes = dict(
+        zip(
+            (_cuda.MEMORY_CLOCK_KHZ, _cuda.MEMORY_BUS_BITS, _cuda.MULTIPROCESSORS),
+            device,
+            strict=True,
+        )
+    )
+    monkeypatch.setattr(_cuda, "device_attribute", lambda d, attribute: attributes[attribute])
+    monkeypatch.setattr(_cuda, "function", lambda spec, name, d: name)
+    monkeypatch.setattr(_rotate, "_plans", {})
+    width = 32 * 128
+    rows = [_rows("bfloat16", (8, 4096, 32, 128), (4096 * width, width, 128, 1), 0)] * 2
+    plan = _rotate._plan(128, _rotate.TWO_LEVEL, True, rows, False, None, True, True)
+    taken = plan.steps[0].kernel == _rotate._shared_name("bfloat16", True, 128)
+    assert taken == shared, plan
+    assert taken or plan.steps[0].kernel.startswith("rope_rotate<")
+
+
 def test_mrope_takes_whole_rows_where_a_lane_sits_in_one_section():
     """rope_rotate_packs forms one position row a lane under MRoPE, so the plan gives it only
     sectioned rows whose boundaries fall on lane boundaries (16 bytes: 4 pairs of 16-bit

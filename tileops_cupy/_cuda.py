@@ -96,6 +96,34 @@ def arch_of_device(device: int) -> str:
     return device_arch(cupy().cuda.Device(device).compute_capability)
 
 
+# cudaDeviceAttr values the plans read
+MAX_SMEM_OPTIN, MULTIPROCESSORS, COMPUTE_MAJOR = 97, 16, 75
+MEMORY_CLOCK_KHZ, MEMORY_BUS_BITS = 36, 37
+_attributes: dict[tuple[int, int], int] = {}
+
+
+def device_attribute(device: int, attribute: int) -> int:
+    """The cudaDeviceAttr ``attribute`` of CUDA device ``device`` (read once a process)."""
+    value = _attributes.get((device, attribute))
+    if value is None:
+        value = cupy().cuda.runtime.deviceGetAttribute(attribute, device)
+        _attributes[(device, attribute)] = value
+    return value
+
+
+def dram_bandwidth_per_multiprocessor(device: int) -> float:
+    """Peak DRAM bytes a second of ``device`` (its memory clock, double data rate, times its
+    bus width) over its multiprocessors: how many bytes each must keep in flight to stream at
+    the peak grows with it. 0 where the driver reports no memory clock."""
+    peak = (
+        2e3
+        * device_attribute(device, MEMORY_CLOCK_KHZ)
+        * device_attribute(device, MEMORY_BUS_BITS)
+        / 8
+    )
+    return peak / device_attribute(device, MULTIPROCESSORS)
+
+
 _CACHE_FORMAT = 1  # bump when the file layout below changes
 
 

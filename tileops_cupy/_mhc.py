@@ -184,7 +184,6 @@ _MAX_FUSED_BWD_WIDTH = 8192
 _MAX_FUSED_BWD_ELEMENTS = 1 << 16
 _SCRATCH_ALIGN_WORDS = 64  # 256-byte sections: the scratch rows are read by 16-byte cp.async
 _SINKHORN_KEPT_FLOATS = 1024  # per token: every Sinkhorn step's input kept up to this
-_MAX_SMEM_OPTIN, _MULTIPROCESSORS, _COMPUTE_MAJOR = 97, 16, 75  # cudaDeviceAttr values
 _NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CUfunction_attribute
 
 
@@ -556,7 +555,7 @@ def _dynamic_smem_limit(kernel: Any, device: int) -> int:
     driver = cp.cuda.driver
     with cp.cuda.Device(device):
         static = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, kernel.ptr)
-        limit = _attribute(device, _MAX_SMEM_OPTIN) - static
+        limit = _cuda.device_attribute(device, _cuda.MAX_SMEM_OPTIN) - static
         key = (kernel.ptr, device)
         if key not in _smem_raised:
             driver.funcSetAttribute(
@@ -588,7 +587,7 @@ def _cluster_plan(device: int, dtype: str, n: int, c_x: int, batch: int) -> _Pre
     every split of K over up to _MAX_CLUSTER_GROUPS clusters of a token group. The fewest
     clusters a token group that fit (from _MIN_CLUSTER_GROUPS), then the fewest tokens a
     cluster that let every cluster be resident at once."""
-    if _attribute(device, _COMPUTE_MAJOR) < 9 or c_x % 8 or batch == 0:
+    if _cuda.device_attribute(device, _cuda.COMPUTE_MAJOR) < 9 or c_x % 8 or batch == 0:
         return None
     spec = pre_module(dtype, n)
     kernel = _cuda.function(spec, spec.name_expressions[-1], device)
@@ -629,7 +628,7 @@ def _launched_early(
     after the first launched with programmatic stream serialization on sm_90 and newer from
     _MIN_EARLY_ROWS tokens (mhc.cu: programmatic dependent launch; each of those kernels
     waits in the kernel for what the ones before wrote), else as they are."""
-    if _attribute(device, _COMPUTE_MAJOR) < 9 or batch < _MIN_EARLY_ROWS:
+    if _cuda.device_attribute(device, _cuda.COMPUTE_MAJOR) < 9 or batch < _MIN_EARLY_ROWS:
         return steps
     return (steps[0], *(replace(step, programmatic=True) for step in steps[1:]))
 
@@ -724,8 +723,8 @@ def _project_plan(
     give more blocks), and wherever 128 are not compiled. Up to _MAX_FUSED_ROWS tokens the
     kernel is the pipeline's fused instantiation (the whole of mHC pre, one launch)."""
     spec = pre_module(dtype, n)
-    optin = _attribute(device, _MAX_SMEM_OPTIN)
-    multiprocessors = _attribute(device, _MULTIPROCESSORS)
+    optin = _cuda.device_attribute(device, _cuda.MAX_SMEM_OPTIN)
+    multiprocessors = _cuda.device_attribute(device, _cuda.MULTIPROCESSORS)
     tiles = -(-batch // _TILE_ROWS)
     fused = batch <= _MAX_FUSED_ROWS  # (plan_geometry's fuse)
     options = {}  # pipeline: (kernel, shared memory, plan_geometry)
@@ -1261,15 +1260,6 @@ class _PreBackwardPlan:
 
 
 _pre_backward_plans: dict[tuple, _PreBackwardPlan] = {}
-_attributes: dict[tuple[int, int], int] = {}
-
-
-def _attribute(device: int, attribute: int) -> int:
-    value = _attributes.get((device, attribute))
-    if value is None:
-        value = cupy().cuda.runtime.deviceGetAttribute(attribute, device)
-        _attributes[(device, attribute)] = value
-    return value
 
 
 def _resident_blocks(kernel: Any, device: int, threads: int, smem: int) -> int:
@@ -1281,8 +1271,8 @@ def _resident_blocks(kernel: Any, device: int, threads: int, smem: int) -> int:
         driver.funcSetAttribute(
             kernel.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem
         )
-    return max(1, _per_multiprocessor(kernel, device, threads, smem)) * _attribute(
-        device, _MULTIPROCESSORS
+    return max(1, _per_multiprocessor(kernel, device, threads, smem)) * _cuda.device_attribute(
+        device, _cuda.MULTIPROCESSORS
     )
 
 
@@ -1306,7 +1296,11 @@ def _token_trace_smem(kernel: Any, device: int, kept: int, blocks: int) -> int:
     if smem > _dynamic_smem_limit(kernel, device):
         return 0
     per_multiprocessor = _per_multiprocessor(kernel, device, _TOKEN_THREADS, smem)
-    return smem if blocks <= per_multiprocessor * _attribute(device, _MULTIPROCESSORS) else 0
+    return (
+        smem
+        if blocks <= per_multiprocessor * _cuda.device_attribute(device, _cuda.MULTIPROCESSORS)
+        else 0
+    )
 
 
 def _grad_owner(item: int, items: int, blocks: int) -> int:
@@ -1338,7 +1332,7 @@ def _pre_backward_plan(
         and n * c_x <= _MAX_FUSED_BWD_WIDTH
         and batch * n * c_x <= _MAX_FUSED_BWD_ELEMENTS
     )
-    smem_cap = _attribute(device, _MAX_SMEM_OPTIN)
+    smem_cap = _cuda.device_attribute(device, _cuda.MAX_SMEM_OPTIN)
     wide_stats = _wide_first_pass(dtype, n, fused, smem_cap)
     geometry = _geometry(dtype, n, wide_stats)
     spec = pre_backward_module(dtype, n, wide_stats)

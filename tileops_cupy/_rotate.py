@@ -128,9 +128,15 @@ _PACK_MAX_THREADS = 1 << 31  # rope_rotate_packs numbers its threads in 32 bits
 # 78.5 -> 76.3; float32 interleaved B8 S4096 99.2 -> 96.8), per-token ids (32q/8kv, chunks ->
 # shared: N32768 96.6 -> 95.1), the cos_sin_cache (N8192 88.3 -> 79.2) and MRoPE (N8192
 # 84-89 -> 66-68), whose positions reach the table through loads that every thread of a
-# block waits for.
+# block waits for. Only on devices whose DRAM asks each multiprocessor for no more than
+# _SHARED_MAX_SM_BANDWIDTH bytes a second: a thread keeps 16 bytes in flight and waits at the
+# block's barrier, too few bytes for a faster memory. On an H200 (4.8 TB/s over 132
+# multiprocessors: 36.5 GB/s each; an H100 25.4) chunks -> shared lost at every row it took
+# (kernel_ab, 36th session): bf16 B8 S4096 neox 95.7 -> 90.0, interleaved 95.6 -> 89.5, D64
+# 90.7 -> 86.2; float32 neox 97.8 -> 97.7.
 _SHARED_THREADS, _SHARED_REGISTERS = 256, 32
 _SHARED_MIN_HEAD_ROWS = 1 << 17
+_SHARED_MAX_SM_BANDWIDTH = 30e9
 _SHARED_MIN_HEADS = 8  # rows a token, q's and k's (fewer: a block would form cos/sin for few rows)
 _MAX_GRID_Y = _MAX_GRID_Z = 65535  # a launch's grid y and z (CUDA's limits)
 _SHARED_BYTES = 48 * 1024  # dynamic shared memory any launch may take without opting in
@@ -746,7 +752,8 @@ def _plan(
 ) -> _LaunchPlan:
     """The launch of one layout (computed once): rope_rotate_packs where it takes the launch
     (_packs_layout; ``lanes_in_one_row``: :func:`_lanes_in_one_row` of the call's MRoPE
-    sections), else rope_rotate_shared where it does (_shared_geometry; ``sequential``: the
+    sections), else rope_rotate_shared where it does (_shared_geometry, on a device whose
+    DRAM asks a multiprocessor for at most _SHARED_MAX_SM_BANDWIDTH; ``sequential``: the
     positions are no ids), else rope_rotate's geometry."""
     q_in = rows[0]
     dtype, device = q_in.operand.dtype, q_in.operand.device
@@ -773,9 +780,11 @@ def _plan(
         kernel = _cuda.function(module_spec(dtype, rotary_dim, mode, normed), name, device)
         step = _cuda.Step(kernel, (-(-threads // _PACK_THREADS), 1, 1), (_PACK_THREADS, 1, 1), 0)
         return _remember_plan(key, _LaunchPlan(steps=(step,), tail_chunks=0))
-    shared = _shared_geometry(
-        dtype, neox, rotary_dim, mode, sequential, normed, rows, aligned_width
-    )
+    shared = None
+    if 0 < _cuda.dram_bandwidth_per_multiprocessor(device) <= _SHARED_MAX_SM_BANDWIDTH:
+        shared = _shared_geometry(
+            dtype, neox, rotary_dim, mode, sequential, normed, rows, aligned_width
+        )
     if shared is not None:
         name = _shared_name(dtype, neox, rotary_dim)
         kernel = _cuda.function(module_spec(dtype, rotary_dim, mode, False), name, device)
