@@ -366,8 +366,9 @@ H100_SXM, H200 = (2619000, 5120, 132), (3201000, 6016, 132)
 
 
 @pytest.mark.parametrize(
-    ("device", "shared"), [(H100_SXM, True), (H200, False), ((0, 5120, 132), False)],
-    ids=["H100", "H200", "no-memory-clock"],
+    ("device", "shared"),
+    [(H100_SXM, True), (H200, False), ((0, 5120, 132), False), (None, False)],
+    ids=["H100", "H200", "no-memory-clock", "query-refused"],
 )  # fmt: skip
 def test_shared_layout_only_where_the_memory_asks_few_bytes_of_a_multiprocessor(
     monkeypatch, device, shared
@@ -375,15 +376,20 @@ def test_shared_layout_only_where_the_memory_asks_few_bytes_of_a_multiprocessor(
     """The plan takes rope_rotate_shared only on a device whose DRAM bandwidth a
     multiprocessor is at most _SHARED_MAX_SM_BANDWIDTH (an H100's 25.4 GB/s: on an H200's
     36.5 it lost 5-6 points of the copy ceiling to the chunk layout), and not where the
-    driver reports no memory clock; the chunk layout takes the launch elsewhere."""
-    attributes = dict(
-        zip(
-            (_cuda.MEMORY_CLOCK_KHZ, _cuda.MEMORY_BUS_BITS, _cuda.MULTIPROCESSORS),
-            device,
-            strict=True,
-        )
-    )
-    monkeypatch.setattr(_cuda, "device_attribute", lambda d, attribute: attributes[attribute])
+    driver reports no memory clock or refuses the query; the chunk layout takes the launch
+    elsewhere."""
+    import cupy
+
+    names = (_cuda.MEMORY_CLOCK_KHZ, _cuda.MEMORY_BUS_BITS, _cuda.MULTIPROCESSORS)
+    attributes = dict(zip(names, device or (0, 0, 132), strict=True))
+
+    def device_attribute(d, attribute):
+        if device is None and attribute != _cuda.MULTIPROCESSORS:
+            raise cupy.cuda.runtime.CUDARuntimeError(1)  # (cudaErrorInvalidValue)
+        return attributes[attribute]
+
+    monkeypatch.setattr(_cuda, "device_attribute", device_attribute)
+    monkeypatch.setattr(_cuda, "cupy", lambda: cupy)  # (its errors, with no device here)
     monkeypatch.setattr(_cuda, "function", lambda spec, name, d: name)
     monkeypatch.setattr(_rotate, "_plans", {})
     width = 32 * 128

@@ -114,14 +114,13 @@ def device_attribute(device: int, attribute: int) -> int:
 def dram_bandwidth_per_multiprocessor(device: int) -> float:
     """Peak DRAM bytes a second of ``device`` (its memory clock, double data rate, times its
     bus width) over its multiprocessors: how many bytes each must keep in flight to stream at
-    the peak grows with it. 0 where the driver reports no memory clock."""
-    peak = (
-        2e3
-        * device_attribute(device, MEMORY_CLOCK_KHZ)
-        * device_attribute(device, MEMORY_BUS_BITS)
-        / 8
-    )
-    return peak / device_attribute(device, MULTIPROCESSORS)
+    the peak grows with it. 0 where the driver reports no memory clock (or refuses the query)."""
+    try:
+        clock_khz = device_attribute(device, MEMORY_CLOCK_KHZ)
+        bus_bits = device_attribute(device, MEMORY_BUS_BITS)
+    except cupy().cuda.runtime.CUDARuntimeError:
+        return 0.0
+    return 2e3 * clock_khz * bus_bits / 8 / device_attribute(device, MULTIPROCESSORS)
 
 
 _CACHE_FORMAT = 1  # bump when the file layout below changes
