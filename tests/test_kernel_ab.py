@@ -1,6 +1,7 @@
 """tools/kernel_ab.py, the A/B of kernel source variants: its variant loading, its table and
 its export on the host; one run of its rows on the GPU, so that the tool keeps up with the ops."""
 
+import ast
 import importlib.util
 import subprocess
 import sys
@@ -144,6 +145,38 @@ def test_export_of_a_checkout_writes_its_package_and_kernels(tmp_path):
     assert sorted(paths) == sorted(tracked) and "tileops_cupy/_mhc.py" in paths
     for path in paths:
         assert (tmp_path / path).read_bytes() == (ROOT / path).read_bytes()
+
+
+def test_no_row_function_finds_a_name_that_its_builder_rebinds():
+    """A row's function is called long after its builder's loop has moved on: a name it finds
+    at call time (not bound as a default) that the builder binds more than once (a loop
+    variable, a name assigned twice) would be another row's by then. (The cos_sin_cache row
+    found the MRoPE interleaved row's q and k, and its timed calls rotated that row's inputs.)"""
+    tree = ast.parse(TOOL.read_text())
+    checked = 0
+    for builder in tree.body:
+        if not (isinstance(builder, ast.FunctionDef) and builder.name.endswith("_rows")):
+            continue
+        bound: dict[str, int] = {}
+        for node in ast.walk(builder):
+            targets = []
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, (ast.For, ast.comprehension)):
+                targets = [node.target]
+            for target in targets:
+                for name in ast.walk(target):
+                    if isinstance(name, ast.Name):
+                        weight = 2 if isinstance(node, (ast.For, ast.comprehension)) else 1
+                        bound[name.id] = bound.get(name.id, 0) + weight
+        rebound = {name for name, times in bound.items() if times > 1}
+        for node in ast.walk(builder):
+            if isinstance(node, ast.Lambda):
+                own = {a.arg for a in node.args.args + node.args.kwonlyargs}
+                found = {n.id for n in ast.walk(node.body) if isinstance(n, ast.Name)} - own
+                assert not found & rebound, (builder.name, node.lineno, found & rebound)
+                checked += 1
+    assert checked >= 10
 
 
 @pytest.mark.gpu
