@@ -648,15 +648,8 @@ struct TokenRows {
   T* k_out;
 
   __device__ __forceinline__ TokenRows(const RopeParams& params, long long t)
-      : TokenRows(params, t, static_cast<int>(t / params.seq)) {}
-
-  // a token numbered in 32 bits: its batch index by a 32-bit division
-  __device__ __forceinline__ TokenRows(const RopeParams& params, unsigned t)
-      : TokenRows(params, t, static_cast<int>(t / static_cast<unsigned>(params.seq))) {}
-
-  __device__ __forceinline__ TokenRows(const RopeParams& params, long long t, int batch_index)
       : p(params), q_heads(params.q_heads), batch(params.batch), seq(params.seq), token(t),
-        b(batch_index), s(static_cast<int>(t - static_cast<long long>(b) * seq)) {
+        b(static_cast<int>(t / seq)), s(static_cast<int>(t - static_cast<long long>(b) * seq)) {
     q_in = static_cast<const T*>(p.q_in) + b * p.q_in_stride[0] + s * p.q_in_stride[1];
     q_out = static_cast<T*>(p.q_out) + b * p.q_out_stride[0] + s * p.q_out_stride[1];
     k_in = static_cast<const T*>(p.k_in) + b * p.k_in_stride[0] + s * p.k_in_stride[1];
