@@ -530,12 +530,13 @@ def test_mid_sized_prefill_rotates_whole_rows(
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("head_dim", [128, 64], ids=["D128", "D64"])
 def test_mid_sized_table_modes_rotate_whole_rows(rng, monkeypatch, head_dim, dtype, layout, table):
-    """The cos_sin_cache drop-in, and MRoPE whose sections fall on lane boundaries, take
-    rope_rotate_packs at mid sizes as the plain per-token positions do
-    (``_PACK_MIN_HEAD_ROWS`` lowered to this call's rows, an odd token count); MRoPE sections
-    that split a lane's pairs, and the interleaved rows, keep rope_rotate. q and k in place in
-    a fused QKV row, every element against the float64 oracle, v untouched, and the same bits
-    in both layouts."""
+    """The cos_sin_cache drop-in, MRoPE whose sections fall on lane boundaries and interleaved
+    MRoPE whose pairs group (the grouped tables: D128's (24, 20, 20) at every dtype, D64's
+    (12, 10, 10) in float32 alone) take rope_rotate_packs at mid sizes as the plain per-token
+    positions do (``_PACK_MIN_HEAD_ROWS`` lowered to this call's rows, an odd token count);
+    MRoPE sections that split a lane's pairs, and interleaved ones that do not group, keep
+    rope_rotate. q and k in place in a fused QKV row, every element against the float64
+    oracle, v untouched, and the same bits in both layouts."""
     require("cuda", "torch")
     tokens, hq, hkv = 1031, 8, 4
     heads, pairs = hq + 2 * hkv, head_dim // 2
@@ -561,7 +562,12 @@ def test_mid_sized_table_modes_rotate_whole_rows(rng, monkeypatch, head_dim, dty
             )  # fmt: skip
             assert_same(rope.forward(q, k, positions=positions), q, k)
 
-    packs = table in ("mrope", "cos_sin_cache")
+    packs = table == "cos_sin_cache"
+    if not packs:
+        interleaved = table == "mrope-interleaved"
+        planned = _rotate._packs_table(dtype, _rotate.MROPE, head_dim, section, interleaved)
+        packs = table == "mrope" or (interleaved and (head_dim == 128 or dtype == "float32"))
+        assert (planned is not None) == packs, (table, dtype, head_dim, planned)
     packed = _whole_rows_against_chunks(monkeypatch, host, rotate, packs)
     before = host.astype(np.float64).reshape(1, tokens, heads, head_dim)
     after = to_float64(packed).reshape(1, tokens, heads, head_dim)

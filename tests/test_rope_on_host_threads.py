@@ -399,12 +399,18 @@ def test_blocks_of_partial_warps_on_host_threads(kernels, rng, neox):
 
 
 # rope_rotate_packs' positions: sequential, per-token ids (int32, int64), MRoPE's three rows
-# of ids in sections on lane boundaries (the only MRoPE it is planned for:
-# _rotate._lanes_in_one_row), a cos_sin_cache at ids (every table mode)
-PACK_POSITIONS = ("sequential", "int32", "int64", "mrope", "cache")
+# of ids in sections on lane boundaries ("mrope") or interleaved in sections whose pairs group
+# ("mrope-grouped", from the grouped tables), the only MRoPE it is planned for
+# (_rotate._packs_table), a cos_sin_cache at ids (every table mode)
+PACK_POSITIONS = ("sequential", "int32", "int64", "mrope", "mrope-grouped", "cache")
+# interleaved sections (by pairs of a row) whose pairs group at every dtype's lane width:
+# Qwen3-VL's at D128
+GROUPED_SECTIONS = {64: (24, 20, 20), 32: (16, 8, 8)}
 
 
-def _pack_positions(rng, kind: str, rotary_dim: int, batch: int, seq: int, offsets) -> dict:
+def _pack_positions(
+    rng, kind: str, rotary_dim: int, batch: int, seq: int, offsets, dtype: str
+) -> dict:
     """The RopeParams fields of one kind of PACK_POSITIONS and what the oracle needs: per-head
     ``positions`` ([B, T, 1], or [B, T, 1, pairs] per pair) or a ``cache`` to read."""
     if kind == "sequential" or kind in ("int32", "int64"):
@@ -421,18 +427,25 @@ def _pack_positions(rng, kind: str, rotary_dim: int, batch: int, seq: int, offse
         positions = (POSITION + offsets[:, None] + tokens)[..., None]
         return dict(mode=_rotate.TWO_LEVEL, fields=fields, keep=(fine, coarse, ids),
                     positions=positions, per_pair=False)  # fmt: skip
-    if kind == "mrope":
-        table = shared_table(Standard(), rotary_dim)
+    if kind in ("mrope", "mrope-grouped"):
+        pairs, grouped = rotary_dim // 2, kind == "mrope-grouped"
+        section = GROUPED_SECTIONS[pairs] if grouped else MROPE_SECTIONS[pairs]["mrope"]
+        order = None
+        if grouped:
+            order = _rotate.grouped_pair_order(section, pairs, 8 // ITEMSIZE[dtype])
+            assert order is not None and order != tuple(range(pairs)), (section, dtype)
+        table = shared_table(Standard(), rotary_dim, order)
         table.ensure(1 << 16)
         fine, coarse = (np.ascontiguousarray(t) for t in (table.fine32, table.coarse32))
-        section = MROPE_SECTIONS[rotary_dim // 2]["mrope"]
         ids = rng.integers(0, 1 << 16, (3, batch, seq)).astype(np.int64)
         fields = dict(
             fine=fine.ctypes.data, coarse=coarse.ctypes.data, position_limit=table.capacity,
-            ids=ids.ctypes.data, ids_is_int64=1, mrope_section=section, mrope_interleaved=0,
+            ids=ids.ctypes.data, ids_is_int64=1, mrope_section=section,
+            mrope_interleaved=int(grouped),
         )  # fmt: skip
-        positions = mrope_pair_positions(ids, section, False)[..., None, :]
-        return dict(mode=_rotate.MROPE, fields=fields, keep=(fine, coarse, ids),
+        positions = mrope_pair_positions(ids, section, grouped)[..., None, :]
+        mode = _rotate.MROPE_GROUPED if grouped else _rotate.MROPE
+        return dict(mode=mode, fields=fields, keep=(fine, coarse, ids),
                     positions=positions, per_pair=True)  # fmt: skip
     cache = rng.uniform(-1.5, 1.5, (CACHE_ROWS, rotary_dim)).astype(np.float32)
     ids = rng.integers(0, CACHE_ROWS, (batch, seq)).astype(np.int32)
@@ -535,9 +548,9 @@ def test_packs_layout_on_host_threads(kernels, rng, dtype, neox, rotary_dim):
     for (q_heads, k_heads, k_apart), inverse, in_place, kind in itertools.product(
         operands, (False, True), (False, True), PACK_POSITIONS
     ):
-        if kind in ("mrope", "cache") and inverse == in_place:
+        if kind in ("mrope", "mrope-grouped", "cache") and inverse == in_place:
             continue  # (the other tables: half the direction and placement pairs)
-        case = _pack_positions(rng, kind, rotary_dim, batch, seq, offsets)
+        case = _pack_positions(rng, kind, rotary_dim, batch, seq, offsets, dtype)
         launched = _launch_whole_rows(
             kernels, rng, dtype, neox, rotary_dim, (batch, seq), (q_heads, k_heads, k_apart),
             in_place, case, sin_sign=-1.0 if inverse else 1.0,
@@ -576,7 +589,7 @@ def test_shared_layout_on_host_threads(kernels, rng, monkeypatch, dtype, neox, r
     batch, seq = 3, 3
     offsets = np.array([0, 700, 3], np.int64)
     operands = ((8, 0, False), (24, 8, False), (4, 8, True), (8, 4, True))
-    case = _pack_positions(rng, "sequential", rotary_dim, batch, seq, offsets)
+    case = _pack_positions(rng, "sequential", rotary_dim, batch, seq, offsets, dtype)
     for (q_heads, k_heads, k_apart), inverse, in_place in itertools.product(
         operands, (False, True), (False, True)
     ):
@@ -608,7 +621,7 @@ def test_shared_layout_positions_on_host_threads(kernels, rng, monkeypatch, dtyp
     rotary_dim, batch, seq = 128, 3, 3
     for offsets_given, flagged in ((False, False), (True, True)):
         offsets = np.array([0, 6000, 3] if offsets_given else [0, 0, 0], np.int64)
-        case = _pack_positions(rng, "sequential", rotary_dim, batch, seq, offsets)
+        case = _pack_positions(rng, "sequential", rotary_dim, batch, seq, offsets, dtype)
         if offsets_given:  # sequence 1 runs from POSITION + 6000, past the table's last row
             limit = POSITION + 6000 + 1
             case["fields"]["position_limit"] = limit
@@ -643,11 +656,11 @@ def test_packs_norm_on_host_threads(kernels, rng, dtype, neox, rotary_dim):
     partial_warps = 0
     for (q_heads, k_heads, k_apart), in_place, kind, (weight_kind, offset), aligned in (
         itertools.product(
-            ((4, 0, False), (8, 4, False), (4, 8, True)), (False, True), ("int64", "mrope"),
-            (("float32", 0.0), ("data", 1.0)), (True, False),
+            ((4, 0, False), (8, 4, False), (4, 8, True)), (False, True),
+            ("int64", "mrope", "mrope-grouped"), (("float32", 0.0), ("data", 1.0)), (True, False),
         )
     ):  # fmt: skip
-        case = _pack_positions(rng, kind, rotary_dim, batch, seq, offsets)
+        case = _pack_positions(rng, kind, rotary_dim, batch, seq, offsets, dtype)
         weights = {}
         for name in ("q", "k"):
             w_dtype = np.dtype(np.float32 if weight_kind == "float32" else numpy_dtype(dtype))

@@ -8,10 +8,13 @@ so the combination errs by a few float32 ulps at any position below 2**24, well 
 accuracy contract, while memory stays O(sqrt(P) * d) instead of O(P * d): at rotary_dim
 128 the tables hold 0.6 MB for 128k positions, 1 MB for 1M and 9 MB for 2**24.
 
-Tables are keyed by (scheme, rotary_dim): every op and every RoPE component with the same
-key shares one table, on the host and on each device. Growth replaces the coarse table by
-a larger one (doubling), under a lock; retired device copies stay referenced so that a
-kernel still reading one on another stream never reads freed memory.
+Tables are keyed by (scheme, rotary_dim, pair order): every op and every RoPE component with
+the same key shares one table, on the host and on each device. The pair order is the
+frequencies' natural one, or (for the interleaved MRoPE sections of ``_rotate``'s grouped
+layout) a permutation of them: the same entries, bit for bit, at other columns. Growth
+replaces the coarse table by a larger one (doubling), under a lock; retired device copies
+stay referenced so that a kernel still reading one on another stream never reads freed
+memory.
 """
 
 from __future__ import annotations
@@ -39,10 +42,12 @@ def _cos_sin(angles: np.ndarray, amplitude: float) -> np.ndarray:
 
 @dataclass
 class RotaryTable:
-    """cos/sin of one (scheme, rotary_dim), covering positions ``[0, capacity)``."""
+    """cos/sin of one (scheme, rotary_dim), covering positions ``[0, capacity)``; column t
+    holds frequency pair ``pair_order[t]`` (None: pair t)."""
 
     scheme: Scheme
     rotary_dim: int
+    pair_order: tuple[int, ...] | None = None
     inv_freq: np.ndarray = field(init=False)
     amplitude: float = field(init=False)
     fine64: np.ndarray = field(init=False)
@@ -55,6 +60,8 @@ class RotaryTable:
 
     def __post_init__(self) -> None:
         self.inv_freq = self.scheme.inv_freq(self.rotary_dim)
+        if self.pair_order is not None:
+            self.inv_freq = self.inv_freq[list(self.pair_order)]
         self.amplitude = float(self.scheme.amplitude(self.rotary_dim))
         if not abs(self.amplitude) <= FLOAT32_MAX:  # (the float32 tables would hold inf)
             raise ValueError(
@@ -143,14 +150,17 @@ class RotaryTable:
         return {"host": host, "device": device, "device_retired": retired}
 
 
-_registry: dict[tuple[Scheme, int], RotaryTable] = {}
+_registry: dict[tuple[Scheme, int, tuple[int, ...] | None], RotaryTable] = {}
 _registry_lock = threading.Lock()
 
 
-def shared_table(scheme: Scheme, rotary_dim: int) -> RotaryTable:
-    """The one table of (scheme, rotary_dim) in this process, created on first use."""
-    build = lambda: RotaryTable(scheme, rotary_dim)  # noqa: E731
-    return build_once(_registry, _registry_lock, (scheme, rotary_dim), build)
+def shared_table(
+    scheme: Scheme, rotary_dim: int, pair_order: tuple[int, ...] | None = None
+) -> RotaryTable:
+    """The one table of (scheme, rotary_dim, pair_order) in this process, created on first
+    use."""
+    build = lambda: RotaryTable(scheme, rotary_dim, pair_order)  # noqa: E731
+    return build_once(_registry, _registry_lock, (scheme, rotary_dim, pair_order), build)
 
 
 def table_bytes(rotary_dim: int, positions: int) -> int:
@@ -163,12 +173,13 @@ def table_bytes(rotary_dim: int, positions: int) -> int:
 def table_cache_info() -> dict[str, Any]:
     """Entries of the shared table registry and the bytes they hold (host and per device)."""
     entries = []
-    for (scheme, rotary_dim), table in list(_registry.items()):
+    for (scheme, rotary_dim, pair_order), table in list(_registry.items()):
         sizes = table.bytes()
         entries.append(
             {
                 "scheme": scheme,
                 "rotary_dim": rotary_dim,
+                "pair_order": pair_order,
                 "positions": table.capacity,
                 "device_positions": {dev: table.device_capacity(dev) for dev in sizes["device"]},
                 "host_bytes": sizes["host"],

@@ -775,7 +775,8 @@ class RoPE(ProcessLocal):
         covered = [
             max(entry["device_positions"].values(), default=0)
             for entry in table_cache_info()["entries"]
-            if entry["scheme"] == scheme and entry["rotary_dim"] == rotary_dim
+            if (entry["scheme"], entry["rotary_dim"], entry["pair_order"])
+            == (scheme, rotary_dim, None)
         ]
         if covered and covered[0] >= max_position:
             return 0
