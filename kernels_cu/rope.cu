@@ -609,18 +609,22 @@ __device__ __forceinline__ int mrope_row(int j, const int (&section)[3], int int
 // pairs, which mrope_row spreads over up to three position rows: formed where they are, a
 // lane's cos/sin took three positions and a row select a pair (1.7x the plain kernel's
 // instructions, the performance log). Instead the pairs of each position row, in increasing
-// order, make groups of PAIRS (row 0's first, then row 1's, then row 2's); lane g forms the
-// cos/sin of group g at the group's one position row, from grouped tables (tileops_cupy
-// _rotate.grouped_pair_order: pair j at entry group_of(j) * PAIRS + j % PAIRS, so the lane's
-// entries are consecutive: the plain kernel's two 16-byte loads a table), and every lane then
-// takes each of its pairs' from the lane that formed it, by shuffles. The host plans this
-// only where each row's pairs fill whole groups holding one pair of each residue mod PAIRS
-// (Qwen3-VL's (24, 20, 20) at D128, for one), so entry j % PAIRS of a group is pair j's.
-template <int PAIRS_OF_ROW, int PAIRS>
+// order, make groups of GROUP_PAIRS (row 0's first, then row 1's, then row 2's), and grouped
+// tables (tileops_cupy._rotate.grouped_pair_order) hold pair j at column
+// group_of(j) * GROUP_PAIRS + j % GROUP_PAIRS: a lane's PAIRS consecutive columns (PAIRS
+// divides GROUP_PAIRS, for every dtype) are pairs of one position row, so it forms their
+// cos/sin as the plain kernel does (one position, 16-byte table loads), and every lane then
+// takes each of its own pairs' from the lane that formed it, by shuffles. The host plans this
+// only where each row's pairs fill whole groups holding one pair of each residue mod
+// GROUP_PAIRS (Qwen3-VL's (24, 20, 20) at D128, for one), so a pair keeps its column's
+// residue: entry j % PAIRS of the lane holding pair j.
+constexpr int GROUP_PAIRS = 4;
+
+template <int PAIRS_OF_ROW>
 struct MropeGroups {
   int section[3];  // pairs j % 3 == 1 below 3 * section[1] take row 1, j % 3 == 2 below
                    // 3 * section[2] row 2 (mrope_row)
-  int row0, row1;  // pairs in rows 0 and 1 (multiples of PAIRS: the plan checks)
+  int row0, row1;  // pairs in rows 0 and 1 (multiples of GROUP_PAIRS: the plan checks)
 
   __device__ __forceinline__ explicit MropeGroups(const int (&mrope_section)[3])
       : section{mrope_section[0], mrope_section[1], mrope_section[2]} {
@@ -628,20 +632,20 @@ struct MropeGroups {
     row0 = PAIRS_OF_ROW - row1 - min(PAIRS_OF_ROW / 3, section[2]);
   }
 
-  // the position row of group g's pairs
-  __device__ __forceinline__ int row_of_group(int g) const {
-    return g * PAIRS < row0 ? 0 : g * PAIRS < row0 + row1 ? 1 : 2;
+  // the position row of the pairs at column c (a whole group's: one row)
+  __device__ __forceinline__ int row_of_column(int c) const {
+    return c < row0 ? 0 : c < row0 + row1 ? 1 : 2;
   }
 
-  // the group (the lane of a row) holding pair j: its row's pairs below it, in groups of PAIRS
-  __device__ __forceinline__ int group_of(int j) const {
+  // the column of pair j: its group (its row's pairs below it, in groups), its residue
+  __device__ __forceinline__ int column_of(int j) const {
     const int below1 = min((j + 1) / 3, section[1]);  // row 1's pairs below j
     const int below2 = min(j / 3, section[2]);        // row 2's
     const int row = mrope_row(j, section, 1);
     const int entry = row == 0   ? j - below1 - below2  // pairs before j in the groups' order
                       : row == 1 ? row0 + below1
                                  : row0 + row1 + below2;
-    return entry / PAIRS;
+    return entry / GROUP_PAIRS * GROUP_PAIRS + j % GROUP_PAIRS;
   }
 };
 
@@ -982,12 +986,13 @@ __global__ void __launch_bounds__(ROPE_PACK_THREADS, ROPE_PACK_MIN_BLOCKS)
 
   const int first_pair = lane * PAIRS;
   // MRoPE: the position row of the lane's pairs, all in one section (planned only so:
-  // _rotate's _packs_table), or of the lane's group (interleaved sections, grouped tables)
+  // _rotate's _packs_table), or (GROUPED: interleaved sections) of the lane's columns of the
+  // grouped tables, which hold other pairs than its own (MropeGroups)
   constexpr bool GROUPED = TABLE == TABLE_MROPE_GROUPED;
-  const MropeGroups<ROTARY_DIM / 2, PAIRS> mrope_groups(p.mrope_section);
+  const MropeGroups<ROTARY_DIM / 2> mrope_groups(p.mrope_section);
   const long long tokens = static_cast<long long>(p.batch) * p.seq;
   const int position_row = TABLE == TABLE_MROPE ? mrope_row(first_pair, p.mrope_section, 0)
-                           : GROUPED            ? mrope_groups.row_of_group(lane)
+                           : GROUPED            ? mrope_groups.row_of_column(first_pair)
                                                 : 0;
   const long long id = token + position_row * tokens;
   const long long position = token_position(p.ids, p.ids_is_int64, p.offsets, p.offsets_is_int64,
@@ -1012,12 +1017,12 @@ __global__ void __launch_bounds__(ROPE_PACK_THREADS, ROPE_PACK_MIN_BLOCKS)
       keep(i, make_float2(cache_row[first_pair + i], cache_row[ROTARY_DIM / 2 + first_pair + i]));
     }
   }
-  if constexpr (GROUPED) {  // the lane holds its group's; pair first_pair + i is entry i of its own
+  if constexpr (GROUPED) {  // its own pair first_pair + i is entry i of the lane holding it
     const unsigned first_lane = threadIdx.x & 31 & ~(LANES - 1);  // of the row, in the warp
     const unsigned row_lanes = LANES == 32 ? 0xffffffffu : ((1u << LANES) - 1) << first_lane;
 #pragma unroll
     for (int i = 0; i < PAIRS; ++i) {
-      const int from = mrope_groups.group_of(first_pair + i);
+      const int from = mrope_groups.column_of(first_pair + i) / PAIRS;
       cos_v[i] = __shfl_sync(row_lanes, cos_v[i], from, LANES);
       sin_v[i] = __shfl_sync(row_lanes, sin_v[i], from, LANES);
     }

@@ -531,8 +531,8 @@ def test_mid_sized_prefill_rotates_whole_rows(
 @pytest.mark.parametrize("head_dim", [128, 64], ids=["D128", "D64"])
 def test_mid_sized_table_modes_rotate_whole_rows(rng, monkeypatch, head_dim, dtype, layout, table):
     """The cos_sin_cache drop-in, MRoPE whose sections fall on lane boundaries and interleaved
-    MRoPE whose pairs group (the grouped tables: D128's (24, 20, 20) at every dtype, D64's
-    (12, 10, 10) in float32 alone) take rope_rotate_packs at mid sizes as the plain per-token
+    MRoPE whose pairs group (the grouped tables: D128's (24, 20, 20), not D64's (12, 10, 10))
+    take rope_rotate_packs at mid sizes as the plain per-token
     positions do (``_PACK_MIN_HEAD_ROWS`` lowered to this call's rows, an odd token count);
     MRoPE sections that split a lane's pairs, and interleaved ones that do not group, keep
     rope_rotate. q and k in place in a fused QKV row, every element against the float64
@@ -566,7 +566,7 @@ def test_mid_sized_table_modes_rotate_whole_rows(rng, monkeypatch, head_dim, dty
     if not packs:
         interleaved = table == "mrope-interleaved"
         planned = _rotate._packs_table(dtype, _rotate.MROPE, head_dim, section, interleaved)
-        packs = table == "mrope" or (interleaved and (head_dim == 128 or dtype == "float32"))
+        packs = table == "mrope" or (interleaved and head_dim == 128)
         assert (planned is not None) == packs, (table, dtype, head_dim, planned)
     packed = _whole_rows_against_chunks(monkeypatch, host, rotate, packs)
     before = host.astype(np.float64).reshape(1, tokens, heads, head_dim)

@@ -402,10 +402,10 @@ def test_shared_layout_only_where_the_memory_asks_few_bytes_of_a_multiprocessor(
 def test_mrope_takes_whole_rows_where_a_lane_takes_one_position_row():
     """rope_rotate_packs forms one position row a lane under MRoPE, so the plan gives it
     sectioned rows whose boundaries fall on lane boundaries (16 bytes: 4 pairs of 16-bit
-    rows, 2 of float32) and interleaved rows whose pairs make whole groups of a lane's width
-    of one row, one pair of each residue (Qwen3-VL's (24, 20, 20)); sections that split a
-    lane's pairs, and interleaved ones that do not group, keep rope_rotate; calls without
-    MRoPE are not affected."""
+    rows, 2 of float32) and interleaved rows whose pairs make whole groups of 4 of one row,
+    one pair of each residue (Qwen3-VL's (24, 20, 20)); sections that split a lane's pairs,
+    and interleaved ones that do not group, keep rope_rotate; calls without MRoPE are not
+    affected."""
 
     def table(dtype, section, interleaved, rotary_dim=128):
         mode = _rotate.TWO_LEVEL if section is None else _rotate.MROPE
@@ -418,41 +418,37 @@ def test_mrope_takes_whole_rows_where_a_lane_takes_one_position_row():
         assert table(dtype, (17, 23, 24), False) is table(dtype, (9, 11, 12), False) is None
         assert table(dtype, (24, 20, 20), True) == grouped  # Qwen3-VL's
         assert table(dtype, (16, 8, 8), True, rotary_dim=64) == grouped
-        # (16, 24, 24) interleaved: row 1 takes all 21 pairs j % 3 == 1, no whole groups
-        assert table(dtype, (16, 24, 24), True) is None
+        # rows of 21 (j % 3 == 1: all of them), 26 or 10 pairs: no whole groups of 4
+        assert table(dtype, (16, 24, 24), True) is table(dtype, (26, 18, 20), True) is None
+        assert table(dtype, (12, 10, 10), True, rotary_dim=64) is None
     cache = _rotate._packs_table("bfloat16", _rotate.COS_SIN_CACHE, 128, None, False)
     assert cache == _rotate.COS_SIN_CACHE
     assert table("float32", (18, 22, 24), False) == mrope
     assert table("bfloat16", (18, 22, 24), False) is None
     assert table("float32", (16, 26, 22), False) == mrope
     assert table("float16", (16, 26, 22), False) is None
-    # groups of 2 but not of 4: rows of 26, 18 and 20 pairs
-    assert table("float32", (26, 18, 20), True) == grouped
-    assert table("bfloat16", (26, 18, 20), True) is None
 
 
 def test_grouped_pair_order_puts_each_lane_in_one_position_row():
-    """The grouped tables' column order (rope.cu's MropeGroups): every lane's columns hold
-    pairs of one position row, column t pair order[t] with t % width == pair % width (the
-    lane's entry i is its own pair i's), each pair once, and the rows' pairs in increasing
-    order, row 0's first."""
-    cases = (((24, 20, 20), 64), ((16, 8, 8), 32), ((26, 18, 20), 64), ((12, 10, 10), 32))
-    for section, pairs in cases:
+    """The grouped tables' column order (rope.cu's MropeGroups): each pair once, column t
+    pair order[t] with t % 4 == order[t] % 4, so every lane of 2 or 4 columns (16 bytes of
+    float32 or of 16-bit rows) holds its own pairs' residues, all of one position row; the
+    rows' pairs in increasing order, row 0's first."""
+    for section, pairs in (((24, 20, 20), 64), ((16, 8, 8), 32)):
+        order = np.array(_rotate.grouped_pair_order(section, pairs))
+        rows = _rotate.mrope_rows(section, True, pairs)
+        assert sorted(order) == list(range(pairs))
+        assert (order % 4 == np.arange(pairs) % 4).all()
         for width in (2, 4):
-            order = _rotate.grouped_pair_order(section, pairs, width)
-            if order is None:  # (rows of 26 and 10 pairs: no whole groups of 4)
-                assert width == 4 and section in ((26, 18, 20), (12, 10, 10))
-                continue
-            order = np.array(order)
-            rows = _rotate.mrope_rows(section, True, pairs)
-            assert sorted(order) == list(range(pairs))
-            assert (order % width == np.arange(pairs) % width).all()
             lanes = rows[order].reshape(-1, width)
             assert (lanes == lanes[:, :1]).all(), (section, width)
-            assert (np.diff(lanes[:, 0]) >= 0).all()
-            for row in range(3):
-                in_row = order.reshape(-1, width)[lanes[:, 0] == row]
-                assert (np.diff(np.sort(in_row, axis=1).ravel()) > 0).all()
+        groups = order.reshape(-1, 4)
+        assert (np.diff(rows[groups[:, 0]]) >= 0).all()
+        for row in range(3):
+            in_row = np.sort(groups[rows[groups[:, 0]] == row], axis=1).ravel()
+            assert (np.diff(in_row) > 0).all()
+    assert _rotate.grouped_pair_order((12, 10, 10), 32) is None
+    assert _rotate.grouped_pair_order((16, 24, 24), 64) is None
 
 
 def test_projection_shared_memory_is_the_kernels_own(monkeypatch):

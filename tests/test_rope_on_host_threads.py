@@ -403,8 +403,7 @@ def test_blocks_of_partial_warps_on_host_threads(kernels, rng, neox):
 # ("mrope-grouped", from the grouped tables), the only MRoPE it is planned for
 # (_rotate._packs_table), a cos_sin_cache at ids (every table mode)
 PACK_POSITIONS = ("sequential", "int32", "int64", "mrope", "mrope-grouped", "cache")
-# interleaved sections (by pairs of a row) whose pairs group at every dtype's lane width:
-# Qwen3-VL's at D128
+# interleaved sections (by pairs of a row) whose pairs group: Qwen3-VL's at D128
 GROUPED_SECTIONS = {64: (24, 20, 20), 32: (16, 8, 8)}
 
 
@@ -432,7 +431,7 @@ def _pack_positions(
         section = GROUPED_SECTIONS[pairs] if grouped else MROPE_SECTIONS[pairs]["mrope"]
         order = None
         if grouped:
-            order = _rotate.grouped_pair_order(section, pairs, 8 // ITEMSIZE[dtype])
+            order = _rotate.grouped_pair_order(section, pairs)
             assert order is not None and order != tuple(range(pairs)), (section, dtype)
         table = shared_table(Standard(), rotary_dim, order)
         table.ensure(1 << 16)

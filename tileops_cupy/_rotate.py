@@ -907,39 +907,40 @@ def _packs_table(
 ) -> int | None:
     """The table mode (rope.cu's TABLE) rope_rotate_packs would rotate a call of table mode
     ``mode`` in, or None where it cannot: a lane (16 bytes: 8 // itemsize pairs of a row,
-    neox or not) takes all its pairs' cos/sin at one position row. Under MRoPE that holds
+    neox or not) forms all its cos/sin at one position row. Under MRoPE that holds
     for sectioned rows whose boundaries fall on lane boundaries (Qwen2-VL's (16, 24, 24), for
     one: MROPE) and for interleaved rows whose pairs group (:func:`grouped_pair_order`:
     Qwen3-VL's (24, 20, 20), for one: MROPE_GROUPED)."""
     if mode != MROPE:
         return mode
-    pairs_a_lane = 8 // ITEMSIZE[dtype]
     if interleaved:
-        grouped = grouped_pair_order(section, rotary_dim // 2, pairs_a_lane) is not None
+        grouped = grouped_pair_order(section, rotary_dim // 2) is not None
         return MROPE_GROUPED if grouped else None
+    pairs_a_lane = 8 // ITEMSIZE[dtype]
     first, second = section[0], section[0] + section[1]
     return MROPE if first % pairs_a_lane == 0 and second % pairs_a_lane == 0 else None
 
 
+# rope.cu's GROUP_PAIRS: the pairs of a group of the grouped tables, a multiple of every
+# dtype's pairs a lane (16 bytes: 4 of 16 bits, 2 of float32), so one order serves them all
+GROUP_PAIRS = 4
+
+
 @cache
-def grouped_pair_order(
-    section: tuple[int, int, int], pairs: int, pairs_a_lane: int
-) -> tuple[int, ...] | None:
+def grouped_pair_order(section: tuple[int, int, int], pairs: int) -> tuple[int, ...] | None:
     """The column order of the grouped tables of interleaved MRoPE rows (rope.cu's
     MropeGroups): the pairs of each position row in increasing order, row 0's first, cut into
-    groups of ``pairs_a_lane``, pair j at column ``group * pairs_a_lane + j % pairs_a_lane``;
-    entry t of the result is the pair at column t. None where a row's pairs do not fill whole
-    groups holding one pair of each residue mod ``pairs_a_lane``."""
+    groups of GROUP_PAIRS, pair j at column ``group * GROUP_PAIRS + j % GROUP_PAIRS``; entry
+    t of the result is the pair at column t. None where a row's pairs do not fill whole
+    groups holding one pair of each residue mod GROUP_PAIRS."""
     rows = mrope_rows(section, True, pairs)
+    if any(np.count_nonzero(rows == row) % GROUP_PAIRS for row in range(3)):
+        return None
     in_order = np.concatenate([np.flatnonzero(rows == row) for row in range(3)])
-    if any(np.count_nonzero(rows == row) % pairs_a_lane for row in range(3)):
+    groups = in_order.reshape(-1, GROUP_PAIRS)
+    if not (np.sort(groups % GROUP_PAIRS, axis=1) == np.arange(GROUP_PAIRS)).all():
         return None
-    groups = in_order.reshape(-1, pairs_a_lane)
-    residues = np.sort(groups % pairs_a_lane, axis=1)
-    if not (residues == np.arange(pairs_a_lane)).all():
-        return None
-    columns = np.repeat(np.arange(len(groups)), pairs_a_lane) * pairs_a_lane
-    columns += in_order % pairs_a_lane
+    columns = np.arange(pairs) // GROUP_PAIRS * GROUP_PAIRS + in_order % GROUP_PAIRS
     order = np.empty(pairs, np.int64)
     order[columns] = in_order
     return tuple(int(j) for j in order)
@@ -986,7 +987,7 @@ def _rotate_cuda(
         if packs_table == MROPE_GROUPED:
             # both tables alike on the device whichever layout a call takes, so that a call
             # captured into a CUDA graph after any eager one uploads neither
-            order = grouped_pair_order(section, rotary_dim // 2, 8 // ITEMSIZE[dtype])
+            order = grouped_pair_order(section, rotary_dim // 2)
             grouped = shared_table(table.scheme, rotary_dim, order)
             tables = grouped.device_tables(device, positions.cover)
             if plan.grouped:
