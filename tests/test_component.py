@@ -1514,6 +1514,25 @@ def test_memory_stats_report_the_shared_table():
     assert stats["shared"]["device"] == entry["device_bytes"] == {}  # nothing on a device
 
 
+@GPU
+def test_memory_stats_count_the_grouped_table():
+    """Interleaved MRoPE sections that group (Qwen3-VL's) keep the shared table's columns in
+    the grouped order on the device too, from the first CUDA call of any size (a call
+    captured later uploads nothing); memory_stats counts both."""
+    require("cuda", "torch")
+    rope = RoPE(
+        DEVICE_HEAD_DIM, 8, 4, scheme=fresh_standard(), max_position=1 << 12,
+        mrope_section=(24, 20, 20), mrope_interleaved=True,
+    )  # fmt: skip
+    q = torch.zeros(5, 8 * DEVICE_HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    k = torch.zeros(5, 4 * DEVICE_HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    rope.forward(q, k, positions=torch.zeros(3, 5, dtype=torch.int64, device="cuda"))
+    device = q.device.index
+    natural = rope.table.bytes()["device"][device]
+    assert natural > 0
+    assert rope.memory_stats()["shared"]["device"] == {device: 2 * natural}
+
+
 def test_required_memory_on_the_host_allocates_nothing():
     scheme = fresh_standard()
     entries_before = len(table_cache_info()["entries"])
@@ -1528,6 +1547,17 @@ def test_required_memory_on_the_host_allocates_nothing():
     assert RoPE.required_memory(128, 5000) == RoPE.required_memory(
         128, 5000, scheme=Standard(), rotary_dim=128
     )
+    # interleaved MRoPE sections that group (Qwen3-VL's) keep a second, grouped table
+    qwen3 = dict(mrope_section=(24, 20, 20), mrope_interleaved=True)
+    assert RoPE.required_memory(128, 1000, scheme=scheme, **qwen3) == 2 * RoPE.required_memory(
+        128, 1000, scheme=scheme
+    )
+    for section, interleaved in (((16, 24, 24), False), ((16, 24, 24), True)):  # (no groups)
+        alone = RoPE.required_memory(
+            128, 1000, scheme=scheme, mrope_section=section, mrope_interleaved=interleaved
+        )
+        assert alone == RoPE.required_memory(128, 1000, scheme=scheme)
+    assert len(table_cache_info()["entries"]) == entries_before, "required_memory built a table"
     # a table that exists only on the host does not cover a device: the full cost remains
     rope = RoPE(HEAD_DIM, 2, scheme=scheme)
     rope.prefill(np.zeros((1, 1, 2 * HEAD_DIM), np.float32), None, 999)

@@ -163,6 +163,25 @@ def shared_table(
     return build_once(_registry, _registry_lock, (scheme, rotary_dim, pair_order), build)
 
 
+def existing_table(
+    scheme: Scheme, rotary_dim: int, pair_order: tuple[int, ...] | None = None
+) -> RotaryTable | None:
+    """The table of (scheme, rotary_dim, pair_order) if this process has made it."""
+    return _registry.get((scheme, rotary_dim, pair_order))
+
+
+def combined_bytes(tables: list[RotaryTable]) -> dict[str, Any]:
+    """:meth:`RotaryTable.bytes` of several tables, added up (host; per device)."""
+    total: dict[str, Any] = {"host": 0, "device": {}, "device_retired": {}}
+    for table in tables:
+        sizes = table.bytes()
+        total["host"] += sizes["host"]
+        for key in ("device", "device_retired"):
+            for device, count in sizes[key].items():
+                total[key][device] = total[key].get(device, 0) + count
+    return total
+
+
 def table_bytes(rotary_dim: int, positions: int) -> int:
     """Device bytes the float32 tables of one (scheme, rotary_dim) take for ``positions``."""
     coarse_rows = max(_MIN_COARSE_ROWS, -(-positions // FINE_ROWS))
