@@ -88,7 +88,7 @@ NO_NORM, NORM_CHUNKS, NORM_ROWS = 0, 1, 2
 _ROWS_THREADS, _ROWS_REGISTERS, _ROWS_HEADS = 64, 64, 2
 # The plain rotation's whole-row layout (rope.cu rope_rotate_packs): q, or q and k, at
 # sequential or per-token positions, rotated whole at a shipped rotary_dim, any table mode
-# (MRoPE where _lanes_in_one_row), 16-byte rows, with the fused norm of 16-bit rows. 16 bytes
+# (MRoPE where _packs_table allows), 16-byte rows, with the fused norm of 16-bit rows. 16 bytes
 # of a row a lane (neox: 8 of each half), _PACK_ROWS rows of one operand of a token a lane at
 # once, blocks of _PACK_THREADS at 64 registers (32 warps a multiprocessor).
 # Measured on an H200 (D128, % of the copy ceiling, the chunk layout -> this one, in one
@@ -169,8 +169,10 @@ NORM_TABLE_MODES = (TWO_LEVEL, MROPE)  # the cos_sin_cache calls take no fused n
 # cos_sin_cache 80.4 -> 81.7, 89.5 -> 89.6, 93.7 -> 93.3. MRoPE with every lane forming its
 # pairs' three position rows lost: 74.4 -> 70.3, 84.7 -> 75.0, 91.0 -> 77.8 (interleaved rows
 # at N8192 84.4 -> 77.4; ncu: 1.7x the plain kernel's instructions). So MRoPE takes it only
-# where each lane's pairs sit in one section (_lanes_in_one_row: one position row a lane, the
-# plain kernel's work), and the interleaved rows keep the chunk layout. Sections (16, 24, 24)
+# where each lane forms its cos/sin at one position row (_packs_table), the plain kernel's
+# work: where its pairs sit in one section, or (MROPE_GROUPED) where interleaved sections
+# group, each lane forming a group's at one row and shuffling them to their pairs' lanes;
+# other interleaved sections keep the chunk layout. Sections (16, 24, 24)
 # so, chunks -> packs on the H100, bit-identical: N4096 75.0 -> 81.9, N8192 84.3 -> 89.7,
 # N16384 91.4 -> 94.7 (fp16 N8192 84.8 -> 89.4, float32 91.5 -> 95.2, interleaved layout 83.7
 # -> 89.6, D64 (8, 12, 12) 73.6 -> 81.4); with the fused norm (NORM_ROWS -> packs) N4096
