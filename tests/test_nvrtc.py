@@ -16,6 +16,8 @@ import pytest
 import kernels_cu
 from tileops_cupy import _catalogue, _cuda, _mhc, _rotate
 from tileops_cupy._arrays import ITEMSIZE, Operand
+from tileops_cupy._tables import shared_table
+from tileops_cupy.schemes import Standard, YaRN
 
 pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC comes with CuPy")
 
@@ -449,6 +451,21 @@ def test_grouped_pair_order_puts_each_lane_in_one_position_row():
             assert (np.diff(in_row) > 0).all()
     assert _rotate.grouped_pair_order((12, 10, 10), 32) is None
     assert _rotate.grouped_pair_order((16, 24, 24), 64) is None
+
+
+def test_grouped_tables_hold_the_natural_tables_bits():
+    """A table in the grouped order holds the natural table's entries, bit for bit, at its
+    columns (computed in the natural order, then moved): the grouped and the chunk layouts
+    write the same bits."""
+    order = _rotate.grouped_pair_order((24, 20, 20), 64)
+    for scheme in (Standard(20013.0), YaRN(scale=8.0)):
+        natural, grouped = shared_table(scheme, 128), shared_table(scheme, 128, order)
+        assert grouped is not natural and grouped is shared_table(scheme, 128, order)
+        for table in (natural, grouped):
+            table.ensure(1 << 16)
+        for name in ("fine64", "fine32", "coarse64", "coarse32"):
+            expected = getattr(natural, name)[:, list(order)]
+            np.testing.assert_array_equal(getattr(grouped, name), expected, err_msg=name)
 
 
 def test_projection_shared_memory_is_the_kernels_own(monkeypatch):

@@ -60,8 +60,6 @@ class RotaryTable:
 
     def __post_init__(self) -> None:
         self.inv_freq = self.scheme.inv_freq(self.rotary_dim)
-        if self.pair_order is not None:
-            self.inv_freq = self.inv_freq[list(self.pair_order)]
         self.amplitude = float(self.scheme.amplitude(self.rotary_dim))
         if not abs(self.amplitude) <= FLOAT32_MAX:  # (the float32 tables would hold inf)
             raise ValueError(
@@ -69,10 +67,15 @@ class RotaryTable:
                 f"float32's range (<= {FLOAT32_MAX:.8g})"
             )
         fine_angles = np.arange(FINE_ROWS, dtype=np.float64)[:, None] * self.inv_freq
-        self.fine64 = _cos_sin(fine_angles, 1.0)
+        self.fine64 = self._in_order(_cos_sin(fine_angles, 1.0))
         self.fine32 = self.fine64.astype(np.float32)
         self.coarse64 = np.empty((0, self.rotary_dim // 2, 2))
         self.coarse32 = self.coarse64.astype(np.float32)
+
+    def _in_order(self, entries: np.ndarray) -> np.ndarray:
+        """[rows, pairs, 2] entries, computed in the natural order (so that every order holds
+        the same bits), in this table's column order."""
+        return entries if self.pair_order is None else entries[:, list(self.pair_order)]
 
     @property
     def capacity(self) -> int:
@@ -95,7 +98,7 @@ class RotaryTable:
             if rows <= self.coarse64.shape[0]:
                 return
             coarse_positions = np.arange(rows, dtype=np.float64)[:, None] * FINE_ROWS
-            coarse64 = _cos_sin(coarse_positions * self.inv_freq, self.amplitude)
+            coarse64 = self._in_order(_cos_sin(coarse_positions * self.inv_freq, self.amplitude))
             # Readers check `capacity` (from coarse64) without the lock, then index either
             # table: publish coarse32 first so that both cover what capacity promises.
             self.coarse32 = coarse64.astype(np.float32)
