@@ -637,15 +637,27 @@ struct MropeGroups {
     return c < row0 ? 0 : c < row0 + row1 ? 1 : 2;
   }
 
-  // the column of pair j: its group (its row's pairs below it, in groups), its residue
-  __device__ __forceinline__ int column_of(int j) const {
-    const int below1 = min((j + 1) / 3, section[1]);  // row 1's pairs below j
-    const int below2 = min(j / 3, section[2]);        // row 2's
-    const int row = mrope_row(j, section, 1);
-    const int entry = row == 0   ? j - below1 - below2  // pairs before j in the groups' order
-                      : row == 1 ? row0 + below1
-                                 : row0 + row1 + below2;
-    return entry / GROUP_PAIRS * GROUP_PAIRS + j % GROUP_PAIRS;
+  // the columns of pairs first .. first + N - 1: each pair's group (its row's pairs below it,
+  // in groups) and residue; j = 3t + m taken from first's quotient and remainder, no division
+  // a pair (mrope_row's conditions, as t < section[m] for m = 1, 2)
+  template <int N>
+  __device__ __forceinline__ void columns_of(int first, int (&column)[N]) const {
+    static_assert(N <= 4, "a remainder plus N - 1 stays below 6: one carry");
+    const int first_third = static_cast<int>(static_cast<unsigned>(first) / 3u);
+    const int first_residue = first - 3 * first_third;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const int j = first + i;
+      const bool carry = first_residue + i >= 3;
+      const int t = first_third + carry, m = first_residue + i - (carry ? 3 : 0);
+      // pairs before j in the groups' order, of each row (the selects: no branches)
+      const int in_row1 = row0 + t, in_row2 = row0 + row1 + t;
+      const int in_row0 = j - min(t + (m == 2), section[1]) - min(t, section[2]);
+      const int entry = m == 1 && t < section[1]   ? in_row1
+                        : m == 2 && t < section[2] ? in_row2
+                                                   : in_row0;
+      column[i] = (entry & ~(GROUP_PAIRS - 1)) | (j & (GROUP_PAIRS - 1));
+    }
   }
 };
 
@@ -1020,9 +1032,11 @@ __global__ void __launch_bounds__(ROPE_PACK_THREADS, ROPE_PACK_MIN_BLOCKS)
   if constexpr (GROUPED) {  // its own pair first_pair + i is entry i of the lane holding it
     const unsigned first_lane = threadIdx.x & 31 & ~(LANES - 1);  // of the row, in the warp
     const unsigned row_lanes = LANES == 32 ? 0xffffffffu : ((1u << LANES) - 1) << first_lane;
+    int column[PAIRS];
+    mrope_groups.columns_of(first_pair, column);
 #pragma unroll
     for (int i = 0; i < PAIRS; ++i) {
-      const int from = mrope_groups.column_of(first_pair + i) / PAIRS;
+      const int from = static_cast<unsigned>(column[i]) / PAIRS;  // the lane holding it
       cos_v[i] = __shfl_sync(row_lanes, cos_v[i], from, LANES);
       sin_v[i] = __shfl_sync(row_lanes, sin_v[i], from, LANES);
     }
