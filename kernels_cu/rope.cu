@@ -611,7 +611,7 @@ __device__ __forceinline__ int mrope_row(int j, const int (&section)[3], int int
 // instructions, the performance log). Instead the pairs of each position row, in increasing
 // order, make groups of GROUP_PAIRS (row 0's first, then row 1's, then row 2's), and grouped
 // tables (tileops_cupy._rotate.grouped_pair_order) hold pair j at column
-// group_of(j) * GROUP_PAIRS + j % GROUP_PAIRS: a lane's PAIRS consecutive columns (PAIRS
+// (its group) * GROUP_PAIRS + j % GROUP_PAIRS: a lane's PAIRS consecutive columns (PAIRS
 // divides GROUP_PAIRS, for every dtype) are pairs of one position row, so it forms their
 // cos/sin as the plain kernel does (one position, 16-byte table loads), and every lane then
 // takes each of its own pairs' from the lane that formed it, by shuffles. The host plans this
