@@ -1557,6 +1557,16 @@ def test_required_memory_on_the_host_allocates_nothing():
             128, 1000, scheme=scheme, mrope_section=section, mrope_interleaved=interleaved
         )
         assert alone == RoPE.required_memory(128, 1000, scheme=scheme)
+    # rows not rotated whole never take the grouped layout: no second table
+    partial = dict(rotary_dim=64, mrope_section=(16, 8, 8), mrope_interleaved=True)
+    assert RoPE.required_memory(128, 1000, scheme=scheme, **partial) == RoPE.required_memory(
+        128, 1000, scheme=scheme, rotary_dim=64
+    )
+    assert RoPE.required_memory(64, 1000, scheme=scheme, **partial) == 2 * RoPE.required_memory(
+        64, 1000, scheme=scheme
+    )
+    with pytest.raises(ValueError, match="mrope_section must be 3 non-negative ints"):
+        RoPE.required_memory(128, 1000, mrope_section=(24, 20, 21), mrope_interleaved=True)
     assert len(table_cache_info()["entries"]) == entries_before, "required_memory built a table"
     # a table that exists only on the host does not cover a device: the full cost remains
     rope = RoPE(HEAD_DIM, 2, scheme=scheme)

@@ -948,6 +948,20 @@ def grouped_pair_order(section: tuple[int, int, int], pairs: int) -> tuple[int, 
     return tuple(int(j) for j in order)
 
 
+def grouped_table_order(
+    section: tuple[int, int, int] | None, interleaved: bool, rotary_dim: int, head_dim: int
+) -> tuple[int, ...] | None:
+    """The column order of the grouped table that rope_rotate_packs reads for these MRoPE
+    rows (:func:`grouped_pair_order`), or None where no call of theirs takes it: no
+    interleaved sections, sections that do not group, rows not rotated whole at a compiled
+    rotary_dim."""
+    if section is None or not interleaved:
+        return None
+    if rotary_dim != head_dim or rotary_dim not in SHIPPED_ROTARY_DIMS:
+        return None
+    return grouped_pair_order(section, rotary_dim // 2)
+
+
 def _packs_threads(head_rows: int, rotary_dim: int, aligned_width: int) -> int:
     """Threads of a rope_rotate_packs launch: a lane for each 16-byte pack of a row
     (``aligned_width`` elements), one for each _PACK_ROWS rows."""
@@ -986,10 +1000,10 @@ def _rotate_cuda(
         fine_ptr, coarse_ptr, capacity = 0, 0, table.capacity
     else:
         fine_ptr, coarse_ptr, capacity = table.device_tables(device, positions.cover)
-        if packs_table == MROPE_GROUPED:
+        order = grouped_table_order(section, interleaved, rotary_dim, head_dim)
+        if order is not None:
             # both tables alike on the device whichever layout a call takes, so that a call
             # captured into a CUDA graph after any eager one uploads neither
-            order = grouped_pair_order(section, rotary_dim // 2)
             grouped = shared_table(table.scheme, rotary_dim, order)
             tables = grouped.device_tables(device, positions.cover)
             if plan.grouped:

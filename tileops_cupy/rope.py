@@ -46,7 +46,7 @@ from ._rotate import (
     Positions,
     RowNorm,
     configuration_flag,
-    grouped_pair_order,
+    grouped_table_order,
     rotate,
 )
 from ._tables import combined_bytes, existing_table, shared_table, table_bytes, table_cache_info
@@ -767,11 +767,11 @@ class RoPE(ProcessLocal):
         }
 
     def _grouped_order(self) -> tuple[int, ...] | None:
-        """The grouped column order of this component's interleaved MRoPE sections, if they
-        group (:func:`grouped_pair_order`)."""
-        if not self.mrope_interleaved:
-            return None
-        return grouped_pair_order(self.mrope_section, self.rotary_dim // 2)
+        """The column order of the grouped table this component's mid-sized CUDA calls read
+        (interleaved MRoPE sections that group, rows rotated whole), else None."""
+        return grouped_table_order(
+            self.mrope_section, self.mrope_interleaved, self.rotary_dim, self.head_dim
+        )
 
     @staticmethod
     def required_memory(
@@ -792,9 +792,9 @@ class RoPE(ProcessLocal):
         scheme = Standard() if scheme is None else scheme
         rotary_dim = head_dim if rotary_dim is None else rotary_dim
         orders: list[tuple[int, ...] | None] = [None]
-        if mrope_interleaved and mrope_section is not None:
-            grouped = grouped_pair_order(tuple(mrope_section), rotary_dim // 2)
-            orders += [grouped] if grouped is not None else []
+        section = check_mrope_section(mrope_section, rotary_dim)
+        grouped = grouped_table_order(section, mrope_interleaved, rotary_dim, head_dim)
+        orders += [grouped] if grouped is not None else []
         total = 0
         for order in orders:
             covered = [
