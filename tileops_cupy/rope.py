@@ -787,8 +787,9 @@ class RoPE(ProcessLocal):
         shared table of (scheme, rotary_dim) already covers ``max_position`` on a device,
         else the whole grown table (growth uploads a new copy and keeps the old one, which
         a captured CUDA graph may still read). Interleaved MRoPE sections that group
-        (Qwen3-VL's (24, 20, 20), for one) count a second table, the same columns in the
-        grouped order. Not additive across layers: they share."""
+        (Qwen3-VL's (24, 20, 20), for one), in rows rotated whole (rotary_dim = head_dim,
+        64 or 128), count a second table: the same columns in the grouped order that
+        mid-sized calls read. Not additive across layers: they share."""
         scheme = Standard() if scheme is None else scheme
         rotary_dim = head_dim if rotary_dim is None else rotary_dim
         orders: list[tuple[int, ...] | None] = [None]
