@@ -407,9 +407,7 @@ PACK_POSITIONS = ("sequential", "int32", "int64", "mrope", "mrope-grouped", "cac
 GROUPED_SECTIONS = {64: (24, 20, 20), 32: (16, 8, 8)}
 
 
-def _pack_positions(
-    rng, kind: str, rotary_dim: int, batch: int, seq: int, offsets, dtype: str
-) -> dict:
+def _pack_positions(rng, kind: str, rotary_dim: int, batch: int, seq: int, offsets) -> dict:
     """The RopeParams fields of one kind of PACK_POSITIONS and what the oracle needs: per-head
     ``positions`` ([B, T, 1], or [B, T, 1, pairs] per pair) or a ``cache`` to read."""
     if kind == "sequential" or kind in ("int32", "int64"):
@@ -432,7 +430,7 @@ def _pack_positions(
         order = None
         if grouped:
             order = _rotate.grouped_pair_order(section, pairs)
-            assert order is not None and order != tuple(range(pairs)), (section, dtype)
+            assert order is not None and order != tuple(range(pairs)), section
         table = shared_table(Standard(), rotary_dim, order)
         table.ensure(1 << 16)
         fine, coarse = (np.ascontiguousarray(t) for t in (table.fine32, table.coarse32))
@@ -549,7 +547,7 @@ def test_packs_layout_on_host_threads(kernels, rng, dtype, neox, rotary_dim):
     ):
         if kind in ("mrope", "mrope-grouped", "cache") and inverse == in_place:
             continue  # (the other tables: half the direction and placement pairs)
-        case = _pack_positions(rng, kind, rotary_dim, batch, seq, offsets, dtype)
+        case = _pack_positions(rng, kind, rotary_dim, batch, seq, offsets)
         launched = _launch_whole_rows(
             kernels, rng, dtype, neox, rotary_dim, (batch, seq), (q_heads, k_heads, k_apart),
             in_place, case, sin_sign=-1.0 if inverse else 1.0,
@@ -588,7 +586,7 @@ def test_shared_layout_on_host_threads(kernels, rng, monkeypatch, dtype, neox, r
     batch, seq = 3, 3
     offsets = np.array([0, 700, 3], np.int64)
     operands = ((8, 0, False), (24, 8, False), (4, 8, True), (8, 4, True))
-    case = _pack_positions(rng, "sequential", rotary_dim, batch, seq, offsets, dtype)
+    case = _pack_positions(rng, "sequential", rotary_dim, batch, seq, offsets)
     for (q_heads, k_heads, k_apart), inverse, in_place in itertools.product(
         operands, (False, True), (False, True)
     ):
@@ -620,7 +618,7 @@ def test_shared_layout_positions_on_host_threads(kernels, rng, monkeypatch, dtyp
     rotary_dim, batch, seq = 128, 3, 3
     for offsets_given, flagged in ((False, False), (True, True)):
         offsets = np.array([0, 6000, 3] if offsets_given else [0, 0, 0], np.int64)
-        case = _pack_positions(rng, "sequential", rotary_dim, batch, seq, offsets, dtype)
+        case = _pack_positions(rng, "sequential", rotary_dim, batch, seq, offsets)
         if offsets_given:  # sequence 1 runs from POSITION + 6000, past the table's last row
             limit = POSITION + 6000 + 1
             case["fields"]["position_limit"] = limit
@@ -659,7 +657,7 @@ def test_packs_norm_on_host_threads(kernels, rng, dtype, neox, rotary_dim):
             ("int64", "mrope", "mrope-grouped"), (("float32", 0.0), ("data", 1.0)), (True, False),
         )
     ):  # fmt: skip
-        case = _pack_positions(rng, kind, rotary_dim, batch, seq, offsets, dtype)
+        case = _pack_positions(rng, kind, rotary_dim, batch, seq, offsets)
         weights = {}
         for name in ("q", "k"):
             w_dtype = np.dtype(np.float32 if weight_kind == "float32" else numpy_dtype(dtype))
