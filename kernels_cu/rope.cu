@@ -590,7 +590,7 @@ constexpr int TABLE_TWO_LEVEL = 0;
 constexpr int TABLE_MROPE = 1;
 constexpr int TABLE_COS_SIN_CACHE = 2;
 // rope_rotate_packs alone: MRoPE whose lanes take their pairs' cos/sin in groups of one
-// position row each (MropeGroups), from tables whose pairs are in the groups' order.
+// position row each (GROUP_PAIRS), from tables whose pairs are in the groups' order.
 constexpr int TABLE_MROPE_GROUPED = 3;
 
 // The position row of frequency pair j under MRoPE: sectioned (Qwen2-VL), block i of the
@@ -617,49 +617,35 @@ __device__ __forceinline__ int mrope_row(int j, const int (&section)[3], int int
 // takes each of its own pairs' from the lane that formed it, by shuffles. The host plans this
 // only where each row's pairs fill whole groups holding one pair of each residue mod
 // GROUP_PAIRS (Qwen3-VL's (24, 20, 20) at D128, for one), so a pair keeps its column's
-// residue: entry j % PAIRS of the lane holding pair j.
+// residue: entry j % PAIRS of the lane holding pair j. The column of each pair is a byte of
+// the row after the grouped fine table (tileops_cupy._tables: RotaryTable.device_fine32):
+// one load, where its closed form from the sections took a fifth of the kernel's
+// instructions.
 constexpr int GROUP_PAIRS = 4;
 
+// the position row of the pairs at column c of the grouped tables (a whole group's: one row):
+// rows 0 and 1 hold PAIRS_OF_ROW - min(PAIRS_OF_ROW / 3, section[2]) pairs between them, row 1
+// min((PAIRS_OF_ROW + 1) / 3, section[1]) (mrope_row's counts)
 template <int PAIRS_OF_ROW>
-struct MropeGroups {
-  int section[3];  // pairs j % 3 == 1 below 3 * section[1] take row 1, j % 3 == 2 below
-                   // 3 * section[2] row 2 (mrope_row)
-  int row0, row1;  // pairs in rows 0 and 1 (multiples of GROUP_PAIRS: the plan checks)
+__device__ __forceinline__ int grouped_row_of_column(int c, const int (&section)[3]) {
+  const int row1 = min((PAIRS_OF_ROW + 1) / 3, section[1]);
+  const int rows01 = PAIRS_OF_ROW - min(PAIRS_OF_ROW / 3, section[2]);
+  return c < rows01 - row1 ? 0 : c < rows01 ? 1 : 2;
+}
 
-  __device__ __forceinline__ explicit MropeGroups(const int (&mrope_section)[3])
-      : section{mrope_section[0], mrope_section[1], mrope_section[2]} {
-    row1 = min((PAIRS_OF_ROW + 1) / 3, section[1]);
-    row0 = PAIRS_OF_ROW - row1 - min(PAIRS_OF_ROW / 3, section[2]);
-  }
-
-  // the position row of the pairs at column c (a whole group's: one row)
-  __device__ __forceinline__ int row_of_column(int c) const {
-    return c < row0 ? 0 : c < row0 + row1 ? 1 : 2;
-  }
-
-  // the columns of pairs first .. first + N - 1: each pair's group (its row's pairs below it,
-  // in groups) and residue; j = 3t + m taken from first's quotient and remainder, no division
-  // a pair (mrope_row's conditions, as t < section[m] for m = 1, 2)
-  template <int N>
-  __device__ __forceinline__ void columns_of(int first, int (&column)[N]) const {
-    static_assert(N <= 4, "a remainder plus N - 1 stays below 6: one carry");
-    const int first_third = static_cast<int>(static_cast<unsigned>(first) / 3u);
-    const int first_residue = first - 3 * first_third;
+// the columns of the grouped tables that hold pairs first .. first + N - 1 (N divides
+// GROUP_PAIRS, first a multiple of N): N bytes, at byte `first` of the row after the fine table
+template <int N, int PAIRS_OF_ROW>
+__device__ __forceinline__ void grouped_columns(const float2* fine, int first, int (&column)[N]) {
+  static_assert(GROUP_PAIRS % N == 0 && N <= 4, "one aligned load of N bytes");
+  const unsigned char* columns =
+      reinterpret_cast<const unsigned char*>(fine + (1 << FINE_BITS) * PAIRS_OF_ROW) + first;
+  const unsigned bytes = N == 4   ? *reinterpret_cast<const unsigned*>(columns)
+                         : N == 2 ? *reinterpret_cast<const unsigned short*>(columns)
+                                  : *columns;
 #pragma unroll
-    for (int i = 0; i < N; ++i) {
-      const int j = first + i;
-      const bool carry = first_residue + i >= 3;
-      const int t = first_third + carry, m = first_residue + i - (carry ? 3 : 0);
-      // pairs before j in the groups' order, of each row (the selects: no branches)
-      const int in_row1 = row0 + t, in_row2 = row0 + row1 + t;
-      const int in_row0 = j - min(t + (m == 2), section[1]) - min(t, section[2]);
-      const int entry = m == 1 && t < section[1]   ? in_row1
-                        : m == 2 && t < section[2] ? in_row2
-                                                   : in_row0;
-      column[i] = (entry & ~(GROUP_PAIRS - 1)) | (j & (GROUP_PAIRS - 1));
-    }
-  }
-};
+  for (int i = 0; i < N; ++i) column[i] = (bytes >> (8 * i)) & 0xff;
+}
 
 // The rows of both two-level tables at one position; cos/sin of pair j by angle addition.
 struct TwoLevelRows {
@@ -999,13 +985,17 @@ __global__ void __launch_bounds__(ROPE_PACK_THREADS, ROPE_PACK_MIN_BLOCKS)
   const int first_pair = lane * PAIRS;
   // MRoPE: the position row of the lane's pairs, all in one section (planned only so:
   // _rotate's _packs_table), or (GROUPED: interleaved sections) of the lane's columns of the
-  // grouped tables, which hold other pairs than its own (MropeGroups)
+  // grouped tables, which hold other pairs than its own (GROUP_PAIRS)
   constexpr bool GROUPED = TABLE == TABLE_MROPE_GROUPED;
-  const MropeGroups<ROTARY_DIM / 2> mrope_groups(p.mrope_section);
+  int source_column[GROUPED ? PAIRS : 1];  // GROUPED: the columns holding the lane's pairs
+  if constexpr (GROUPED) {
+    grouped_columns<PAIRS, ROTARY_DIM / 2>(p.fine, first_pair, source_column);
+  }
   const long long tokens = static_cast<long long>(p.batch) * p.seq;
-  const int position_row = TABLE == TABLE_MROPE ? mrope_row(first_pair, p.mrope_section, 0)
-                           : GROUPED            ? mrope_groups.row_of_column(first_pair)
-                                                : 0;
+  const int position_row =
+      TABLE == TABLE_MROPE ? mrope_row(first_pair, p.mrope_section, 0)
+      : GROUPED            ? grouped_row_of_column<ROTARY_DIM / 2>(first_pair, p.mrope_section)
+                           : 0;
   const long long id = token + position_row * tokens;
   const long long position = token_position(p.ids, p.ids_is_int64, p.offsets, p.offsets_is_int64,
                                             p.position_offset, b, s, id, p.position_limit,
@@ -1032,11 +1022,9 @@ __global__ void __launch_bounds__(ROPE_PACK_THREADS, ROPE_PACK_MIN_BLOCKS)
   if constexpr (GROUPED) {  // its own pair first_pair + i is entry i of the lane holding it
     const unsigned first_lane = threadIdx.x & 31 & ~(LANES - 1);  // of the row, in the warp
     const unsigned row_lanes = LANES == 32 ? 0xffffffffu : ((1u << LANES) - 1) << first_lane;
-    int column[PAIRS];
-    mrope_groups.columns_of(first_pair, column);
 #pragma unroll
     for (int i = 0; i < PAIRS; ++i) {
-      const int from = static_cast<unsigned>(column[i]) / PAIRS;  // the lane holding it
+      const int from = static_cast<unsigned>(source_column[i]) / PAIRS;  // the lane holding it
       cos_v[i] = __shfl_sync(row_lanes, cos_v[i], from, LANES);
       sin_v[i] = __shfl_sync(row_lanes, sin_v[i], from, LANES);
     }

@@ -1411,7 +1411,7 @@ def test_components_and_ops_share_one_table(rng):
     assert entry["host_bytes"] == first.table.bytes()["host"] > 0
     info = table_cache_info()
     assert info["host_bytes"] == sum(e["host_bytes"] for e in info["entries"])
-    keys = [(e["scheme"], e["rotary_dim"]) for e in info["entries"]]
+    keys = [(e["scheme"], e["rotary_dim"], e["pair_order"]) for e in info["entries"]]
     assert len(keys) == len(set(keys)), "an entry is listed twice"
     x64 = x.astype(np.float64)[None, :, None, :]
     frequencies = standard_frequencies(HEAD_DIM, scheme.base)
@@ -1530,7 +1530,8 @@ def test_memory_stats_count_the_grouped_table():
     device = q.device.index
     natural = rope.table.bytes()["device"][device]
     assert natural > 0
-    assert rope.memory_stats()["shared"]["device"] == {device: 2 * natural}
+    pair_columns = DEVICE_HEAD_DIM // 2 * 2 * 4  # the grouped fine table's one row more
+    assert rope.memory_stats()["shared"]["device"] == {device: 2 * natural + pair_columns}
 
 
 def test_required_memory_on_the_host_allocates_nothing():
@@ -1547,11 +1548,11 @@ def test_required_memory_on_the_host_allocates_nothing():
     assert RoPE.required_memory(128, 5000) == RoPE.required_memory(
         128, 5000, scheme=Standard(), rotary_dim=128
     )
-    # interleaved MRoPE sections that group (Qwen3-VL's) keep a second, grouped table
+    # interleaved MRoPE sections that group (Qwen3-VL's) keep a second, grouped table, whose
+    # fine table has a row more (its pairs' columns)
     qwen3 = dict(mrope_section=(24, 20, 20), mrope_interleaved=True)
-    assert RoPE.required_memory(128, 1000, scheme=scheme, **qwen3) == 2 * RoPE.required_memory(
-        128, 1000, scheme=scheme
-    )
+    natural = RoPE.required_memory(128, 1000, scheme=scheme)
+    assert RoPE.required_memory(128, 1000, scheme=scheme, **qwen3) == 2 * natural + 64 * 2 * 4
     for section, interleaved in (((16, 24, 24), False), ((16, 24, 24), True)):  # (no groups)
         alone = RoPE.required_memory(
             128, 1000, scheme=scheme, mrope_section=section, mrope_interleaved=interleaved
@@ -1562,9 +1563,8 @@ def test_required_memory_on_the_host_allocates_nothing():
     assert RoPE.required_memory(128, 1000, scheme=scheme, **partial) == RoPE.required_memory(
         128, 1000, scheme=scheme, rotary_dim=64
     )
-    assert RoPE.required_memory(64, 1000, scheme=scheme, **partial) == 2 * RoPE.required_memory(
-        64, 1000, scheme=scheme
-    )
+    natural = RoPE.required_memory(64, 1000, scheme=scheme)
+    assert RoPE.required_memory(64, 1000, scheme=scheme, **partial) == 2 * natural + 32 * 2 * 4
     with pytest.raises(ValueError, match="mrope_section must be 3 non-negative ints"):
         RoPE.required_memory(128, 1000, mrope_section=(24, 20, 21), mrope_interleaved=True)
     assert len(table_cache_info()["entries"]) == entries_before, "required_memory built a table"

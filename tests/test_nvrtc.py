@@ -16,7 +16,7 @@ import pytest
 import kernels_cu
 from tileops_cupy import _catalogue, _cuda, _mhc, _rotate
 from tileops_cupy._arrays import ITEMSIZE, Operand
-from tileops_cupy._tables import shared_table
+from tileops_cupy._tables import FINE_ROWS, shared_table
 from tileops_cupy.schemes import Standard, YaRN
 
 pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC comes with CuPy")
@@ -432,7 +432,7 @@ def test_mrope_takes_whole_rows_where_a_lane_takes_one_position_row():
 
 
 def test_grouped_pair_order_puts_each_lane_in_one_position_row():
-    """The grouped tables' column order (rope.cu's MropeGroups): each pair once, column t
+    """The grouped tables' column order (rope.cu's GROUP_PAIRS): each pair once, column t
     pair order[t] with t % 4 == order[t] % 4, so every lane of 2 or 4 columns (16 bytes of
     float32 or of 16-bit rows) holds its own pairs' residues, all of one position row; the
     rows' pairs in increasing order, row 0's first."""
@@ -466,6 +466,15 @@ def test_grouped_tables_hold_the_natural_tables_bits():
         for name in ("fine64", "fine32", "coarse64", "coarse32"):
             expected = getattr(natural, name)[:, list(order)]
             np.testing.assert_array_equal(getattr(grouped, name), expected, err_msg=name)
+        # on the device, the grouped fine table's row after the last a position indexes holds
+        # each pair's column, a byte (the kernel's lanes read their pairs' sources there)
+        assert natural.device_fine32.shape == (FINE_ROWS, 64, 2)
+        device_fine = grouped.device_fine32
+        assert device_fine.shape == (FINE_ROWS + 1, 64, 2)
+        np.testing.assert_array_equal(device_fine[:FINE_ROWS], grouped.fine32)
+        columns = device_fine[FINE_ROWS:].view(np.uint8).reshape(-1)
+        assert [order[column] for column in columns[:64]] == list(range(64))
+        assert not columns[64:].any()
 
 
 def test_projection_shared_memory_is_the_kernels_own(monkeypatch):

@@ -433,7 +433,7 @@ def _pack_positions(rng, kind: str, rotary_dim: int, batch: int, seq: int, offse
             assert order is not None and order != tuple(range(pairs)), section
         table = shared_table(Standard(), rotary_dim, order)
         table.ensure(1 << 16)
-        fine, coarse = (np.ascontiguousarray(t) for t in (table.fine32, table.coarse32))
+        fine, coarse = (np.ascontiguousarray(t) for t in (table.device_fine32, table.coarse32))
         ids = rng.integers(0, 1 << 16, (3, batch, seq)).astype(np.int64)
         fields = dict(
             fine=fine.ctypes.data, coarse=coarse.ctypes.data, position_limit=table.capacity,

@@ -159,7 +159,7 @@ TWO_LEVEL, MROPE, COS_SIN_CACHE = 0, 1, 2
 TABLE_MODES = (TWO_LEVEL, MROPE, COS_SIN_CACHE)
 # rope_rotate_packs' interleaved MRoPE (in the MROPE module): each lane forms the cos/sin of one
 # group of pairs of one position row, from tables in the groups' order (grouped_pair_order),
-# and takes its own pairs' by shuffles (rope.cu's MropeGroups says why).
+# and takes its own pairs' by shuffles (rope.cu's GROUP_PAIRS says why).
 MROPE_GROUPED = 3
 NORM_TABLE_MODES = (TWO_LEVEL, MROPE)  # the cos_sin_cache calls take no fused norm
 # rope_rotate_packs is compiled into every table mode's module. Measured on an H100 (bf16 q
@@ -931,7 +931,7 @@ GROUP_PAIRS = 4
 @cache
 def grouped_pair_order(section: tuple[int, int, int], pairs: int) -> tuple[int, ...] | None:
     """The column order of the grouped tables of interleaved MRoPE rows (rope.cu's
-    MropeGroups): the pairs of each position row in increasing order, row 0's first, cut into
+    GROUP_PAIRS): the pairs of each position row in increasing order, row 0's first, cut into
     groups of GROUP_PAIRS, pair j at column ``group * GROUP_PAIRS + j % GROUP_PAIRS``; entry
     t of the result is the pair at column t. None where a row's pairs do not fill whole
     groups holding one pair of each residue mod GROUP_PAIRS."""

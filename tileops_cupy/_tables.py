@@ -33,6 +33,7 @@ from .schemes import Scheme
 FINE_BITS = 10
 FINE_ROWS = 1 << FINE_BITS
 _MIN_COARSE_ROWS = 8  # 8k positions on first use
+_PAIR_COLUMN_ROWS = 1  # rows after a permuted fine table: its pairs' columns (_with_pair_columns)
 
 
 def _cos_sin(angles: np.ndarray, amplitude: float) -> np.ndarray:
@@ -53,6 +54,7 @@ class RotaryTable:
     fine64: np.ndarray = field(init=False)
     coarse64: np.ndarray = field(init=False)
     fine32: np.ndarray = field(init=False)
+    device_fine32: np.ndarray = field(init=False)  # what device_tables uploads as fine
     coarse32: np.ndarray = field(init=False)
     _device: dict[int, tuple[Any, Any]] = field(default_factory=dict, init=False)
     _retired: list[Any] = field(default_factory=list, init=False)
@@ -68,7 +70,8 @@ class RotaryTable:
             )
         fine_angles = np.arange(FINE_ROWS, dtype=np.float64)[:, None] * self.inv_freq
         self.fine64 = self._in_order(_cos_sin(fine_angles, 1.0))
-        self.fine32 = self.fine64.astype(np.float32)
+        self.device_fine32 = self._with_pair_columns(self.fine64.astype(np.float32))
+        self.fine32 = self.device_fine32[:FINE_ROWS]  # (a view: the rows positions index)
         self.coarse64 = np.empty((0, self.rotary_dim // 2, 2))
         self.coarse32 = self.coarse64.astype(np.float32)
 
@@ -76,6 +79,21 @@ class RotaryTable:
         """[rows, pairs, 2] entries, computed in the natural order (so that every order holds
         the same bits), in this table's column order."""
         return entries if self.pair_order is None else entries[:, list(self.pair_order)]
+
+    def _with_pair_columns(self, fine32: np.ndarray) -> np.ndarray:
+        """The fine table as the device holds it: ``fine32`` ([FINE_ROWS, pairs, 2]), and in
+        a permuted order _PAIR_COLUMN_ROWS row more whose first rotary_dim/2 bytes give the
+        column of each pair (pair j's at byte j): where rope.cu's grouped kernel finds the
+        lanes that hold its pairs (a load, not their closed form: a fifth of its
+        instructions). Positions index only the first FINE_ROWS rows."""
+        if self.pair_order is None:
+            return fine32
+        pairs = self.rotary_dim // 2  # (at most 256: a byte a column)
+        columns = np.empty(pairs, np.uint8)
+        columns[list(self.pair_order)] = np.arange(pairs)
+        extra = np.zeros((_PAIR_COLUMN_ROWS, pairs, 2), np.float32)
+        extra.view(np.uint8).reshape(-1)[:pairs] = columns
+        return np.concatenate([fine32, extra])
 
     @property
     def capacity(self) -> int:
@@ -115,7 +133,7 @@ class RotaryTable:
                 if entry is None or entry[1].shape[0] != self.coarse32.shape[0]:
                     cp = cupy()
                     with cp.cuda.Device(device):
-                        fine = cp.asarray(self.fine32)
+                        fine = cp.asarray(self.device_fine32)
                         coarse = cp.asarray(self.coarse32)
                         cp.cuda.runtime.deviceSynchronize()
                     if entry is not None:
@@ -144,7 +162,9 @@ class RotaryTable:
     def bytes(self) -> dict[str, Any]:
         """Host bytes; live device bytes per device; and bytes of device copies replaced by
         growth but kept, because a launch in flight or a captured CUDA graph may read them."""
-        host = sum(a.nbytes for a in (self.fine64, self.coarse64, self.fine32, self.coarse32))
+        host = sum(
+            a.nbytes for a in (self.fine64, self.coarse64, self.device_fine32, self.coarse32)
+        )  # (fine32 is a view of device_fine32)
         device = {dev: fine.nbytes + coarse.nbytes for dev, (fine, coarse) in self._device.items()}
         retired: dict[int, int] = {}
         for fine, coarse in self._retired:
@@ -185,11 +205,13 @@ def combined_bytes(tables: list[RotaryTable]) -> dict[str, Any]:
     return total
 
 
-def table_bytes(rotary_dim: int, positions: int) -> int:
-    """Device bytes the float32 tables of one (scheme, rotary_dim) take for ``positions``."""
+def table_bytes(rotary_dim: int, positions: int, permuted: bool = False) -> int:
+    """Device bytes the float32 tables of one (scheme, rotary_dim, pair order) take for
+    ``positions`` (``permuted``: in an order other than the natural one)."""
     coarse_rows = max(_MIN_COARSE_ROWS, -(-positions // FINE_ROWS))
     coarse_rows = 1 << (coarse_rows - 1).bit_length()  # tables grow by doubling
-    return (FINE_ROWS + coarse_rows) * (rotary_dim // 2) * 2 * 4
+    fine_rows = FINE_ROWS + (_PAIR_COLUMN_ROWS if permuted else 0)
+    return (fine_rows + coarse_rows) * (rotary_dim // 2) * 2 * 4
 
 
 def table_cache_info() -> dict[str, Any]:

@@ -806,7 +806,7 @@ class RoPE(ProcessLocal):
             ]
             if not covered or covered[0] < max_position:
                 # growth uploads a whole new table; a replaced copy stays (graphs may read it)
-                total += table_bytes(rotary_dim, max_position)
+                total += table_bytes(rotary_dim, max_position, permuted=order is not None)
         return total
 
     def __repr__(self) -> str:
