@@ -933,10 +933,15 @@ __global__ void __launch_bounds__(ROPE_PACK_THREADS, ROPE_PACK_MIN_BLOCKS)
   const unsigned per_token = (q_groups + static_cast<unsigned>(p.k_heads) / ROWS) * LANES;
   const unsigned threads = static_cast<unsigned>(p.batch) * static_cast<unsigned>(p.seq) * per_token;
   const unsigned flat = blockIdx.x * ROPE_PACK_THREADS + threadIdx.x;
-  // Without the norm no lane waits on another (no shuffles, no barriers). NORM: a lane past the
-  // last row stays for its warp's shuffles (the blocks are whole warps), reading the last row
-  // (always in bounds) and writing nothing; such lanes make whole row groups of their own.
-  if (!NORM && flat >= threads) return;
+  // Lanes that shuffle (NORM; GROUPED: the grouped MRoPE tables) name the whole warp, since a
+  // mask of the row's lanes made each shuffle a loop (bf16 D128 GROUPED: 488 SASS
+  // instructions so, 416 with the whole warp, the sectioned kernel's 384). There a lane past
+  // the last row stays for its warp's shuffles (the blocks are whole warps), reading the last
+  // row (always in bounds) and writing nothing; such lanes make whole row groups of their
+  // own. Elsewhere no lane waits on another (no shuffles, no barriers), and they leave.
+  constexpr bool GROUPED = TABLE == TABLE_MROPE_GROUPED;
+  constexpr bool SHUFFLES = NORM || GROUPED;
+  if (!SHUFFLES && flat >= threads) return;
   const bool live = flat < threads;
   const unsigned thread = live ? flat : threads - 1;
   const unsigned token = thread / per_token;
@@ -986,7 +991,6 @@ __global__ void __launch_bounds__(ROPE_PACK_THREADS, ROPE_PACK_MIN_BLOCKS)
   // MRoPE: the position row of the lane's pairs, all in one section (planned only so:
   // _rotate's _packs_table), or (GROUPED: interleaved sections) of the lane's columns of the
   // grouped tables, which hold other pairs than its own (GROUP_PAIRS)
-  constexpr bool GROUPED = TABLE == TABLE_MROPE_GROUPED;
   int source_column[GROUPED ? PAIRS : 1];  // GROUPED: the columns holding the lane's pairs
   if constexpr (GROUPED) {
     grouped_columns<PAIRS, ROTARY_DIM / 2>(p.fine, first_pair, source_column);
@@ -1020,13 +1024,11 @@ __global__ void __launch_bounds__(ROPE_PACK_THREADS, ROPE_PACK_MIN_BLOCKS)
     }
   }
   if constexpr (GROUPED) {  // its own pair first_pair + i is entry i of the lane holding it
-    const unsigned first_lane = threadIdx.x & 31 & ~(LANES - 1);  // of the row, in the warp
-    const unsigned row_lanes = LANES == 32 ? 0xffffffffu : ((1u << LANES) - 1) << first_lane;
 #pragma unroll
     for (int i = 0; i < PAIRS; ++i) {
       const int from = static_cast<unsigned>(source_column[i]) / PAIRS;  // the lane holding it
-      cos_v[i] = __shfl_sync(row_lanes, cos_v[i], from, LANES);
-      sin_v[i] = __shfl_sync(row_lanes, sin_v[i], from, LANES);
+      cos_v[i] = __shfl_sync(0xffffffffu, cos_v[i], from, LANES);
+      sin_v[i] = __shfl_sync(0xffffffffu, sin_v[i], from, LANES);
     }
   }
   float weight[NORM ? VEC : 1];  // NORM: (weight + offset) of the lane's columns, its operand
@@ -1057,7 +1059,7 @@ __global__ void __launch_bounds__(ROPE_PACK_THREADS, ROPE_PACK_MIN_BLOCKS)
       y[a] = fmaf(x[a], cos_v[j], -x[c] * sin_v[j]);
       y[c] = fmaf(x[c], cos_v[j], x[a] * sin_v[j]);
     }
-    if (NORM && !live) continue;
+    if (SHUFFLES && !live) continue;
     T* const row = out + r * groups * out_head;
     if constexpr (NEOX) {
       store_8_bytes(row, pack_word_of<T>(y, 0), pack_word_of<T>(y, 1));
