@@ -789,7 +789,8 @@ class RoPE(ProcessLocal):
         a captured CUDA graph may still read). Interleaved MRoPE sections that group
         (Qwen3-VL's (24, 20, 20), for one), in rows rotated whole (rotary_dim = head_dim,
         64 or 128), count a second table: the same columns in the grouped order that
-        mid-sized calls read. Not additive across layers: they share."""
+        mid-sized calls read, and one row more (rotary_dim * 4 bytes) giving each pair's
+        column. Not additive across layers: they share."""
         scheme = Standard() if scheme is None else scheme
         rotary_dim = head_dim if rotary_dim is None else rotary_dim
         orders: list[tuple[int, ...] | None] = [None]
