@@ -6,7 +6,6 @@
 // lane inside it; a lane that has returned from the kernel must not be named. Dynamic
 // shared memory is one array the includer defines (blocks do not overlap in time).
 // Replaces common.cuh: the 16-bit types convert in software (round to nearest even).
-#include <algorithm>
 #include <barrier>
 #include <functional>
 #include <cmath>
@@ -78,14 +77,9 @@ struct Block {
   std::barrier<> all;                         // __syncthreads
   std::vector<std::unique_ptr<Lanes>> warps;  // per warp (only whole warps)
   std::vector<std::unique_ptr<Lanes>> groups; // per (y, z)
-  // of a flat block (y = z = 1): per aligned group of 2**k threads, k < 5
-  std::vector<std::unique_ptr<Lanes>> flat[5];
   std::vector<float> slots;                   // a shuffle's value, per thread
   std::vector<char> exited;                   // per thread
   explicit Block(unsigned threads) : all(threads), slots(threads), exited(threads) {}
-  std::vector<std::unique_ptr<Lanes>>& flat_groups(unsigned width) {
-    return flat[__builtin_ctz(width)];
-  }
 };
 thread_local Block* my_block;
 
@@ -101,15 +95,13 @@ inline void __syncthreads() { my_block->all.arrive_and_wait(); }
   std::abort();
 }
 
-// A shuffle among the lanes of `mask` (a whole warp, or an aligned group of `width` lanes: the
-// x-lanes of one (y, z), or a group of a flat block), each reading lane source(lane) of them.
+// A shuffle among the lanes of `mask` (a whole warp, or the x-lanes of one (y, z)), each
+// reading lane source(lane) of them.
 template <typename Source>
 inline float shuffle(unsigned mask, float v, int width, int offset, Source source) {
   const unsigned thread = linear_thread(), lane = thread & 31, warp_base = thread - lane;
   const unsigned x_lanes = blockDim.x, group_base = lane & ~(x_lanes - 1);
   const unsigned group_mask = x_lanes >= 32 ? 0xffffffffu : ((1u << x_lanes) - 1) << group_base;
-  const unsigned width_base = lane & ~unsigned(width - 1);
-  const unsigned width_mask = width >= 32 ? 0xffffffffu : ((1u << width) - 1) << width_base;
   const unsigned threads = blockDim.x * blockDim.y * blockDim.z;
   const unsigned from = source(lane);
   if (width <= 0 || width > 32 || (width & (width - 1)) != 0) bad_shuffle("width", mask, offset);
@@ -120,10 +112,8 @@ inline float shuffle(unsigned mask, float v, int width, int offset, Source sourc
   } else if (width == 32 && mask == group_mask && (x_lanes & (x_lanes - 1)) == 0 &&
              32 % x_lanes == 0) {
     lanes = my_block->groups[threadIdx.y + blockDim.y * threadIdx.z].get();
-  } else if (mask == width_mask && blockDim.y == 1 && blockDim.z == 1) {
-    lanes = my_block->flat_groups(unsigned(width))[thread / unsigned(width)].get();
   } else {
-    bad_shuffle("mask is neither a whole warp nor a group of lanes", mask, offset);
+    bad_shuffle("mask is neither a whole warp nor the x-lane group", mask, offset);
   }
   my_block->slots[thread] = v;
   lanes->bar.arrive_and_wait();
@@ -168,9 +158,6 @@ inline void launch_on_threads(dim3 grid, dim3 block, const std::function<void()>
         for (unsigned w = 0; w + 32 <= threads; w += 32) state.warps.emplace_back(new Lanes(32));
         for (unsigned g = 0; g < block.y * block.z; ++g)
           state.groups.emplace_back(new Lanes(block.x));
-        for (unsigned k = 0; k < 5 && block.y * block.z == 1; ++k)
-          for (unsigned first = 0; first < threads; first += 1u << k)
-            state.flat[k].emplace_back(new Lanes(std::min(1u << k, threads - first)));
         std::vector<std::thread> workers;
         for (unsigned z = 0; z < block.z; ++z)
           for (unsigned y = 0; y < block.y; ++y)
@@ -186,8 +173,6 @@ inline void launch_on_threads(dim3 grid, dim3 block, const std::function<void()>
                 if (thread / 32 < state.warps.size())
                   state.warps[thread / 32]->bar.arrive_and_drop();
                 state.groups[y + block.y * z]->bar.arrive_and_drop();
-                for (unsigned k = 0; k < 5; ++k)
-                  if (!state.flat[k].empty()) state.flat[k][thread >> k]->bar.arrive_and_drop();
               });
         for (auto& worker : workers) worker.join();
       }
