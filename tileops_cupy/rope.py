@@ -799,13 +799,10 @@ class RoPE(ProcessLocal):
         orders += [grouped] if grouped is not None else []
         total = 0
         for order in orders:
-            covered = [
-                max(entry["device_positions"].values(), default=0)
-                for entry in table_cache_info()["entries"]
-                if (entry["scheme"], entry["rotary_dim"], entry["pair_order"])
-                == (scheme, rotary_dim, order)
-            ]
-            if not covered or covered[0] < max_position:
+            table = existing_table(scheme, rotary_dim, order)
+            devices = () if table is None else table.bytes()["device"]
+            covered = max((table.device_capacity(device) for device in devices), default=0)
+            if covered < max_position:
                 # growth uploads a whole new table; a replaced copy stays (graphs may read it)
                 total += table_bytes(rotary_dim, max_position, permuted=order is not None)
         return total
