@@ -171,7 +171,11 @@ NORM_TABLE_MODES = (TWO_LEVEL, MROPE)  # the cos_sin_cache calls take no fused n
 # at N8192 84.4 -> 77.4; ncu: 1.7x the plain kernel's instructions). So MRoPE takes it only
 # where each lane forms its cos/sin at one position row (_packs_table), the plain kernel's
 # work: where its pairs sit in one section, or (MROPE_GROUPED) where interleaved sections
-# group, each lane forming a group's at one row and shuffling them to their pairs' lanes;
+# group, each lane forming a group's at one row and shuffling them to their pairs' lanes
+# (H200, Qwen3-VL's (24, 20, 20), chunks -> grouped packs, bit-identical: N4096 65.5 -> 74.2,
+# N8192 77.2 -> 84.8, N16384 85.8 -> 90.9, fp16 N8192 76.9 -> 84.9, float32 81.0 -> 91.1;
+# N32768 past _PACK_MAX_HEAD_ROWS, 91.4 both; with the fused norm, NORM_ROWS -> packs, 73.3
+# -> 80.3, other bits: a neox lane's sum of squares takes its columns of both halves);
 # other interleaved sections keep the chunk layout. Sections (16, 24, 24)
 # so, chunks -> packs on the H100, bit-identical: N4096 75.0 -> 81.9, N8192 84.3 -> 89.7,
 # N16384 91.4 -> 94.7 (fp16 N8192 84.8 -> 89.4, float32 91.5 -> 95.2, interleaved layout 83.7
