@@ -589,6 +589,9 @@ __device__ __forceinline__ void stage_norm_weights(const RopeParams& p, int head
 constexpr int TABLE_TWO_LEVEL = 0;
 constexpr int TABLE_MROPE = 1;
 constexpr int TABLE_COS_SIN_CACHE = 2;
+// rope_rotate_packs alone: MRoPE whose lanes take their pairs' cos/sin in groups of one
+// position row each (GROUP_PAIRS), from tables whose pairs are in the groups' order.
+constexpr int TABLE_MROPE_GROUPED = 3;
 
 // The position row of frequency pair j under MRoPE: sectioned (Qwen2-VL), block i of the
 // three sections takes row i; interleaved (Qwen3-VL), j takes row 1 if j % 3 == 1 and
@@ -600,6 +603,48 @@ __device__ __forceinline__ int mrope_row(int j, const int (&section)[3], int int
     return lane != 0 && j < 3 * bound ? lane : 0;
   }
   return (j >= section[0]) + (j >= section[0] + section[1]);
+}
+
+// MRoPE with interleaved sections in rope_rotate_packs. There a lane rotates PAIRS consecutive
+// pairs, which mrope_row spreads over up to three position rows: formed where they are, a
+// lane's cos/sin took three positions and a row select a pair (1.7x the plain kernel's
+// instructions, the performance log). Instead the pairs of each position row, in increasing
+// order, make groups of GROUP_PAIRS (row 0's first, then row 1's, then row 2's), and grouped
+// tables (tileops_cupy._rotate.grouped_pair_order) hold pair j at column
+// (its group) * GROUP_PAIRS + j % GROUP_PAIRS: a lane's PAIRS consecutive columns (PAIRS
+// divides GROUP_PAIRS, for every dtype) are pairs of one position row, so it forms their
+// cos/sin as the plain kernel does (one position, 16-byte table loads), and every lane then
+// takes each of its own pairs' from the lane that formed it, by shuffles. The host plans this
+// only where each row's pairs fill whole groups holding one pair of each residue mod
+// GROUP_PAIRS (Qwen3-VL's (24, 20, 20) at D128, for one), so a pair keeps its column's
+// residue: entry j % PAIRS of the lane holding pair j. The column of each pair is a byte of
+// the row after the grouped fine table (tileops_cupy._tables: RotaryTable.device_fine32):
+// one load, where its closed form from the sections took a fifth of the kernel's
+// instructions.
+constexpr int GROUP_PAIRS = 4;
+
+// the position row of the pairs at column c of the grouped tables (a whole group's: one row):
+// rows 0 and 1 hold PAIRS_OF_ROW - min(PAIRS_OF_ROW / 3, section[2]) pairs between them, row 1
+// min((PAIRS_OF_ROW + 1) / 3, section[1]) (mrope_row's counts)
+template <int PAIRS_OF_ROW>
+__device__ __forceinline__ int grouped_row_of_column(int c, const int (&section)[3]) {
+  const int row1 = min((PAIRS_OF_ROW + 1) / 3, section[1]);
+  const int rows01 = PAIRS_OF_ROW - min(PAIRS_OF_ROW / 3, section[2]);
+  return c < rows01 - row1 ? 0 : c < rows01 ? 1 : 2;
+}
+
+// the columns of the grouped tables that hold pairs first .. first + N - 1 (N divides
+// GROUP_PAIRS, first a multiple of N): N bytes, at byte `first` of the row after the fine table
+template <int N, int PAIRS_OF_ROW>
+__device__ __forceinline__ void grouped_columns(const float2* fine, int first, int (&column)[N]) {
+  static_assert(GROUP_PAIRS % N == 0 && N <= 4, "one aligned load of N bytes");
+  const unsigned char* columns =
+      reinterpret_cast<const unsigned char*>(fine + (1 << FINE_BITS) * PAIRS_OF_ROW) + first;
+  const unsigned bytes = N == 4   ? *reinterpret_cast<const unsigned*>(columns)
+                         : N == 2 ? *reinterpret_cast<const unsigned short*>(columns)
+                                  : *columns;
+#pragma unroll
+  for (int i = 0; i < N; ++i) column[i] = (bytes >> (8 * i)) & 0xff;
 }
 
 // The rows of both two-level tables at one position; cos/sin of pair j by angle addition.
@@ -888,10 +933,15 @@ __global__ void __launch_bounds__(ROPE_PACK_THREADS, ROPE_PACK_MIN_BLOCKS)
   const unsigned per_token = (q_groups + static_cast<unsigned>(p.k_heads) / ROWS) * LANES;
   const unsigned threads = static_cast<unsigned>(p.batch) * static_cast<unsigned>(p.seq) * per_token;
   const unsigned flat = blockIdx.x * ROPE_PACK_THREADS + threadIdx.x;
-  // Without the norm no lane waits on another (no shuffles, no barriers). NORM: a lane past the
-  // last row stays for its warp's shuffles (the blocks are whole warps), reading the last row
-  // (always in bounds) and writing nothing; such lanes make whole row groups of their own.
-  if (!NORM && flat >= threads) return;
+  // Lanes that shuffle (NORM; GROUPED: the grouped MRoPE tables) name the whole warp, since a
+  // mask of the row's lanes made each shuffle a loop (bf16 D128 GROUPED: 488 SASS
+  // instructions so, 416 with the whole warp, the sectioned kernel's 384). There a lane past
+  // the last row stays for its warp's shuffles (the blocks are whole warps), reading the last
+  // row (always in bounds) and writing nothing; such lanes make whole row groups of their
+  // own. Elsewhere no lane waits on another (no shuffles, no barriers), and they leave.
+  constexpr bool GROUPED = TABLE == TABLE_MROPE_GROUPED;
+  constexpr bool SHUFFLES = NORM || GROUPED;
+  if (!SHUFFLES && flat >= threads) return;
   const bool live = flat < threads;
   const unsigned thread = live ? flat : threads - 1;
   const unsigned token = thread / per_token;
@@ -939,10 +989,18 @@ __global__ void __launch_bounds__(ROPE_PACK_THREADS, ROPE_PACK_MIN_BLOCKS)
 
   const int first_pair = lane * PAIRS;
   // MRoPE: the position row of the lane's pairs, all in one section (planned only so:
-  // _rotate's _lanes_in_one_row; never the interleaved rows)
+  // _rotate's _packs_table), or (GROUPED: interleaved sections) of the lane's columns of the
+  // grouped tables, which hold other pairs than its own (GROUP_PAIRS)
+  int source_column[GROUPED ? PAIRS : 1];  // GROUPED: the columns holding the lane's pairs
+  if constexpr (GROUPED) {
+    grouped_columns<PAIRS, ROTARY_DIM / 2>(p.fine, first_pair, source_column);
+  }
   const long long tokens = static_cast<long long>(p.batch) * p.seq;
-  const long long id =
-      TABLE == TABLE_MROPE ? token + mrope_row(first_pair, p.mrope_section, 0) * tokens : token;
+  const int position_row =
+      TABLE == TABLE_MROPE ? mrope_row(first_pair, p.mrope_section, 0)
+      : GROUPED            ? grouped_row_of_column<ROTARY_DIM / 2>(first_pair, p.mrope_section)
+                           : 0;
+  const long long id = token + position_row * tokens;
   const long long position = token_position(p.ids, p.ids_is_int64, p.offsets, p.offsets_is_int64,
                                             p.position_offset, b, s, id, p.position_limit,
                                             p.error_flag);
@@ -963,6 +1021,14 @@ __global__ void __launch_bounds__(ROPE_PACK_THREADS, ROPE_PACK_MIN_BLOCKS)
 #pragma unroll
     for (int i = 0; i < PAIRS; ++i) {
       keep(i, make_float2(cache_row[first_pair + i], cache_row[ROTARY_DIM / 2 + first_pair + i]));
+    }
+  }
+  if constexpr (GROUPED) {  // its own pair first_pair + i is entry i of the lane holding it
+#pragma unroll
+    for (int i = 0; i < PAIRS; ++i) {
+      const int from = static_cast<unsigned>(source_column[i]) / PAIRS;  // the lane holding it
+      cos_v[i] = __shfl_sync(0xffffffffu, cos_v[i], from, LANES);
+      sin_v[i] = __shfl_sync(0xffffffffu, sin_v[i], from, LANES);
     }
   }
   float weight[NORM ? VEC : 1];  // NORM: (weight + offset) of the lane's columns, its operand
@@ -993,7 +1059,7 @@ __global__ void __launch_bounds__(ROPE_PACK_THREADS, ROPE_PACK_MIN_BLOCKS)
       y[a] = fmaf(x[a], cos_v[j], -x[c] * sin_v[j]);
       y[c] = fmaf(x[c], cos_v[j], x[a] * sin_v[j]);
     }
-    if (NORM && !live) continue;
+    if (SHUFFLES && !live) continue;
     T* const row = out + r * groups * out_head;
     if constexpr (NEOX) {
       store_8_bytes(row, pack_word_of<T>(y, 0), pack_word_of<T>(y, 1));

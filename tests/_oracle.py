@@ -190,10 +190,10 @@ def rotate_reference(
 
 # MRoPE sections by pairs (rotary_dim / 2), of each kind the plan tells apart: "mrope",
 # boundaries on the boundaries of the whole-row kernel's 16-byte lanes (4 pairs of 16-bit
-# rows, 2 of float32: one position row a lane, as Qwen2-VL's (16, 24, 24); the only MRoPE it
-# takes, tileops_cupy._rotate._lanes_in_one_row); "mrope-split", boundaries that split a
+# rows, 2 of float32: one position row a lane, as Qwen2-VL's (16, 24, 24); the sectioned
+# MRoPE it takes, tileops_cupy._rotate._packs_table); "mrope-split", boundaries that split a
 # lane's pairs between rows; and "mrope-interleaved", Qwen3-VL's interleaved rows (sections
-# (t, h, w), pair j's row by j % 3)
+# (t, h, w), pair j's row by j % 3; at D128 they group, which the whole-row kernel takes)
 MROPE_SECTIONS = {
     32: {"mrope": (8, 12, 12), "mrope-split": (9, 11, 12), "mrope-interleaved": (12, 10, 10)},
     64: {"mrope": (16, 24, 24), "mrope-split": (17, 23, 24), "mrope-interleaved": (24, 20, 20)},

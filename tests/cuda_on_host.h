@@ -95,17 +95,22 @@ inline void __syncthreads() { my_block->all.arrive_and_wait(); }
   std::abort();
 }
 
-inline float __shfl_xor_sync(unsigned mask, float v, int offset, int width = 32) {
+// A shuffle among the lanes of `mask` (a whole warp, or the x-lanes of one (y, z)), each
+// reading lane source(lane) of them.
+template <typename Source>
+inline float shuffle(unsigned mask, float v, int width, int offset, Source source) {
   const unsigned thread = linear_thread(), lane = thread & 31, warp_base = thread - lane;
   const unsigned x_lanes = blockDim.x, group_base = lane & ~(x_lanes - 1);
   const unsigned group_mask = x_lanes >= 32 ? 0xffffffffu : ((1u << x_lanes) - 1) << group_base;
   const unsigned threads = blockDim.x * blockDim.y * blockDim.z;
-  if (width != 32) bad_shuffle("width other than 32", mask, offset);
-  if (!(mask >> (lane ^ unsigned(offset)) & 1)) bad_shuffle("partner outside the mask", mask, offset);
+  const unsigned from = source(lane);
+  if (width <= 0 || width > 32 || (width & (width - 1)) != 0) bad_shuffle("width", mask, offset);
+  if (from >= 32 || !(mask >> from & 1)) bad_shuffle("partner outside the mask", mask, offset);
   Lanes* lanes;
   if (mask == 0xffffffffu && warp_base + 32 <= threads) {
     lanes = my_block->warps[thread / 32].get();
-  } else if (mask == group_mask && (x_lanes & (x_lanes - 1)) == 0 && 32 % x_lanes == 0) {
+  } else if (width == 32 && mask == group_mask && (x_lanes & (x_lanes - 1)) == 0 &&
+             32 % x_lanes == 0) {
     lanes = my_block->groups[threadIdx.y + blockDim.y * threadIdx.z].get();
   } else {
     bad_shuffle("mask is neither a whole warp nor the x-lane group", mask, offset);
@@ -117,9 +122,21 @@ inline float __shfl_xor_sync(unsigned mask, float v, int offset, int width = 32)
       bad_shuffle("a named lane has returned", mask, offset);
     }
   }
-  const float r = my_block->slots[warp_base + (lane ^ unsigned(offset))];
+  const float r = my_block->slots[warp_base + from];
   lanes->bar.arrive_and_wait();
   return r;
+}
+
+inline float __shfl_xor_sync(unsigned mask, float v, int offset, int width = 32) {
+  if (width != 32) bad_shuffle("width other than 32", mask, offset);
+  return shuffle(mask, v, width, offset, [&](unsigned lane) { return lane ^ unsigned(offset); });
+}
+
+// srcLane of the lane's aligned group of `width` lanes, as CUDA's (within the group's mask)
+inline float __shfl_sync(unsigned mask, float v, int source, int width = 32) {
+  return shuffle(mask, v, width, source, [&](unsigned lane) {
+    return (lane & ~unsigned(width - 1)) + (unsigned(source) & unsigned(width - 1));
+  });
 }
 
 inline u32 __shfl_xor_sync(unsigned mask, u32 v, int offset, int width = 32) {

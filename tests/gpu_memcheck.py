@@ -81,8 +81,9 @@ for dtype in (torch.bfloat16, torch.float32):
     # prefill of q and k in a fused QKV row (10 q row groups, then 1 of k: in bf16 the last
     # warp half past k's last row; shared: 44 rows a token, blocks of 15, 15 and 14); the same
     # at per-token positions, a few past max_position (read clamped, flagged), MRoPE in
-    # sections on lane boundaries, and from a cos_sin_cache; MRoPE sections that split a
-    # lane's pairs, and the interleaved rows, at the same size (rope_rotate's chunks). Each
+    # sections on lane boundaries or interleaved in groups (Qwen3-VL's: the grouped tables),
+    # and from a cos_sin_cache; MRoPE sections that split a lane's pairs at the same size
+    # (rope_rotate's chunks). Each
     # twice: with the shipped bounds (rope_rotate_packs), then with rope_rotate_packs out of
     # reach and rope_rotate_shared from any size on any device (the sequential launches; their
     # tokens in grid rows of 1000, the last partial).

@@ -530,12 +530,13 @@ def test_mid_sized_prefill_rotates_whole_rows(
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("head_dim", [128, 64], ids=["D128", "D64"])
 def test_mid_sized_table_modes_rotate_whole_rows(rng, monkeypatch, head_dim, dtype, layout, table):
-    """The cos_sin_cache drop-in, and MRoPE whose sections fall on lane boundaries, take
-    rope_rotate_packs at mid sizes as the plain per-token positions do
-    (``_PACK_MIN_HEAD_ROWS`` lowered to this call's rows, an odd token count); MRoPE sections
-    that split a lane's pairs, and the interleaved rows, keep rope_rotate. q and k in place in
-    a fused QKV row, every element against the float64 oracle, v untouched, and the same bits
-    in both layouts."""
+    """The cos_sin_cache drop-in, MRoPE whose sections fall on lane boundaries and interleaved
+    MRoPE whose pairs group (the grouped tables: D128's (24, 20, 20), not D64's (12, 10, 10))
+    take rope_rotate_packs at mid sizes as the plain per-token
+    positions do (``_PACK_MIN_HEAD_ROWS`` lowered to this call's rows, an odd token count);
+    MRoPE sections that split a lane's pairs, and interleaved ones that do not group, keep
+    rope_rotate. q and k in place in a fused QKV row, every element against the float64
+    oracle, v untouched, and the same bits in both layouts."""
     require("cuda", "torch")
     tokens, hq, hkv = 1031, 8, 4
     heads, pairs = hq + 2 * hkv, head_dim // 2
@@ -561,7 +562,12 @@ def test_mid_sized_table_modes_rotate_whole_rows(rng, monkeypatch, head_dim, dty
             )  # fmt: skip
             assert_same(rope.forward(q, k, positions=positions), q, k)
 
-    packs = table in ("mrope", "cos_sin_cache")
+    packs = table == "cos_sin_cache"
+    if not packs:
+        interleaved = table == "mrope-interleaved"
+        planned = _rotate._packs_table(dtype, _rotate.MROPE, head_dim, section, interleaved)
+        packs = table == "mrope" or (interleaved and head_dim == 128)
+        assert (planned is not None) == packs, (table, dtype, head_dim, planned)
     packed = _whole_rows_against_chunks(monkeypatch, host, rotate, packs)
     before = host.astype(np.float64).reshape(1, tokens, heads, head_dim)
     after = to_float64(packed).reshape(1, tokens, heads, head_dim)
@@ -1405,7 +1411,7 @@ def test_components_and_ops_share_one_table(rng):
     assert entry["host_bytes"] == first.table.bytes()["host"] > 0
     info = table_cache_info()
     assert info["host_bytes"] == sum(e["host_bytes"] for e in info["entries"])
-    keys = [(e["scheme"], e["rotary_dim"]) for e in info["entries"]]
+    keys = [(e["scheme"], e["rotary_dim"], e["pair_order"]) for e in info["entries"]]
     assert len(keys) == len(set(keys)), "an entry is listed twice"
     x64 = x.astype(np.float64)[None, :, None, :]
     frequencies = standard_frequencies(HEAD_DIM, scheme.base)
@@ -1508,6 +1514,26 @@ def test_memory_stats_report_the_shared_table():
     assert stats["shared"]["device"] == entry["device_bytes"] == {}  # nothing on a device
 
 
+@GPU
+def test_memory_stats_count_the_grouped_table():
+    """Interleaved MRoPE sections that group (Qwen3-VL's) keep the shared table's columns in
+    the grouped order on the device too, from the first CUDA call of any size (a call
+    captured later uploads nothing); memory_stats counts both."""
+    require("cuda", "torch")
+    rope = RoPE(
+        DEVICE_HEAD_DIM, 8, 4, scheme=fresh_standard(), max_position=1 << 12,
+        mrope_section=(24, 20, 20), mrope_interleaved=True,
+    )  # fmt: skip
+    q = torch.zeros(5, 8 * DEVICE_HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    k = torch.zeros(5, 4 * DEVICE_HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    rope.forward(q, k, positions=torch.zeros(3, 5, dtype=torch.int64, device="cuda"))
+    device = q.device.index
+    natural = rope.table.bytes()["device"][device]
+    assert natural > 0
+    pair_columns = DEVICE_HEAD_DIM // 2 * 2 * 4  # the grouped fine table's one row more
+    assert rope.memory_stats()["shared"]["device"] == {device: 2 * natural + pair_columns}
+
+
 def test_required_memory_on_the_host_allocates_nothing():
     scheme = fresh_standard()
     entries_before = len(table_cache_info()["entries"])
@@ -1522,6 +1548,26 @@ def test_required_memory_on_the_host_allocates_nothing():
     assert RoPE.required_memory(128, 5000) == RoPE.required_memory(
         128, 5000, scheme=Standard(), rotary_dim=128
     )
+    # interleaved MRoPE sections that group (Qwen3-VL's) keep a second, grouped table, whose
+    # fine table has a row more (its pairs' columns)
+    qwen3 = dict(mrope_section=(24, 20, 20), mrope_interleaved=True)
+    natural = RoPE.required_memory(128, 1000, scheme=scheme)
+    assert RoPE.required_memory(128, 1000, scheme=scheme, **qwen3) == 2 * natural + 64 * 2 * 4
+    for section, interleaved in (((16, 24, 24), False), ((16, 24, 24), True)):  # (no groups)
+        alone = RoPE.required_memory(
+            128, 1000, scheme=scheme, mrope_section=section, mrope_interleaved=interleaved
+        )
+        assert alone == RoPE.required_memory(128, 1000, scheme=scheme)
+    # rows not rotated whole never take the grouped layout: no second table
+    partial = dict(rotary_dim=64, mrope_section=(16, 8, 8), mrope_interleaved=True)
+    assert RoPE.required_memory(128, 1000, scheme=scheme, **partial) == RoPE.required_memory(
+        128, 1000, scheme=scheme, rotary_dim=64
+    )
+    natural = RoPE.required_memory(64, 1000, scheme=scheme)
+    assert RoPE.required_memory(64, 1000, scheme=scheme, **partial) == 2 * natural + 32 * 2 * 4
+    with pytest.raises(ValueError, match="mrope_section must be 3 non-negative ints"):
+        RoPE.required_memory(128, 1000, mrope_section=(24, 20, 21), mrope_interleaved=True)
+    assert len(table_cache_info()["entries"]) == entries_before, "required_memory built a table"
     # a table that exists only on the host does not cover a device: the full cost remains
     rope = RoPE(HEAD_DIM, 2, scheme=scheme)
     rope.prefill(np.zeros((1, 1, 2 * HEAD_DIM), np.float32), None, 999)

@@ -10,11 +10,14 @@ import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
 
+import numpy as np
 import pytest
 
 import kernels_cu
 from tileops_cupy import _catalogue, _cuda, _mhc, _rotate
 from tileops_cupy._arrays import ITEMSIZE, Operand
+from tileops_cupy._tables import FINE_ROWS, shared_table
+from tileops_cupy.schemes import Standard, YaRN
 
 pytest.importorskip("cupy_backends.cuda.libs.nvrtc", reason="NVRTC comes with CuPy")
 
@@ -252,7 +255,7 @@ def test_packs_layout_takes_mid_sized_launches():
 
     def takes(batch=1, seq=8192, heads=32, head_dim=128, rotary_dim=128, dtype="bfloat16",
               k_heads=0, offset=0, head_stride=None,
-              neox=True, norm=False, one_row=True):  # fmt: skip
+              neox=True, norm=False):  # fmt: skip
         stride = head_stride or head_dim
         width = (heads + k_heads) * stride  # (q's heads then k's, of one fused row)
         strides = (seq * width, width, stride, 1)
@@ -263,7 +266,7 @@ def test_packs_layout_takes_mid_sized_launches():
             rows += [k, k]
         copy_tail = rotary_dim < head_dim
         aligned = _rotate._vector_width(dtype, neox, rotary_dim, head_dim, copy_tail, rows)
-        return _rotate._packs_layout(dtype, neox, rotary_dim, norm, rows, aligned, one_row)
+        return _rotate._packs_layout(dtype, neox, rotary_dim, norm, rows, aligned)
 
     assert takes() and takes(batch=2, seq=2048) and takes(dtype="float16")
     assert takes(dtype="float32") and takes(dtype="float32", batch=2, seq=2048)
@@ -288,9 +291,7 @@ def test_packs_layout_takes_mid_sized_launches():
     assert not takes(heads=30, seq=1 << 13)
     assert not takes(rotary_dim=64) and not takes(head_dim=96, rotary_dim=96)
     assert not takes(offset=1)  # (one element in: not 16-byte aligned)
-    # (any table mode: the plan passes none; MRoPE whose sections split a lane's pairs
-    # between rows: _lanes_in_one_row)
-    assert not takes(one_row=False) and not takes(norm=True, one_row=False)
+    # (any table mode: _packs_table says which it has, the plan passes the others by)
     assert not takes(head_stride=1 << 26)  # (32 heads: offsets past 2**31 elements)
     assert not takes(heads=4, k_heads=32, head_stride=1 << 26)  # (k's 32 heads: the same)
     for dtype, rotary_dim, neox, mode in itertools.product(
@@ -394,25 +395,86 @@ def test_shared_layout_only_where_the_memory_asks_few_bytes_of_a_multiprocessor(
     monkeypatch.setattr(_rotate, "_plans", {})
     width = 32 * 128
     rows = [_rows("bfloat16", (8, 4096, 32, 128), (4096 * width, width, 128, 1), 0)] * 2
-    plan = _rotate._plan(128, _rotate.TWO_LEVEL, True, rows, False, None, True, True)
+    plan = _rotate._plan(128, _rotate.TWO_LEVEL, True, rows, False, None, _rotate.TWO_LEVEL, True)
     taken = plan.steps[0].kernel == _rotate._shared_name("bfloat16", True, 128)
     assert taken == shared, plan
     assert taken or plan.steps[0].kernel.startswith("rope_rotate<")
 
 
-def test_mrope_takes_whole_rows_where_a_lane_sits_in_one_section():
-    """rope_rotate_packs forms one position row a lane under MRoPE, so the plan gives it only
+def test_mrope_takes_whole_rows_where_a_lane_takes_one_position_row():
+    """rope_rotate_packs forms one position row a lane under MRoPE, so the plan gives it
     sectioned rows whose boundaries fall on lane boundaries (16 bytes: 4 pairs of 16-bit
-    rows, 2 of float32); the interleaved rows and sections that split a lane's pairs keep
-    rope_rotate; calls without MRoPE are not affected."""
-    one_row = _rotate._lanes_in_one_row
+    rows, 2 of float32) and interleaved rows whose pairs make whole groups of 4 of one row,
+    one pair of each residue (Qwen3-VL's (24, 20, 20)); sections that split a lane's pairs,
+    and interleaved ones that do not group, keep rope_rotate; calls without MRoPE are not
+    affected."""
+
+    def table(dtype, section, interleaved, rotary_dim=128):
+        mode = _rotate.TWO_LEVEL if section is None else _rotate.MROPE
+        return _rotate._packs_table(dtype, mode, rotary_dim, section, interleaved)
+
+    mrope, grouped = _rotate.MROPE, _rotate.MROPE_GROUPED
     for dtype in ("bfloat16", "float16", "float32"):
-        assert one_row(dtype, None, False)
-        assert one_row(dtype, (16, 24, 24), False) and one_row(dtype, (8, 12, 12), False)
-        assert not one_row(dtype, (16, 24, 24), True)  # (interleaved: pair j's row is j % 3)
-        assert not one_row(dtype, (17, 23, 24), False) and not one_row(dtype, (9, 11, 12), False)
-    assert one_row("float32", (18, 22, 24), False) and not one_row("bfloat16", (18, 22, 24), False)
-    assert one_row("float32", (16, 26, 22), False) and not one_row("float16", (16, 26, 22), False)
+        assert table(dtype, None, False) == _rotate.TWO_LEVEL
+        assert table(dtype, (16, 24, 24), False) == table(dtype, (8, 12, 12), False) == mrope
+        assert table(dtype, (17, 23, 24), False) is table(dtype, (9, 11, 12), False) is None
+        assert table(dtype, (24, 20, 20), True) == grouped  # Qwen3-VL's
+        assert table(dtype, (16, 8, 8), True, rotary_dim=64) == grouped
+        # rows of 21 (j % 3 == 1: all of them), 26 or 10 pairs: no whole groups of 4
+        assert table(dtype, (16, 24, 24), True) is table(dtype, (26, 18, 20), True) is None
+        assert table(dtype, (12, 10, 10), True, rotary_dim=64) is None
+    cache = _rotate._packs_table("bfloat16", _rotate.COS_SIN_CACHE, 128, None, False)
+    assert cache == _rotate.COS_SIN_CACHE
+    assert table("float32", (18, 22, 24), False) == mrope
+    assert table("bfloat16", (18, 22, 24), False) is None
+    assert table("float32", (16, 26, 22), False) == mrope
+    assert table("float16", (16, 26, 22), False) is None
+
+
+def test_grouped_pair_order_puts_each_lane_in_one_position_row():
+    """The grouped tables' column order (rope.cu's GROUP_PAIRS): each pair once, column t
+    pair order[t] with t % 4 == order[t] % 4, so every lane of 2 or 4 columns (16 bytes of
+    float32 or of 16-bit rows) holds its own pairs' residues, all of one position row; the
+    rows' pairs in increasing order, row 0's first."""
+    for section, pairs in (((24, 20, 20), 64), ((16, 8, 8), 32)):
+        order = np.array(_rotate.grouped_pair_order(section, pairs))
+        rows = _rotate.mrope_rows(section, True, pairs)
+        assert sorted(order) == list(range(pairs))
+        assert (order % 4 == np.arange(pairs) % 4).all()
+        for width in (2, 4):
+            lanes = rows[order].reshape(-1, width)
+            assert (lanes == lanes[:, :1]).all(), (section, width)
+        groups = order.reshape(-1, 4)
+        assert (np.diff(rows[groups[:, 0]]) >= 0).all()
+        for row in range(3):
+            in_row = np.sort(groups[rows[groups[:, 0]] == row], axis=1).ravel()
+            assert (np.diff(in_row) > 0).all()
+    assert _rotate.grouped_pair_order((12, 10, 10), 32) is None
+    assert _rotate.grouped_pair_order((16, 24, 24), 64) is None
+
+
+def test_grouped_tables_hold_the_natural_tables_bits():
+    """A table in the grouped order holds the natural table's entries, bit for bit, at its
+    columns (computed in the natural order, then moved): the grouped and the chunk layouts
+    write the same bits."""
+    order = _rotate.grouped_pair_order((24, 20, 20), 64)
+    for scheme in (Standard(20013.0), YaRN(scale=8.0)):
+        natural, grouped = shared_table(scheme, 128), shared_table(scheme, 128, order)
+        assert grouped is not natural and grouped is shared_table(scheme, 128, order)
+        for table in (natural, grouped):
+            table.ensure(1 << 16)
+        for name in ("fine64", "fine32", "coarse64", "coarse32"):
+            expected = getattr(natural, name)[:, list(order)]
+            np.testing.assert_array_equal(getattr(grouped, name), expected, err_msg=name)
+        # on the device, the grouped fine table's row after the last a position indexes holds
+        # each pair's column, a byte (the kernel's lanes read their pairs' sources there)
+        assert natural.device_fine32.shape == (FINE_ROWS, 64, 2)
+        device_fine = grouped.device_fine32
+        assert device_fine.shape == (FINE_ROWS + 1, 64, 2)
+        np.testing.assert_array_equal(device_fine[:FINE_ROWS], grouped.fine32)
+        columns = device_fine[FINE_ROWS:].view(np.uint8).reshape(-1)
+        assert [order[column] for column in columns[:64]] == list(range(64))
+        assert not columns[64:].any()
 
 
 def test_projection_shared_memory_is_the_kernels_own(monkeypatch):

@@ -399,9 +399,12 @@ def test_blocks_of_partial_warps_on_host_threads(kernels, rng, neox):
 
 
 # rope_rotate_packs' positions: sequential, per-token ids (int32, int64), MRoPE's three rows
-# of ids in sections on lane boundaries (the only MRoPE it is planned for:
-# _rotate._lanes_in_one_row), a cos_sin_cache at ids (every table mode)
-PACK_POSITIONS = ("sequential", "int32", "int64", "mrope", "cache")
+# of ids in sections on lane boundaries ("mrope") or interleaved in sections whose pairs group
+# ("mrope-grouped", from the grouped tables), the only MRoPE it is planned for
+# (_rotate._packs_table), a cos_sin_cache at ids (every table mode)
+PACK_POSITIONS = ("sequential", "int32", "int64", "mrope", "mrope-grouped", "cache")
+# interleaved sections (by pairs of a row) whose pairs group: Qwen3-VL's at D128
+GROUPED_SECTIONS = {64: (24, 20, 20), 32: (16, 8, 8)}
 
 
 def _pack_positions(rng, kind: str, rotary_dim: int, batch: int, seq: int, offsets) -> dict:
@@ -421,18 +424,25 @@ def _pack_positions(rng, kind: str, rotary_dim: int, batch: int, seq: int, offse
         positions = (POSITION + offsets[:, None] + tokens)[..., None]
         return dict(mode=_rotate.TWO_LEVEL, fields=fields, keep=(fine, coarse, ids),
                     positions=positions, per_pair=False)  # fmt: skip
-    if kind == "mrope":
-        table = shared_table(Standard(), rotary_dim)
+    if kind in ("mrope", "mrope-grouped"):
+        pairs, grouped = rotary_dim // 2, kind == "mrope-grouped"
+        section = GROUPED_SECTIONS[pairs] if grouped else MROPE_SECTIONS[pairs]["mrope"]
+        order = None
+        if grouped:
+            order = _rotate.grouped_pair_order(section, pairs)
+            assert order is not None and order != tuple(range(pairs)), section
+        table = shared_table(Standard(), rotary_dim, order)
         table.ensure(1 << 16)
-        fine, coarse = (np.ascontiguousarray(t) for t in (table.fine32, table.coarse32))
-        section = MROPE_SECTIONS[rotary_dim // 2]["mrope"]
+        fine, coarse = (np.ascontiguousarray(t) for t in (table.device_fine32, table.coarse32))
         ids = rng.integers(0, 1 << 16, (3, batch, seq)).astype(np.int64)
         fields = dict(
             fine=fine.ctypes.data, coarse=coarse.ctypes.data, position_limit=table.capacity,
-            ids=ids.ctypes.data, ids_is_int64=1, mrope_section=section, mrope_interleaved=0,
+            ids=ids.ctypes.data, ids_is_int64=1, mrope_section=section,
+            mrope_interleaved=int(grouped),
         )  # fmt: skip
-        positions = mrope_pair_positions(ids, section, False)[..., None, :]
-        return dict(mode=_rotate.MROPE, fields=fields, keep=(fine, coarse, ids),
+        positions = mrope_pair_positions(ids, section, grouped)[..., None, :]
+        mode = _rotate.MROPE_GROUPED if grouped else _rotate.MROPE
+        return dict(mode=mode, fields=fields, keep=(fine, coarse, ids),
                     positions=positions, per_pair=True)  # fmt: skip
     cache = rng.uniform(-1.5, 1.5, (CACHE_ROWS, rotary_dim)).astype(np.float32)
     ids = rng.integers(0, CACHE_ROWS, (batch, seq)).astype(np.int32)
@@ -535,7 +545,7 @@ def test_packs_layout_on_host_threads(kernels, rng, dtype, neox, rotary_dim):
     for (q_heads, k_heads, k_apart), inverse, in_place, kind in itertools.product(
         operands, (False, True), (False, True), PACK_POSITIONS
     ):
-        if kind in ("mrope", "cache") and inverse == in_place:
+        if kind in ("mrope", "mrope-grouped", "cache") and inverse == in_place:
             continue  # (the other tables: half the direction and placement pairs)
         case = _pack_positions(rng, kind, rotary_dim, batch, seq, offsets)
         launched = _launch_whole_rows(
@@ -643,8 +653,8 @@ def test_packs_norm_on_host_threads(kernels, rng, dtype, neox, rotary_dim):
     partial_warps = 0
     for (q_heads, k_heads, k_apart), in_place, kind, (weight_kind, offset), aligned in (
         itertools.product(
-            ((4, 0, False), (8, 4, False), (4, 8, True)), (False, True), ("int64", "mrope"),
-            (("float32", 0.0), ("data", 1.0)), (True, False),
+            ((4, 0, False), (8, 4, False), (4, 8, True)), (False, True),
+            ("int64", "mrope", "mrope-grouped"), (("float32", 0.0), ("data", 1.0)), (True, False),
         )
     ):  # fmt: skip
         case = _pack_positions(rng, kind, rotary_dim, batch, seq, offsets)

@@ -26,7 +26,7 @@ import numpy as np
 from . import _cuda
 from ._arrays import ITEMSIZE, Operand, cupy, stream_handle
 from ._cache import build_once
-from ._tables import RotaryTable
+from ._tables import RotaryTable, shared_table
 
 __all__ = [
     "HeadRows", "Positions", "CosSinCache", "RowNorm", "rotate", "ErrorFlag", "error_flag",
@@ -88,7 +88,7 @@ NO_NORM, NORM_CHUNKS, NORM_ROWS = 0, 1, 2
 _ROWS_THREADS, _ROWS_REGISTERS, _ROWS_HEADS = 64, 64, 2
 # The plain rotation's whole-row layout (rope.cu rope_rotate_packs): q, or q and k, at
 # sequential or per-token positions, rotated whole at a shipped rotary_dim, any table mode
-# (MRoPE where _lanes_in_one_row), 16-byte rows, with the fused norm of 16-bit rows. 16 bytes
+# (MRoPE where _packs_table allows), 16-byte rows, with the fused norm of 16-bit rows. 16 bytes
 # of a row a lane (neox: 8 of each half), _PACK_ROWS rows of one operand of a token a lane at
 # once, blocks of _PACK_THREADS at 64 registers (32 warps a multiprocessor).
 # Measured on an H200 (D128, % of the copy ceiling, the chunk layout -> this one, in one
@@ -157,6 +157,10 @@ ROPE_PARAMS = _cuda.ParamStruct.declared("rope", "RopeParams")
 # cos_sin_cache. One module per mode, so a process compiles only the modes it uses.
 TWO_LEVEL, MROPE, COS_SIN_CACHE = 0, 1, 2
 TABLE_MODES = (TWO_LEVEL, MROPE, COS_SIN_CACHE)
+# rope_rotate_packs' interleaved MRoPE (in the MROPE module): each lane forms the cos/sin of one
+# group of pairs of one position row, from tables in the groups' order (grouped_pair_order),
+# and takes its own pairs' by shuffles (rope.cu's GROUP_PAIRS says why).
+MROPE_GROUPED = 3
 NORM_TABLE_MODES = (TWO_LEVEL, MROPE)  # the cos_sin_cache calls take no fused norm
 # rope_rotate_packs is compiled into every table mode's module. Measured on an H100 (bf16 q
 # and k in place in a fused QKV row, 32q/8kv, D128; % of the copy ceiling, the chunk layout ->
@@ -165,8 +169,14 @@ NORM_TABLE_MODES = (TWO_LEVEL, MROPE)  # the cos_sin_cache calls take no fused n
 # cos_sin_cache 80.4 -> 81.7, 89.5 -> 89.6, 93.7 -> 93.3. MRoPE with every lane forming its
 # pairs' three position rows lost: 74.4 -> 70.3, 84.7 -> 75.0, 91.0 -> 77.8 (interleaved rows
 # at N8192 84.4 -> 77.4; ncu: 1.7x the plain kernel's instructions). So MRoPE takes it only
-# where each lane's pairs sit in one section (_lanes_in_one_row: one position row a lane, the
-# plain kernel's work), and the interleaved rows keep the chunk layout. Sections (16, 24, 24)
+# where each lane forms its cos/sin at one position row (_packs_table), the plain kernel's
+# work: where its pairs sit in one section, or (MROPE_GROUPED) where interleaved sections
+# group, each lane forming a group's at one row and shuffling them to their pairs' lanes
+# (H200, Qwen3-VL's (24, 20, 20), chunks -> grouped packs, bit-identical: N4096 65.5 -> 74.2,
+# N8192 77.2 -> 84.8, N16384 85.8 -> 90.9, fp16 N8192 76.9 -> 84.9, float32 81.0 -> 91.1;
+# N32768 past _PACK_MAX_HEAD_ROWS, 91.4 both; with the fused norm, NORM_ROWS -> packs, 73.3
+# -> 80.3, other bits: a neox lane's sum of squares takes its columns of both halves);
+# other interleaved sections keep the chunk layout. Sections (16, 24, 24)
 # so, chunks -> packs on the H100, bit-identical: N4096 75.0 -> 81.9, N8192 84.3 -> 89.7,
 # N16384 91.4 -> 94.7 (fp16 N8192 84.8 -> 89.4, float32 91.5 -> 95.2, interleaved layout 83.7
 # -> 89.6, D64 (8, 12, 12) 73.6 -> 81.4); with the fused norm (NORM_ROWS -> packs) N4096
@@ -529,7 +539,12 @@ def module_spec(
         for vec, layout, heads in instantiations(dtype, neox, rotary_dim, norm, mode)
     )
     if _packs_compiled(dtype, rotary_dim, norm):
-        names += tuple(_packs_name(dtype, neox, rotary_dim, mode, norm) for neox in (True, False))
+        tables = (mode, MROPE_GROUPED) if mode == MROPE else (mode,)
+        names += tuple(
+            _packs_name(dtype, neox, rotary_dim, table, norm)
+            for table in tables
+            for neox in (True, False)
+        )
     if _shared_compiled(rotary_dim, mode, norm):
         names += tuple(_shared_name(dtype, neox, rotary_dim) for neox in (True, False))
     return _cuda.ModuleSpec("rope", names, _DEFINES)
@@ -558,8 +573,9 @@ def _packs_compiled(dtype: str, rotary_dim: int, norm: bool) -> bool:
     return rotary_dim in SHIPPED_ROTARY_DIMS and (not norm or ITEMSIZE[dtype] == 2)
 
 
-def _packs_name(dtype: str, neox: bool, rotary_dim: int, mode: int, norm: bool) -> str:
-    flags = f"{str(neox).lower()}, {rotary_dim}, {_PACK_ROWS}, {mode}, {str(norm).lower()}"
+def _packs_name(dtype: str, neox: bool, rotary_dim: int, table: int, norm: bool) -> str:
+    """(table: rope.cu's TABLE, the module's mode or MROPE_GROUPED)"""
+    flags = f"{str(neox).lower()}, {rotary_dim}, {_PACK_ROWS}, {table}, {str(norm).lower()}"
     return f"rope_rotate_packs<{_cuda.CUDA_TYPES[dtype]}, {flags}>"
 
 
@@ -659,6 +675,7 @@ class _LaunchPlan:
 
     steps: tuple[_cuda.Step]
     tail_chunks: int
+    grouped: bool = False  # rope_rotate_packs at MROPE_GROUPED: the grouped tables
 
 
 _plans: dict[tuple, _LaunchPlan] = {}
@@ -747,14 +764,14 @@ def _plan(
     rows: list[HeadRows],
     copy_tail: bool,
     norm: RowNorm | None,
-    lanes_in_one_row: bool,
+    packs_table: int | None,
     sequential: bool,
 ) -> _LaunchPlan:
     """The launch of one layout (computed once): rope_rotate_packs where it takes the launch
-    (_packs_layout; ``lanes_in_one_row``: :func:`_lanes_in_one_row` of the call's MRoPE
-    sections), else rope_rotate_shared where it does (_shared_geometry, on a device whose
-    DRAM asks a multiprocessor for at most _SHARED_MAX_SM_BANDWIDTH; ``sequential``: the
-    positions are no ids), else rope_rotate's geometry."""
+    (_packs_layout; ``packs_table``: :func:`_packs_table` of the call), else
+    rope_rotate_shared where it does (_shared_geometry, on a device whose DRAM asks a
+    multiprocessor for at most _SHARED_MAX_SM_BANDWIDTH; ``sequential``: the positions are
+    no ids), else rope_rotate's geometry."""
     q_in = rows[0]
     dtype, device = q_in.operand.dtype, q_in.operand.device
     alignment = 0
@@ -763,7 +780,7 @@ def _plan(
     rows_in_place = norm is not None and _rows_in_place(rows)  # (only the norm has two layouts)
     key = (
         dtype, neox, rotary_dim, mode, device, copy_tail, alignment, norm is not None,
-        rows_in_place, lanes_in_one_row, sequential,
+        rows_in_place, packs_table, sequential,
         tuple((r.shape, r.strides) for r in rows),
     )  # fmt: skip
     plan = _plans.get(key)
@@ -774,12 +791,15 @@ def _plan(
     total_heads = q_heads + (rows[2].shape[2] if len(rows) > 2 else 0)
     aligned_width = _vector_width(dtype, neox, rotary_dim, head_dim, copy_tail, rows)
     normed = norm is not None
-    if _packs_layout(dtype, neox, rotary_dim, normed, rows, aligned_width, lanes_in_one_row):
+    if packs_table is not None and _packs_layout(
+        dtype, neox, rotary_dim, normed, rows, aligned_width
+    ):  # fmt: skip
         threads = _packs_threads(batch * seq * total_heads, rotary_dim, aligned_width)
-        name = _packs_name(dtype, neox, rotary_dim, mode, normed)
+        name = _packs_name(dtype, neox, rotary_dim, packs_table, normed)
         kernel = _cuda.function(module_spec(dtype, rotary_dim, mode, normed), name, device)
         step = _cuda.Step(kernel, (-(-threads // _PACK_THREADS), 1, 1), (_PACK_THREADS, 1, 1), 0)
-        return _remember_plan(key, _LaunchPlan(steps=(step,), tail_chunks=0))
+        plan = _LaunchPlan(steps=(step,), tail_chunks=0, grouped=packs_table == MROPE_GROUPED)
+        return _remember_plan(key, plan)
     shared = None
     if 0 < _cuda.dram_bandwidth_per_multiprocessor(device) <= _SHARED_MAX_SM_BANDWIDTH:
         shared = _shared_geometry(
@@ -818,15 +838,14 @@ def _packs_layout(
     norm: bool,
     rows: list[HeadRows],
     aligned_width: int,
-    lanes_in_one_row: bool,
 ) -> bool:
-    """Whether rope_rotate_packs takes the launch (_PACK_* above): q, or q and k (``rows``:
-    their (in, out) pairs), at any positions and table mode (MRoPE where ``lanes_in_one_row``:
-    :func:`_lanes_in_one_row`), 16-byte-aligned rows rotated whole at a compiled rotary_dim,
+    """Whether rope_rotate_packs takes a launch it has a table mode for (:func:`_packs_table`;
+    _PACK_* above): q, or q and k (``rows``: their (in, out) pairs), at any positions,
+    16-byte-aligned rows rotated whole at a compiled rotary_dim,
     a multiple of _PACK_ROWS heads in each operand, head offsets within 32 bits, from
     _PACK_MIN_HEAD_ROWS head rows in all to _PACK_MAX_HEAD_ROWS of the dtype's element size
     and the layout, fewer than _PACK_MAX_THREADS threads."""
-    if aligned_width * ITEMSIZE[dtype] != 16 or not lanes_in_one_row:
+    if aligned_width * ITEMSIZE[dtype] != 16:
         return False
     batch, seq, _, head_dim = rows[0].shape
     head_rows = batch * seq * sum(r.shape[2] for r in rows[::2])
@@ -889,16 +908,62 @@ def _shared_geometry(
     return (blocks_a_token, token_rows, grid_rows), (chunks, rows_a_block, 1)
 
 
-def _lanes_in_one_row(dtype: str, section: tuple[int, ...] | None, interleaved: bool) -> bool:
-    """Whether every lane of rope_rotate_packs (16 bytes: 8 // itemsize pairs of a row, neox
-    or not) takes all its pairs from one MRoPE position row, as the kernel assumes: sectioned
-    rows whose boundaries fall on lane boundaries (Qwen2-VL's (16, 24, 24), for one). True
-    without MRoPE."""
-    if section is None:
-        return True
+def _packs_table(
+    dtype: str, mode: int, rotary_dim: int, section: tuple[int, int, int] | None, interleaved: bool
+) -> int | None:
+    """The table mode (rope.cu's TABLE) rope_rotate_packs would rotate a call of table mode
+    ``mode`` in, or None where it cannot: a lane (16 bytes: 8 // itemsize pairs of a row,
+    neox or not) forms all its cos/sin at one position row. Under MRoPE that holds
+    for sectioned rows whose boundaries fall on lane boundaries (Qwen2-VL's (16, 24, 24), for
+    one: MROPE) and for interleaved rows whose pairs group (:func:`grouped_pair_order`:
+    Qwen3-VL's (24, 20, 20), for one: MROPE_GROUPED)."""
+    if mode != MROPE:
+        return mode
+    if interleaved:
+        grouped = grouped_pair_order(section, rotary_dim // 2) is not None
+        return MROPE_GROUPED if grouped else None
     pairs_a_lane = 8 // ITEMSIZE[dtype]
     first, second = section[0], section[0] + section[1]
-    return not interleaved and first % pairs_a_lane == 0 and second % pairs_a_lane == 0
+    return MROPE if first % pairs_a_lane == 0 and second % pairs_a_lane == 0 else None
+
+
+# rope.cu's GROUP_PAIRS: the pairs of a group of the grouped tables, a multiple of every
+# dtype's pairs a lane (16 bytes: 4 of 16 bits, 2 of float32), so one order serves them all
+GROUP_PAIRS = 4
+
+
+@cache
+def grouped_pair_order(section: tuple[int, int, int], pairs: int) -> tuple[int, ...] | None:
+    """The column order of the grouped tables of interleaved MRoPE rows (rope.cu's
+    GROUP_PAIRS): the pairs of each position row in increasing order, row 0's first, cut into
+    groups of GROUP_PAIRS, pair j at column ``group * GROUP_PAIRS + j % GROUP_PAIRS``; entry
+    t of the result is the pair at column t. None where a row's pairs do not fill whole
+    groups holding one pair of each residue mod GROUP_PAIRS."""
+    rows = mrope_rows(section, True, pairs)
+    if any(np.count_nonzero(rows == row) % GROUP_PAIRS for row in range(3)):
+        return None
+    in_order = np.concatenate([np.flatnonzero(rows == row) for row in range(3)])
+    groups = in_order.reshape(-1, GROUP_PAIRS)
+    if not (np.sort(groups % GROUP_PAIRS, axis=1) == np.arange(GROUP_PAIRS)).all():
+        return None
+    columns = np.arange(pairs) // GROUP_PAIRS * GROUP_PAIRS + in_order % GROUP_PAIRS
+    order = np.empty(pairs, np.int64)
+    order[columns] = in_order
+    return tuple(int(j) for j in order)
+
+
+def grouped_table_order(
+    section: tuple[int, int, int] | None, interleaved: bool, rotary_dim: int, head_dim: int
+) -> tuple[int, ...] | None:
+    """The column order of the grouped table that rope_rotate_packs reads for these MRoPE
+    rows (:func:`grouped_pair_order`), or None where no call of theirs takes it: no
+    interleaved sections, sections that do not group, rows not rotated whole at a compiled
+    rotary_dim."""
+    if section is None or not interleaved:
+        return None
+    if rotary_dim != head_dim or rotary_dim not in SHIPPED_ROTARY_DIMS:
+        return None
+    return grouped_pair_order(section, rotary_dim // 2)
 
 
 def _packs_threads(head_rows: int, rotary_dim: int, aligned_width: int) -> int:
@@ -927,15 +992,26 @@ def _rotate_cuda(
     rotary_dim = table.rotary_dim
     copy_tail = rotary_dim < head_dim and q_out.operand.ptr != q_in.operand.ptr
     rows = [q_in, q_out] if k is None else [q_in, q_out, k[0], k[1]]
+    section, interleaved = positions.mrope_section, positions.mrope_interleaved
     if isinstance(table, CosSinCache):
-        mode, fine_ptr, coarse_ptr, capacity = COS_SIN_CACHE, 0, 0, table.capacity
+        mode = COS_SIN_CACHE
     else:
-        mode = TWO_LEVEL if positions.mrope_section is None else MROPE
+        mode = TWO_LEVEL if section is None else MROPE
+    dtype = q_in.operand.dtype
+    packs_table = _packs_table(dtype, mode, rotary_dim, section, interleaved)
+    plan = _plan(rotary_dim, mode, neox, rows, copy_tail, norm, packs_table, positions.ids is None)
+    if mode == COS_SIN_CACHE:
+        fine_ptr, coarse_ptr, capacity = 0, 0, table.capacity
+    else:
         fine_ptr, coarse_ptr, capacity = table.device_tables(device, positions.cover)
-    one_row = _lanes_in_one_row(
-        q_in.operand.dtype, positions.mrope_section, positions.mrope_interleaved
-    )  # fmt: skip
-    plan = _plan(rotary_dim, mode, neox, rows, copy_tail, norm, one_row, positions.ids is None)
+        order = grouped_table_order(section, interleaved, rotary_dim, head_dim)
+        if order is not None:
+            # both tables alike on the device whichever layout a call takes, so that a call
+            # captured into a CUDA graph after any eager one uploads neither
+            grouped = shared_table(table.scheme, rotary_dim, order)
+            tables = grouped.device_tables(device, positions.cover)
+            if plan.grouped:
+                fine_ptr, coarse_ptr, capacity = tables
     k_weight = None if norm is None else norm.k_weight
 
     k_in, k_out = (None, None) if k is None else k  # k_heads = 0: the kernel never reads k

@@ -8,10 +8,13 @@ so the combination errs by a few float32 ulps at any position below 2**24, well 
 accuracy contract, while memory stays O(sqrt(P) * d) instead of O(P * d): at rotary_dim
 128 the tables hold 0.6 MB for 128k positions, 1 MB for 1M and 9 MB for 2**24.
 
-Tables are keyed by (scheme, rotary_dim): every op and every RoPE component with the same
-key shares one table, on the host and on each device. Growth replaces the coarse table by
-a larger one (doubling), under a lock; retired device copies stay referenced so that a
-kernel still reading one on another stream never reads freed memory.
+Tables are keyed by (scheme, rotary_dim, pair order): every op and every RoPE component with
+the same key shares one table, on the host and on each device. The pair order is the
+frequencies' natural one, or (for the interleaved MRoPE sections of ``_rotate``'s grouped
+layout) a permutation of them: the same entries, bit for bit, at other columns. Growth
+replaces the coarse table by a larger one (doubling), under a lock; retired device copies
+stay referenced so that a kernel still reading one on another stream never reads freed
+memory.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from .schemes import Scheme
 FINE_BITS = 10
 FINE_ROWS = 1 << FINE_BITS
 _MIN_COARSE_ROWS = 8  # 8k positions on first use
+_PAIR_COLUMN_ROWS = 1  # rows after a permuted fine table: its pairs' columns (_with_pair_columns)
 
 
 def _cos_sin(angles: np.ndarray, amplitude: float) -> np.ndarray:
@@ -39,15 +43,18 @@ def _cos_sin(angles: np.ndarray, amplitude: float) -> np.ndarray:
 
 @dataclass
 class RotaryTable:
-    """cos/sin of one (scheme, rotary_dim), covering positions ``[0, capacity)``."""
+    """cos/sin of one (scheme, rotary_dim), covering positions ``[0, capacity)``; column t
+    holds frequency pair ``pair_order[t]`` (None: pair t)."""
 
     scheme: Scheme
     rotary_dim: int
+    pair_order: tuple[int, ...] | None = None
     inv_freq: np.ndarray = field(init=False)
     amplitude: float = field(init=False)
     fine64: np.ndarray = field(init=False)
     coarse64: np.ndarray = field(init=False)
     fine32: np.ndarray = field(init=False)
+    device_fine32: np.ndarray = field(init=False)  # what device_tables uploads as fine
     coarse32: np.ndarray = field(init=False)
     _device: dict[int, tuple[Any, Any]] = field(default_factory=dict, init=False)
     _retired: list[Any] = field(default_factory=list, init=False)
@@ -62,10 +69,31 @@ class RotaryTable:
                 f"float32's range (<= {FLOAT32_MAX:.8g})"
             )
         fine_angles = np.arange(FINE_ROWS, dtype=np.float64)[:, None] * self.inv_freq
-        self.fine64 = _cos_sin(fine_angles, 1.0)
-        self.fine32 = self.fine64.astype(np.float32)
+        self.fine64 = self._in_order(_cos_sin(fine_angles, 1.0))
+        self.device_fine32 = self._with_pair_columns(self.fine64.astype(np.float32))
+        self.fine32 = self.device_fine32[:FINE_ROWS]  # (a view: the rows positions index)
         self.coarse64 = np.empty((0, self.rotary_dim // 2, 2))
         self.coarse32 = self.coarse64.astype(np.float32)
+
+    def _in_order(self, entries: np.ndarray) -> np.ndarray:
+        """[rows, pairs, 2] entries, computed in the natural order (so that every order holds
+        the same bits), in this table's column order."""
+        return entries if self.pair_order is None else entries[:, list(self.pair_order)]
+
+    def _with_pair_columns(self, fine32: np.ndarray) -> np.ndarray:
+        """The fine table as the device holds it: ``fine32`` ([FINE_ROWS, pairs, 2]), and in
+        a permuted order _PAIR_COLUMN_ROWS row more whose first rotary_dim/2 bytes give the
+        column of each pair (pair j's at byte j): where rope.cu's grouped kernel finds the
+        lanes that hold its pairs (a load, not their closed form: a fifth of its
+        instructions). Positions index only the first FINE_ROWS rows."""
+        if self.pair_order is None:
+            return fine32
+        pairs = self.rotary_dim // 2  # (at most 256: a byte a column)
+        columns = np.empty(pairs, np.uint8)
+        columns[list(self.pair_order)] = np.arange(pairs)
+        extra = np.zeros((_PAIR_COLUMN_ROWS, pairs, 2), np.float32)
+        extra.view(np.uint8).reshape(-1)[:pairs] = columns
+        return np.concatenate([fine32, extra])
 
     @property
     def capacity(self) -> int:
@@ -88,7 +116,7 @@ class RotaryTable:
             if rows <= self.coarse64.shape[0]:
                 return
             coarse_positions = np.arange(rows, dtype=np.float64)[:, None] * FINE_ROWS
-            coarse64 = _cos_sin(coarse_positions * self.inv_freq, self.amplitude)
+            coarse64 = self._in_order(_cos_sin(coarse_positions * self.inv_freq, self.amplitude))
             # Readers check `capacity` (from coarse64) without the lock, then index either
             # table: publish coarse32 first so that both cover what capacity promises.
             self.coarse32 = coarse64.astype(np.float32)
@@ -105,7 +133,7 @@ class RotaryTable:
                 if entry is None or entry[1].shape[0] != self.coarse32.shape[0]:
                     cp = cupy()
                     with cp.cuda.Device(device):
-                        fine = cp.asarray(self.fine32)
+                        fine = cp.asarray(self.device_fine32)
                         coarse = cp.asarray(self.coarse32)
                         cp.cuda.runtime.deviceSynchronize()
                     if entry is not None:
@@ -134,7 +162,9 @@ class RotaryTable:
     def bytes(self) -> dict[str, Any]:
         """Host bytes; live device bytes per device; and bytes of device copies replaced by
         growth but kept, because a launch in flight or a captured CUDA graph may read them."""
-        host = sum(a.nbytes for a in (self.fine64, self.coarse64, self.fine32, self.coarse32))
+        host = sum(
+            a.nbytes for a in (self.fine64, self.coarse64, self.device_fine32, self.coarse32)
+        )  # (fine32 is a view of device_fine32)
         device = {dev: fine.nbytes + coarse.nbytes for dev, (fine, coarse) in self._device.items()}
         retired: dict[int, int] = {}
         for fine, coarse in self._retired:
@@ -143,32 +173,57 @@ class RotaryTable:
         return {"host": host, "device": device, "device_retired": retired}
 
 
-_registry: dict[tuple[Scheme, int], RotaryTable] = {}
+_registry: dict[tuple[Scheme, int, tuple[int, ...] | None], RotaryTable] = {}
 _registry_lock = threading.Lock()
 
 
-def shared_table(scheme: Scheme, rotary_dim: int) -> RotaryTable:
-    """The one table of (scheme, rotary_dim) in this process, created on first use."""
-    build = lambda: RotaryTable(scheme, rotary_dim)  # noqa: E731
-    return build_once(_registry, _registry_lock, (scheme, rotary_dim), build)
+def shared_table(
+    scheme: Scheme, rotary_dim: int, pair_order: tuple[int, ...] | None = None
+) -> RotaryTable:
+    """The one table of (scheme, rotary_dim, pair_order) in this process, created on first
+    use."""
+    build = lambda: RotaryTable(scheme, rotary_dim, pair_order)  # noqa: E731
+    return build_once(_registry, _registry_lock, (scheme, rotary_dim, pair_order), build)
 
 
-def table_bytes(rotary_dim: int, positions: int) -> int:
-    """Device bytes the float32 tables of one (scheme, rotary_dim) take for ``positions``."""
+def existing_table(
+    scheme: Scheme, rotary_dim: int, pair_order: tuple[int, ...] | None = None
+) -> RotaryTable | None:
+    """The table of (scheme, rotary_dim, pair_order) if this process has made it."""
+    return _registry.get((scheme, rotary_dim, pair_order))
+
+
+def combined_bytes(tables: list[RotaryTable]) -> dict[str, Any]:
+    """:meth:`RotaryTable.bytes` of several tables, added up (host; per device)."""
+    total: dict[str, Any] = {"host": 0, "device": {}, "device_retired": {}}
+    for table in tables:
+        sizes = table.bytes()
+        total["host"] += sizes["host"]
+        for key in ("device", "device_retired"):
+            for device, count in sizes[key].items():
+                total[key][device] = total[key].get(device, 0) + count
+    return total
+
+
+def table_bytes(rotary_dim: int, positions: int, permuted: bool = False) -> int:
+    """Device bytes the float32 tables of one (scheme, rotary_dim, pair order) take for
+    ``positions`` (``permuted``: in an order other than the natural one)."""
     coarse_rows = max(_MIN_COARSE_ROWS, -(-positions // FINE_ROWS))
     coarse_rows = 1 << (coarse_rows - 1).bit_length()  # tables grow by doubling
-    return (FINE_ROWS + coarse_rows) * (rotary_dim // 2) * 2 * 4
+    fine_rows = FINE_ROWS + (_PAIR_COLUMN_ROWS if permuted else 0)
+    return (fine_rows + coarse_rows) * (rotary_dim // 2) * 2 * 4
 
 
 def table_cache_info() -> dict[str, Any]:
     """Entries of the shared table registry and the bytes they hold (host and per device)."""
     entries = []
-    for (scheme, rotary_dim), table in list(_registry.items()):
+    for (scheme, rotary_dim, pair_order), table in list(_registry.items()):
         sizes = table.bytes()
         entries.append(
             {
                 "scheme": scheme,
                 "rotary_dim": rotary_dim,
+                "pair_order": pair_order,
                 "positions": table.capacity,
                 "device_positions": {dev: table.device_capacity(dev) for dev in sizes["device"]},
                 "host_bytes": sizes["host"],

@@ -46,9 +46,10 @@ from ._rotate import (
     Positions,
     RowNorm,
     configuration_flag,
+    grouped_table_order,
     rotate,
 )
-from ._tables import shared_table, table_bytes, table_cache_info
+from ._tables import combined_bytes, existing_table, shared_table, table_bytes, table_cache_info
 from ._validate import (
     MAX_POSITIONS,
     check_choice,
@@ -749,14 +750,28 @@ class RoPE(ProcessLocal):
 
     def memory_stats(self) -> dict[str, Any]:
         """Bytes this component's tables hold. The table is shared by every component and
-        op with the same (scheme, rotary_dim): ``owned`` is 0, ``shared`` is the table."""
-        sizes = self.table.bytes()
+        op with the same (scheme, rotary_dim): ``owned`` is 0, ``shared`` is the table (with
+        interleaved MRoPE sections that group, such as Qwen3-VL's, and once a CUDA call has
+        made it, also the copy of its columns in the grouped order that mid-sized calls
+        read)."""
+        tables = [self.table]
+        order = self._grouped_order()
+        grouped = None if order is None else existing_table(self.scheme, self.rotary_dim, order)
+        if grouped is not None:
+            tables.append(grouped)
         return {
             "owned": 0,
-            "shared": sizes,
+            "shared": combined_bytes(tables),
             "shared_key": (self.scheme, self.rotary_dim),
             "positions": self.table.capacity,
         }
+
+    def _grouped_order(self) -> tuple[int, ...] | None:
+        """The column order of the grouped table this component's mid-sized CUDA calls read
+        (interleaved MRoPE sections that group, rows rotated whole), else None."""
+        return grouped_table_order(
+            self.mrope_section, self.mrope_interleaved, self.rotary_dim, self.head_dim
+        )
 
     @staticmethod
     def required_memory(
@@ -765,22 +780,32 @@ class RoPE(ProcessLocal):
         *,
         scheme: Scheme | None = None,
         rotary_dim: int | None = None,
+        mrope_section: tuple[int, int, int] | None = None,
+        mrope_interleaved: bool = False,
     ) -> int:
         """Device bytes that building a component for these shapes would add: 0 when the
         shared table of (scheme, rotary_dim) already covers ``max_position`` on a device,
         else the whole grown table (growth uploads a new copy and keeps the old one, which
-        a captured CUDA graph may still read). Not additive across layers: they share."""
+        a captured CUDA graph may still read). Interleaved MRoPE sections that group
+        (Qwen3-VL's (24, 20, 20), for one), in rows rotated whole (rotary_dim = head_dim,
+        64 or 128), count a second table: the same columns in the grouped order that
+        mid-sized calls read, and one row more (rotary_dim * 4 bytes) giving each pair's
+        column. Not additive across layers: they share."""
         scheme = Standard() if scheme is None else scheme
         rotary_dim = head_dim if rotary_dim is None else rotary_dim
-        covered = [
-            max(entry["device_positions"].values(), default=0)
-            for entry in table_cache_info()["entries"]
-            if entry["scheme"] == scheme and entry["rotary_dim"] == rotary_dim
-        ]
-        if covered and covered[0] >= max_position:
-            return 0
-        # growth uploads a whole new table; a replaced copy stays (graphs may read it)
-        return table_bytes(rotary_dim, max_position)
+        orders: list[tuple[int, ...] | None] = [None]
+        section = check_mrope_section(mrope_section, rotary_dim)
+        grouped = grouped_table_order(section, mrope_interleaved, rotary_dim, head_dim)
+        orders += [grouped] if grouped is not None else []
+        total = 0
+        for order in orders:
+            table = existing_table(scheme, rotary_dim, order)
+            devices = () if table is None else table.bytes()["device"]
+            covered = max((table.device_capacity(device) for device in devices), default=0)
+            if covered < max_position:
+                # growth uploads a whole new table; a replaced copy stays (graphs may read it)
+                total += table_bytes(rotary_dim, max_position, permuted=order is not None)
+        return total
 
     def __repr__(self) -> str:
         mrope = ""
