@@ -60,7 +60,8 @@ __device__ __forceinline__ int thread_in_block() {
   return threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
 }
 
-constexpr int FINE_BITS = 10;
+// FINE_BITS: positions below 2**FINE_BITS index the fine table (defined by the host,
+// tileops_cupy._tables, which builds the tables).
 
 // The per-sequence offset of sequence b (0 without offsets).
 __device__ __forceinline__ long long sequence_offset(const void* offsets, int offsets_is_int64,

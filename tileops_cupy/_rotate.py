@@ -26,7 +26,7 @@ import numpy as np
 from . import _cuda
 from ._arrays import ITEMSIZE, Operand, cupy, stream_handle
 from ._cache import build_once
-from ._tables import RotaryTable, shared_table
+from ._tables import FINE_BITS, RotaryTable, shared_table
 
 __all__ = [
     "HeadRows", "Positions", "CosSinCache", "RowNorm", "rotate", "ErrorFlag", "error_flag",
@@ -141,6 +141,7 @@ _SHARED_MIN_HEADS = 8  # rows a token, q's and k's (fewer: a block would form co
 _MAX_GRID_Y = _MAX_GRID_Z = 65535  # a launch's grid y and z (CUDA's limits)
 _SHARED_BYTES = 48 * 1024  # dynamic shared memory any launch may take without opting in
 _DEFINES = (
+    f"FINE_BITS={FINE_BITS}",
     f"ROPE_THREADS={_THREADS_PER_BLOCK}",
     f"ROPE_MIN_BLOCKS={65536 // (_THREADS_PER_BLOCK * _REGISTERS)}",
     f"ROPE_NORM_MIN_BLOCKS={65536 // (_THREADS_PER_BLOCK * _NORM_REGISTERS)}",
