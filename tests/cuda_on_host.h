@@ -67,6 +67,8 @@ inline void store_8_bytes(void* to, u32 w0, u32 w1) {
   const u32 words[2] = {w0, w1};
   std::memcpy(to, words, 8);
 }
+// an L2 eviction policy means nothing on the host: a plain load
+template <typename T> inline T load_kept_in_l2(const T* from) { return *from; }
 inline int min(int a, int b) { return a < b ? a : b; }
 // The lanes a barrier joins: the 32 of a warp or the x-lanes of one (y, z).
 struct Lanes {
