@@ -564,15 +564,17 @@ class _Driver:
 @dataclass(frozen=True, slots=True)
 class DevicelessBuild:
     """What :func:`compile_without_device` learned: each name expression's lowered (mangled)
-    name, and ptxas's report of each kernel (by mangled name): registers and spilled bytes."""
+    name, and ptxas's report of each kernel (by mangled name): registers, spilled bytes, and
+    the stack frame (spills, and any array the compiler keeps in local memory)."""
 
     lowered: dict[str, str]
     registers: dict[str, int]
     spill_stores: dict[str, int]
+    stack_frames: dict[str, int]
 
 
 _PTXAS_FUNCTION = re.compile(r"Function properties for (\S+)")
-_PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores")
+_PTXAS_FRAME_AND_SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores")
 _PTXAS_REGISTERS = re.compile(r"Used (\d+) registers")
 
 
@@ -581,12 +583,12 @@ def compile_without_device(spec: ModuleSpec, arch: str) -> DevicelessBuild:
     ptxas reporting each kernel's resources. Raises RuntimeError with the NVRTC log on a
     compile error."""
     lowered, _, log = nvrtc_compile(spec, arch, ("-Xptxas=-v",))
-    registers, spill_stores, function = {}, {}, None
+    registers, spill_stores, stack_frames, function = {}, {}, {}, None
     for line in log.splitlines():
         if match := _PTXAS_FUNCTION.search(line):
             function = match.group(1)
-        elif (match := _PTXAS_SPILLS.search(line)) and function is not None:
-            spill_stores[function] = int(match.group(1))
+        elif (match := _PTXAS_FRAME_AND_SPILLS.search(line)) and function is not None:
+            stack_frames[function], spill_stores[function] = map(int, match.groups())
         elif (match := _PTXAS_REGISTERS.search(line)) and function is not None:
             registers[function] = int(match.group(1))
-    return DevicelessBuild(lowered, registers, spill_stores)
+    return DevicelessBuild(lowered, registers, spill_stores, stack_frames)
