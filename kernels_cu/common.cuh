@@ -1,5 +1,6 @@
 // What every kernel source shares, prepended to each by the loader (tileops_cupy._cuda):
-// integer shorthands, the 16-bit float types and their exact conversions.
+// integer shorthands, the 16-bit float types and their exact conversions, wide stores, and
+// loads that ask L2 to keep op-state tables.
 //
 // Header-free on purpose (no cuda_fp16.h / cuda_bf16.h): NVRTC then needs no toolkit
 // headers, and the conversions below are the exact PTX instructions those headers emit.
@@ -109,9 +110,11 @@ __device__ __forceinline__ void store_8_bytes(void* to, u32 w0, u32 w1) {
   asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(to), "r"(w0), "r"(w1) : "memory");
 }
 
-// A load of op-state tables (RoPE's cos/sin) that asks L2 to keep their lines, under an
-// evict-last policy: every token of a launch re-reads them, and the rows it streams through
-// L2 (each read once) would otherwise push them out between those reads. The lines are
+// A load of op-state tables (RoPE's cos/sin; mhc.cu's cp_async16_kept_in_l2 takes the same
+// policy for mHC pre's phi fragments) that asks L2 to keep their lines, under an evict-last
+// policy: every token of a launch re-reads them, and the rows it streams through L2 (each
+// read once) would otherwise push them out between those reads. The rows keep plain loads:
+// read once, they gain only inside a benchmark's flush (the performance log). The lines are
 // const for the kernel, so the loads carry no memory clobber and may be scheduled freely.
 // H100, bf16 B8 S4096 H32 D128 (the performance log, forty-first session): a TileOPs-shaped
 // kernel reading our two-level float32 tables 189.7 us plain, 181.6 so (a copy: 181.5).
