@@ -114,7 +114,9 @@ __device__ __forceinline__ void store_8_bytes(void* to, u32 w0, u32 w1) {
 // policy for mHC pre's phi fragments) that asks L2 to keep their lines, under an evict-last
 // policy: every token of a launch re-reads them, and the rows it streams through L2 (each
 // read once) would otherwise push them out between those reads. The rows keep plain loads:
-// read once, they gain only inside a benchmark's flush (the performance log). The lines are
+// read once, they gain only inside a benchmark's flush (the performance log). What stays is
+// what a call touches: RoPE's fine table (512 KB at D128) and a coarse row (512 bytes) for
+// each 1024 positions in use, mHC's phi fragments (2.25 MB at n4 c_x4096). The lines are
 // const for the kernel, so the loads carry no memory clobber and may be scheduled freely.
 // H100, bf16 B8 S4096 H32 D128 (the performance log, forty-first session): a TileOPs-shaped
 // kernel reading our two-level float32 tables 189.7 us plain, 181.6 so (a copy: 181.5).
