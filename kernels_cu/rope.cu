@@ -621,8 +621,8 @@ __device__ __forceinline__ int mrope_row(int j, const int (&section)[3], int int
 // residue: entry j % PAIRS of the lane holding pair j. The column of each pair is a byte of
 // the row after the grouped fine table (tileops_cupy._tables: RotaryTable.device_fine32):
 // one load, where its closed form from the sections took a fifth of the kernel's
-// instructions.
-constexpr int GROUP_PAIRS = 4;
+// instructions. GROUP_PAIRS is defined by the host (tileops_cupy._rotate, which orders the
+// grouped tables).
 
 // the position row of the pairs at column c of the grouped tables (a whole group's: one row):
 // rows 0 and 1 hold PAIRS_OF_ROW - min(PAIRS_OF_ROW / 3, section[2]) pairs between them, row 1

@@ -140,8 +140,13 @@ _SHARED_MAX_SM_BANDWIDTH = 30e9
 _SHARED_MIN_HEADS = 8  # rows a token, q's and k's (fewer: a block would form cos/sin for few rows)
 _MAX_GRID_Y = _MAX_GRID_Z = 65535  # a launch's grid y and z (CUDA's limits)
 _SHARED_BYTES = 48 * 1024  # dynamic shared memory any launch may take without opting in
+# rope.cu's GROUP_PAIRS (a launch define, as FINE_BITS): the pairs of a group of the grouped
+# tables, a multiple of every dtype's pairs a lane (16 bytes: 4 of 16 bits, 2 of float32), so
+# one order serves them all
+GROUP_PAIRS = 4
 _DEFINES = (
     f"FINE_BITS={FINE_BITS}",
+    f"GROUP_PAIRS={GROUP_PAIRS}",
     f"ROPE_THREADS={_THREADS_PER_BLOCK}",
     f"ROPE_MIN_BLOCKS={65536 // (_THREADS_PER_BLOCK * _REGISTERS)}",
     f"ROPE_NORM_MIN_BLOCKS={65536 // (_THREADS_PER_BLOCK * _NORM_REGISTERS)}",
@@ -926,11 +931,6 @@ def _packs_table(
     pairs_a_lane = 8 // ITEMSIZE[dtype]
     first, second = section[0], section[0] + section[1]
     return MROPE if first % pairs_a_lane == 0 and second % pairs_a_lane == 0 else None
-
-
-# rope.cu's GROUP_PAIRS: the pairs of a group of the grouped tables, a multiple of every
-# dtype's pairs a lane (16 bytes: 4 of 16 bits, 2 of float32), so one order serves them all
-GROUP_PAIRS = 4
 
 
 @cache
