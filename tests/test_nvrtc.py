@@ -171,17 +171,26 @@ def test_no_kernel_spills_more_than_known(compiled, spec, arch):
             )
 
 
+def _ptx_kernels(spec: _cuda.ModuleSpec) -> dict[str, str]:
+    """The PTX of each kernel of ``spec`` (compute_90) by its name expression, from its
+    ``.entry`` line to its closing brace."""
+    lowered, ptx, _ = _cuda.nvrtc_compile(spec, "compute_90")
+    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
+    kernels = {}
+    for name, mangled in lowered.items():
+        start = ptx.index(f".entry {mangled}(")
+        kernels[name] = ptx[start : ptx.index("\n}\n", start)]
+    return kernels
+
+
 @pytest.mark.parametrize("n", (4, 6, 7))
 def test_decode_pre_kernel_keeps_two_blocks_a_multiprocessor(n):
     """mhc_pre_small asks for two 256-thread blocks a multiprocessor up to n = 6 (at most 128
     registers): its plan puts about one wave of resident blocks in a grid, and left to itself
     a compiler may take more registers (CUDA 13.0's NVRTC gave n = 4 164: one block a
     multiprocessor, two waves). n = 7 and 8 would spill at 128 and ask for none."""
-    spec = _mhc.pre_module("bfloat16", n)
-    lowered, ptx, _ = _cuda.nvrtc_compile(spec, "compute_90")
-    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
-    entry = ptx.index(f".entry {lowered[f'mhc_pre_small<bfloat16_t, {n}>']}(")
-    directives = ptx[ptx.index(")", entry) : ptx.index("{", entry)]
+    kernel = _ptx_kernels(_mhc.pre_module("bfloat16", n))[f"mhc_pre_small<bfloat16_t, {n}>"]
+    directives = kernel[kernel.index(")") : kernel.index("{")]
     assert ".maxntid 256, 1, 1" in directives
     assert (".minnctapersm 2" in directives) == (n <= 6), directives
 
@@ -696,12 +705,7 @@ def test_two_level_tables_load_under_l2_evict_last(mode, norm):
     L2 evict-last policy, so the rows streamed through L2 do not push the tables out between
     the tokens that re-read them (H100, kernel_ab: bf16 B8 S4096 97.7 -> 99.0% of the copy
     ceiling). A bf16 kernel's float32 vector loads are table loads, so none goes without it."""
-    spec = _rotate.module_spec("bfloat16", 128, mode, norm=norm)
-    lowered, ptx, _ = _cuda.nvrtc_compile(spec, "compute_90")
-    ptx = ptx.decode() if isinstance(ptx, bytes) else ptx
-    for name, mangled in lowered.items():
-        start = ptx.index(f".entry {mangled}(")
-        body = ptx[start : ptx.index("\n}\n", start)]
+    for name, body in _ptx_kernels(_rotate.module_spec("bfloat16", 128, mode, norm=norm)).items():
         assert "createpolicy.fractional.L2::evict_last" in body, name
         hinted = re.findall(r"ld\.global\.L2::cache_hint\.v[24]\.f32", body)
         plain = re.findall(r"ld\.global\.v[24]\.f32", body)
