@@ -917,9 +917,10 @@ __device__ __forceinline__ u32 pack_word_of(const float* y, int w) {
 // sequential or per-token positions, rows of ROTARY_DIM elements rotated whole, cos/sin from
 // the two-level tables (under MRoPE at the one position row of a lane's pairs, where the
 // sections fall on lane boundaries) or a caller's cos_sin_cache (TABLE). A row is LANES lanes
-// of 16 bytes (VEC elements) each: a neox lane holds VEC/2 elements of each half (two 8-byte
-// accesses), so both members of its pairs; an interleaved lane one 16-byte pack. A lane
-// takes ROWS rows of one operand of its token (group, group + groups, ...: the same columns,
+// of LANE_BYTES (VEC elements) each: a neox lane holds VEC/2 elements of each half (two
+// accesses of LANE_BYTES / 2, 8 or 16 bytes: tileops_cupy._rotate's _packs_lane says which
+// and why), so both members of its pairs; an interleaved lane one 16-byte pack. A lane takes
+// ROWS rows of one operand of its token (group, group + groups, ...: the same columns,
 // so its cos/sin are formed once for them; the two-level tables by 16-byte loads of two
 // pairs), their loads issued before the position is read. A token's row groups are q's, then
 // k's. Threads are numbered flat: beyond its rows a lane does two 32-bit divisions, one q/k
@@ -930,14 +931,16 @@ __device__ __forceinline__ u32 pack_word_of(const float* y, int w) {
 // NORM (16-bit rows): the fused QK-RMSNorm first, each row's sum of squares reduced over its
 // LANES lanes (aligned groups of consecutive lanes: a token's rows are whole groups) by
 // shuffles before any write, the weights of the lane's columns of its operand read once.
-template <typename T, bool NEOX, int ROTARY_DIM, int ROWS, int TABLE, bool NORM>
+template <typename T, bool NEOX, int ROTARY_DIM, int LANE_BYTES, int ROWS, int TABLE, bool NORM>
 __global__ void __launch_bounds__(ROPE_PACK_THREADS, ROPE_PACK_MIN_BLOCKS)
     rope_rotate_packs(const RopeParams p) {
-  constexpr int VEC = 16 / sizeof(T);      // elements a lane
-  constexpr int HALF = VEC / 2;            // neox: elements a lane in each half of a row
-  constexpr int PAIRS = VEC / 2;           // pairs a lane rotates
-  constexpr int LANES = ROTARY_DIM / VEC;  // lanes of a row, a power of two up to 32
+  constexpr int VEC = LANE_BYTES / sizeof(T);  // elements a lane
+  constexpr int HALF = VEC / 2;                // neox: elements a lane in each half of a row
+  constexpr int PAIRS = VEC / 2;               // pairs a lane rotates
+  constexpr int PACKS = LANE_BYTES / 16;       // 16-byte packs a lane holds of a row
+  constexpr int LANES = ROTARY_DIM / VEC;      // lanes of a row, a power of two up to 32
   static_assert(LANES <= 32 && (LANES & (LANES - 1)) == 0, "a row is a warp or less");
+  static_assert(LANE_BYTES == 16 || (LANE_BYTES == 32 && NEOX), "32 bytes: 16 of each half");
   // row groups of a token: q's, then k's (k_heads = 0 without k)
   const unsigned q_groups = static_cast<unsigned>(p.q_heads) / ROWS;
   const unsigned per_token = (q_groups + static_cast<unsigned>(p.k_heads) / ROWS) * LANES;
@@ -983,17 +986,20 @@ __global__ void __launch_bounds__(ROPE_PACK_THREADS, ROPE_PACK_MIN_BLOCKS)
   auto column_of = [&](int i) {
     return NEOX ? (i < HALF ? column + i : ROTARY_DIM / 2 + column + i - HALF) : column + i;
   };
-  RowPack data[ROWS];
+  RowPack data[ROWS][PACKS];  // (32-byte neox lanes: the first half's pack, then the second's)
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
     const T* row = in + r * groups * in_head;
-    if constexpr (NEOX) {
+    if constexpr (PACKS == 2) {
+      data[r][0] = *reinterpret_cast<const RowPack*>(row);
+      data[r][1] = *reinterpret_cast<const RowPack*>(row + ROTARY_DIM / 2);
+    } else if constexpr (NEOX) {
       const uint2 first = *reinterpret_cast<const uint2*>(row);
       const uint2 second = *reinterpret_cast<const uint2*>(row + ROTARY_DIM / 2);
-      data[r].word[0] = first.x, data[r].word[1] = first.y;
-      data[r].word[2] = second.x, data[r].word[3] = second.y;
+      data[r][0].word[0] = first.x, data[r][0].word[1] = first.y;
+      data[r][0].word[2] = second.x, data[r][0].word[3] = second.y;
     } else {
-      data[r] = *reinterpret_cast<const RowPack*>(row);
+      data[r][0] = *reinterpret_cast<const RowPack*>(row);
     }
   }
 
@@ -1056,7 +1062,9 @@ __global__ void __launch_bounds__(ROPE_PACK_THREADS, ROPE_PACK_MIN_BLOCKS)
   for (int r = 0; r < ROWS; ++r) {
     float x[VEC];
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) x[i] = pack_element<T>(data[r], i);
+    for (int i = 0; i < VEC; ++i) {
+      x[i] = pack_element<T>(data[r][i / (VEC / PACKS)], i % (VEC / PACKS));
+    }
     if constexpr (NORM) {
       const float scale = inverse_rms_of_row<LANES, ROTARY_DIM>(x, p.norm_eps);
 #pragma unroll
@@ -1071,7 +1079,12 @@ __global__ void __launch_bounds__(ROPE_PACK_THREADS, ROPE_PACK_MIN_BLOCKS)
     }
     if (SHUFFLES && !live) continue;
     T* const row = out + r * groups * out_head;
-    if constexpr (NEOX) {
+    if constexpr (PACKS == 2) {
+      store_16_bytes(row, pack_word_of<T>(y, 0), pack_word_of<T>(y, 1), pack_word_of<T>(y, 2),
+                     pack_word_of<T>(y, 3));
+      store_16_bytes(row + ROTARY_DIM / 2, pack_word_of<T>(y, 4), pack_word_of<T>(y, 5),
+                     pack_word_of<T>(y, 6), pack_word_of<T>(y, 7));
+    } else if constexpr (NEOX) {
       store_8_bytes(row, pack_word_of<T>(y, 0), pack_word_of<T>(y, 1));
       store_8_bytes(row + ROTARY_DIM / 2, pack_word_of<T>(y, 2), pack_word_of<T>(y, 3));
     } else {

@@ -480,17 +480,19 @@ def _whole_rows_against_chunks(
 @pytest.mark.parametrize(
     ("head_dim", "batch", "offsets"), [(128, 1, 7), (64, 2, "per sequence")], ids=["D128", "D64"]
 )
+@pytest.mark.parametrize(("hq", "hkv"), [(8, 4), (6, 2)], ids=["8q4kv", "6q2kv"])
 def test_mid_sized_prefill_rotates_whole_rows(
-    rng, monkeypatch, head_dim, batch, offsets, dtype, layout, by
+    rng, monkeypatch, head_dim, batch, offsets, dtype, layout, by, hq, hkv
 ):
-    """Mid-sized calls of q and k take rope_rotate_packs (16 bytes of a row a lane, a neox
-    lane 8 of each half; four rows of one operand a lane, k's row group after q's two;
-    ``_rotate._PACK_MIN_HEAD_ROWS`` lowered here to this call's rows, whose last warp is half
-    empty in 16 bits), at a prefill's offsets or at per-token positions (``forward``, a
+    """Mid-sized calls of q and k take rope_rotate_packs (an interleaved lane 16 bytes of
+    four rows of one operand, a neox lane 16 bytes of each half of two rows, a token's row
+    groups q's then k's: 6 q and 2 k heads take it in neox alone;
+    ``_rotate._PACK_MIN_HEAD_ROWS`` lowered here to this call's rows; at 8 q and 4 k heads
+    the last warp is partial), at a prefill's offsets or at per-token positions (``forward``, a
     device ``[B, T]`` tensor of random positions): q and k in place in a fused QKV row, every
     element against the oracle, v untouched, and the same bits as rope_rotate."""
     require("cuda", "torch")
-    seq, hq, hkv = 1031, 8, 4
+    seq = 1031
     heads = hq + 2 * hkv
     host = random_data(rng, (batch, seq, heads * head_dim), dtype)
     if offsets == "per sequence":
@@ -509,7 +511,8 @@ def test_mid_sized_prefill_rotates_whole_rows(
         else:
             assert_same(rope.prefill(q, k, offsets), q, k)
 
-    packed = _whole_rows_against_chunks(monkeypatch, host, rotate)
+    packs = layout == "neox" or hq % 4 == hkv % 4 == 0
+    packed = _whole_rows_against_chunks(monkeypatch, host, rotate, packs)
     before = host.astype(np.float64).reshape(batch, seq, heads, head_dim)
     after = to_float64(packed).reshape(batch, seq, heads, head_dim)
     v_after, v_before = (

@@ -270,7 +270,8 @@ def test_rows_layout_takes_in_place_rows_with_32_bit_offsets():
 
 def test_packs_layout_takes_mid_sized_launches():
     """rope_rotate_packs takes q, or q and k, at any positions and table mode, rotated whole at a
-    shipped rotary_dim, 16-byte aligned, a multiple of four heads in each operand, from
+    shipped rotary_dim, 16-byte aligned, a multiple of a lane's rows of heads in each operand
+    (four; two for the neox lanes of 32 bytes: _packs_lane), from
     _PACK_MIN_HEAD_ROWS head rows in all up to _PACK_MAX_HEAD_ROWS of the element size and
     layout (B1 S8192 and B2 S2048 of 32 heads take it, B8 S4096 does not, nor float32 neox
     B1 S16384, while float32 interleaved takes any size its 32-bit thread numbers reach; 32
@@ -279,7 +280,7 @@ def test_packs_layout_takes_mid_sized_launches():
 
     def takes(batch=1, seq=8192, heads=32, head_dim=128, rotary_dim=128, dtype="bfloat16",
               k_heads=0, offset=0, head_stride=None,
-              neox=True, norm=False):  # fmt: skip
+              neox=True, norm=False, table=_rotate.TWO_LEVEL):  # fmt: skip
         stride = head_stride or head_dim
         width = (heads + k_heads) * stride  # (q's heads then k's, of one fused row)
         strides = (seq * width, width, stride, 1)
@@ -290,7 +291,7 @@ def test_packs_layout_takes_mid_sized_launches():
             rows += [k, k]
         copy_tail = rotary_dim < head_dim
         aligned = _rotate._vector_width(dtype, neox, rotary_dim, head_dim, copy_tail, rows)
-        return _rotate._packs_layout(dtype, neox, rotary_dim, norm, rows, aligned)
+        return _rotate._packs_layout(dtype, neox, rotary_dim, norm, table, rows, aligned)
 
     assert takes() and takes(batch=2, seq=2048) and takes(dtype="float16")
     assert takes(dtype="float32") and takes(dtype="float32", batch=2, seq=2048)
@@ -311,8 +312,11 @@ def test_packs_layout_takes_mid_sized_launches():
     assert not takes(batch=8, seq=4096)  # _PACK_MAX_HEAD_ROWS
     assert not takes(seq=4095, heads=24, k_heads=8) and takes(seq=4096, heads=24, k_heads=8)
     assert not takes(batch=1, seq=2048)  # _PACK_MIN_HEAD_ROWS
-    assert not takes(k_heads=2) and not takes(k_heads=6)
-    assert not takes(heads=30, seq=1 << 13)
+    assert not takes(k_heads=2, neox=False) and not takes(k_heads=6, neox=False)
+    assert not takes(k_heads=2, norm=True) and not takes(k_heads=2, table=_rotate.MROPE)
+    assert takes(k_heads=2) and takes(k_heads=6, table=_rotate.COS_SIN_CACHE)  # (two rows a lane)
+    assert not takes(heads=30, seq=1 << 13, neox=False) and takes(heads=30, seq=1 << 13)
+    assert not takes(heads=31, seq=1 << 13)
     assert not takes(rotary_dim=64) and not takes(head_dim=96, rotary_dim=96)
     assert not takes(offset=1)  # (one element in: not 16-byte aligned)
     # (any table mode: _packs_table says which it has, the plan passes the others by)

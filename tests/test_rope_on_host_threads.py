@@ -67,10 +67,10 @@ void run(const RopeParams& p, GEOMETRY) {{
                     [&] {{ rope_rotate<T, NEOX, VEC, RD, TABLE, NORM, HEADS>(p); }});
 }}
 
-template <typename T, bool NEOX, int RD, int ROWS, int TABLE, bool NORM>
+template <typename T, bool NEOX, int RD, int LANE_BYTES, int ROWS, int TABLE, bool NORM>
 void run_packs(const RopeParams& p, GEOMETRY) {{
   launch_on_threads(dim3{{gx, gy, gz}}, dim3{{bx, by, bz}},
-                    [&] {{ rope_rotate_packs<T, NEOX, RD, ROWS, TABLE, NORM>(p); }});
+                    [&] {{ rope_rotate_packs<T, NEOX, RD, LANE_BYTES, ROWS, TABLE, NORM>(p); }});
 }}
 
 template <typename T, bool NEOX, int VEC, int RD>
@@ -484,8 +484,8 @@ def _launch_whole_rows(kernels, rng, dtype, neox, rotary_dim, shape, operands, i
         threads = math.prod(grid) * math.prod(block)
         name = _rotate._shared_name(dtype, neox, rotary_dim)
     else:
-        threads = batch * seq * (q_heads + k_heads) // _rotate._PACK_ROWS * rotary_dim
-        threads //= aligned_width
+        lane = _rotate._packs_lane(neox, case["mode"], norm)
+        threads = _rotate._packs_threads(batch * seq * (q_heads + k_heads), rotary_dim, dtype, lane)
         grid, block = (-(-threads // _rotate._PACK_THREADS),), (_rotate._PACK_THREADS, 1, 1)
         name = _rotate._packs_name(dtype, neox, rotary_dim, case["mode"], norm)
     _launch(
@@ -529,9 +529,11 @@ def _whole_rows_heads(launched, rotary_dim: int, what: str):
 @pytest.mark.parametrize("dtype", ("bfloat16", "float16", "float32"))
 def test_packs_layout_on_host_threads(kernels, rng, dtype, neox, rotary_dim):
     """rope_rotate_packs (16 bytes of a row a lane: 8 elements of 16 bits or 4 of float32, a
-    neox lane half of them from each half of the row; four rows of a token a lane): q alone
-    of 4 and 8 heads (one and two row groups a token) and q with k in one launch (k's row
-    groups after q's; k in q's rows, or in an array of its own with another token stride), an
+    neox lane half of them from each half of the row; four rows of a token a lane; or, where
+    _packs_lane says so, a neox lane 16 bytes of each half and two rows): q alone of 4 and 8
+    heads (one and two row groups a token) and q with k in one launch (k's row groups after
+    q's; k in q's rows, or in an array of its own with another token stride; 6 + 2 heads where
+    a lane takes two rows), an
     odd token count (the last warp's lanes past the last row write nothing), per-sequence
     offsets, every kind of positions of PACK_POSITIONS (each table mode), both directions, in
     place and into new arrays (rows of wider ones: their last heads nothing may touch), every
@@ -540,7 +542,7 @@ def test_packs_layout_on_host_threads(kernels, rng, dtype, neox, rotary_dim):
     partial_warps = 0
     # (q heads, k heads, k in an array of its own)
     operands = ((4, 0, False), (8, 0, False), (4, 4, False), (8, 4, False), (4, 8, False))
-    operands += ((8, 4, True),)
+    operands += ((8, 4, True), (6, 2, True))
     offsets = np.array([0, 700, 3], np.int64)
     for (q_heads, k_heads, k_apart), inverse, in_place, kind in itertools.product(
         operands, (False, True), (False, True), PACK_POSITIONS
@@ -548,6 +550,8 @@ def test_packs_layout_on_host_threads(kernels, rng, dtype, neox, rotary_dim):
         if kind in ("mrope", "mrope-grouped", "cache") and inverse == in_place:
             continue  # (the other tables: half the direction and placement pairs)
         case = _pack_positions(rng, kind, rotary_dim, batch, seq, offsets)
+        if (q_heads % 4 or k_heads % 4) and _rotate._packs_lane(neox, case["mode"], False)[1] == 4:
+            continue  # (whole row groups a token only)
         launched = _launch_whole_rows(
             kernels, rng, dtype, neox, rotary_dim, (batch, seq), (q_heads, k_heads, k_apart),
             in_place, case, sin_sign=-1.0 if inverse else 1.0,

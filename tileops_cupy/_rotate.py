@@ -89,8 +89,9 @@ _ROWS_THREADS, _ROWS_REGISTERS, _ROWS_HEADS = 64, 64, 2
 # The plain rotation's whole-row layout (rope.cu rope_rotate_packs): q, or q and k, at
 # sequential or per-token positions, rotated whole at a shipped rotary_dim, any table mode
 # (MRoPE where _packs_table allows), 16-byte rows, with the fused norm of 16-bit rows. 16 bytes
-# of a row a lane (neox: 8 of each half), _PACK_ROWS rows of one operand of a token a lane at
-# once, blocks of _PACK_THREADS at 64 registers (32 warps a multiprocessor).
+# of a row a lane (neox: 8 of each half, or 16 of each at _PACK_WIDE_ROWS: _packs_lane),
+# _PACK_ROWS rows of one operand of a token a lane at once, blocks of _PACK_THREADS at 64
+# registers (32 warps a multiprocessor).
 # Measured on an H200 (D128, % of the copy ceiling, the chunk layout -> this one, in one
 # process). bf16 q alone, H32: neox B1 S8192 82.4 -> 84.5, interleaved 81.3 -> 82.5,
 # backward 82.4 -> 83.3; B2 S2048 67.7 -> 71.1, 67.0 -> 73.3, 69.5 -> 71.1; D64 B2 S2048
@@ -111,6 +112,21 @@ _ROWS_THREADS, _ROWS_REGISTERS, _ROWS_HEADS = 64, 64, 2
 #   thread numbers: 2**19 93.2 -> 94.9, 2**20 95.4 -> 96.4, 2**21 96.8 -> 98.1, 2**22 97.6 ->
 #   98.5 (the backward the same).
 _PACK_THREADS, _PACK_REGISTERS, _PACK_ROWS = 256, 64, 4
+# A neox lane of the two-level tables or a caller's cos_sin_cache holds 16 bytes of each half
+# of a row (one access each: 8 pairs of 16 bits, 4 of float32), _PACK_WIDE_ROWS rows at once:
+# the 64 bytes of rows in flight that 8-byte halves hold at _PACK_ROWS, in half the accesses.
+# H100 (D128, % of the copy ceiling, kernel_ab, medians of three runs of two or three rounds,
+# 8-byte -> 16-byte halves, the same bits): bf16 B1 S8192 89.1 / 88.8 / 89.0 -> 89.5 / 90.5 /
+# 90.4 (interleaved 89.2-90.2), B2 S2048 79.4 / 78.8 / 79.2 -> 79.4 / 81.5 / 81.3, B4 S8192
+# H8 88.4 / 89.1 / 88.9 -> 88.7 / 89.6 / 89.0, float32 B1 S8192 95.4 / 95.5 / 95.3 -> 96.2 /
+# 95.6 / 95.8; per-token positions (32q/8kv) N4096 81.4 / 83.1 / 81.9 -> 82.5 / 81.6 / 82.9,
+# N8192 90.7 / 90.2 / 90.6 -> 91.0 / 90.3 / 90.1; the cos_sin_cache N8192 87.6 / 88.3 / 87.5
+# -> 88.3 / 88.3 / 87.8. One row a lane lost (positions N8192 81.6: a lane forms 8 pairs'
+# cos/sin for 32 bytes of rows), as did four (B1 S8192 85.6; 8 bytes of spills). The other
+# lanes keep 8-byte halves: the grouped MRoPE tables (a lane takes its pairs' cos/sin from
+# lanes of up to four), the fused norm (80 bytes of spills at 64 registers so), and the
+# sectioned MRoPE (16-byte halves at lane boundaries of 8 pairs: N8192 90.4 -> 89.6).
+_PACK_WIDE_ROWS = 2
 _PACK_MIN_HEAD_ROWS = 1 << 17
 _PACK_MAX_HEAD_ROWS = {  # (element size, neox): exclusive (float32 interleaved: none of its own)
     (2, True): 1 << 20, (2, False): 1 << 20, (4, True): 1 << 19, (4, False): 1 << 62
@@ -579,10 +595,18 @@ def _packs_compiled(dtype: str, rotary_dim: int, norm: bool) -> bool:
     return rotary_dim in SHIPPED_ROTARY_DIMS and (not norm or ITEMSIZE[dtype] == 2)
 
 
+def _packs_lane(neox: bool, table: int, norm: bool) -> tuple[int, int]:
+    """(bytes of a row a lane, rows a lane) of rope_rotate_packs (_PACK_WIDE_ROWS says why)."""
+    if neox and not norm and table in (TWO_LEVEL, COS_SIN_CACHE):
+        return 32, _PACK_WIDE_ROWS
+    return 16, _PACK_ROWS
+
+
 def _packs_name(dtype: str, neox: bool, rotary_dim: int, table: int, norm: bool) -> str:
     """(table: rope.cu's TABLE, the module's mode or MROPE_GROUPED)"""
-    flags = f"{str(neox).lower()}, {rotary_dim}, {_PACK_ROWS}, {table}, {str(norm).lower()}"
-    return f"rope_rotate_packs<{_cuda.CUDA_TYPES[dtype]}, {flags}>"
+    lane_bytes, rows = _packs_lane(neox, table, norm)
+    flags = f"{str(neox).lower()}, {rotary_dim}, {lane_bytes}, {rows}, {table}, "
+    return f"rope_rotate_packs<{_cuda.CUDA_TYPES[dtype]}, {flags}{str(norm).lower()}>"
 
 
 def instantiations(
@@ -798,9 +822,10 @@ def _plan(
     aligned_width = _vector_width(dtype, neox, rotary_dim, head_dim, copy_tail, rows)
     normed = norm is not None
     if packs_table is not None and _packs_layout(
-        dtype, neox, rotary_dim, normed, rows, aligned_width
+        dtype, neox, rotary_dim, normed, packs_table, rows, aligned_width
     ):  # fmt: skip
-        threads = _packs_threads(batch * seq * total_heads, rotary_dim, aligned_width)
+        lane = _packs_lane(neox, packs_table, normed)
+        threads = _packs_threads(batch * seq * total_heads, rotary_dim, dtype, lane)
         name = _packs_name(dtype, neox, rotary_dim, packs_table, normed)
         kernel = _cuda.function(module_spec(dtype, rotary_dim, mode, normed), name, device)
         step = _cuda.Step(kernel, (-(-threads // _PACK_THREADS), 1, 1), (_PACK_THREADS, 1, 1), 0)
@@ -842,25 +867,27 @@ def _packs_layout(
     neox: bool,
     rotary_dim: int,
     norm: bool,
+    table: int,
     rows: list[HeadRows],
     aligned_width: int,
 ) -> bool:
-    """Whether rope_rotate_packs takes a launch it has a table mode for (:func:`_packs_table`;
-    _PACK_* above): q, or q and k (``rows``: their (in, out) pairs), at any positions,
-    16-byte-aligned rows rotated whole at a compiled rotary_dim,
-    a multiple of _PACK_ROWS heads in each operand, head offsets within 32 bits, from
-    _PACK_MIN_HEAD_ROWS head rows in all to _PACK_MAX_HEAD_ROWS of the dtype's element size
-    and the layout, fewer than _PACK_MAX_THREADS threads."""
+    """Whether rope_rotate_packs takes a launch in the table mode it has for it (``table``:
+    :func:`_packs_table`; _PACK_* above): q, or q and k (``rows``: their (in, out) pairs), at
+    any positions, 16-byte-aligned rows rotated whole at a compiled rotary_dim, a multiple of
+    a lane's rows (:func:`_packs_lane`) of heads in each operand, head offsets within 32
+    bits, from _PACK_MIN_HEAD_ROWS head rows in all to _PACK_MAX_HEAD_ROWS of the dtype's
+    element size and the layout, fewer than _PACK_MAX_THREADS threads."""
     if aligned_width * ITEMSIZE[dtype] != 16:
         return False
     batch, seq, _, head_dim = rows[0].shape
     head_rows = batch * seq * sum(r.shape[2] for r in rows[::2])
+    lane = _packs_lane(neox, table, norm)
     return (
         rotary_dim == head_dim
         and _packs_compiled(dtype, rotary_dim, norm)
-        and all(r.shape[2] % _PACK_ROWS == 0 for r in rows)
+        and all(r.shape[2] % lane[1] == 0 for r in rows)
         and _PACK_MIN_HEAD_ROWS <= head_rows < _PACK_MAX_HEAD_ROWS[ITEMSIZE[dtype], neox]
-        and _packs_threads(head_rows, rotary_dim, aligned_width) < _PACK_MAX_THREADS
+        and _packs_threads(head_rows, rotary_dim, dtype, lane) < _PACK_MAX_THREADS
         and all(r.strides[2] > 0 and r.strides[2] * r.shape[2] < 1 << 31 for r in rows)
     )
 
@@ -967,10 +994,11 @@ def grouped_table_order(
     return grouped_pair_order(section, rotary_dim // 2)
 
 
-def _packs_threads(head_rows: int, rotary_dim: int, aligned_width: int) -> int:
-    """Threads of a rope_rotate_packs launch: a lane for each 16-byte pack of a row
-    (``aligned_width`` elements), one for each _PACK_ROWS rows."""
-    return head_rows // _PACK_ROWS * (rotary_dim // aligned_width)
+def _packs_threads(head_rows: int, rotary_dim: int, dtype: str, lane: tuple[int, int]) -> int:
+    """Threads of a rope_rotate_packs launch of ``lane`` (:func:`_packs_lane`: bytes of a row
+    a lane, rows a lane): a row's lanes for each lane's rows."""
+    lane_bytes, rows = lane
+    return head_rows // rows * (rotary_dim * ITEMSIZE[dtype] // lane_bytes)
 
 
 def check_token_counts(batch: int, seq: int) -> None:
