@@ -532,12 +532,12 @@ def test_packs_layout_on_host_threads(kernels, rng, dtype, neox, rotary_dim):
     neox lane half of them from each half of the row; four rows of a token a lane; or, where
     _packs_lane says so, a neox lane 16 bytes of each half and two rows): q alone of 4 and 8
     heads (one and two row groups a token) and q with k in one launch (k's row groups after
-    q's; k in q's rows, or in an array of its own with another token stride; 6 + 2 heads where
-    a lane takes two rows), an
-    odd token count (the last warp's lanes past the last row write nothing), per-sequence
-    offsets, every kind of positions of PACK_POSITIONS (each table mode), both directions, in
-    place and into new arrays (rows of wider ones: their last heads nothing may touch), every
-    element against the oracle and nothing else written."""
+    q's; k in q's rows, or in an array of its own with another token stride; 6 + 2 heads
+    where a lane takes two rows), an odd token count (the last warp's lanes past the last row
+    write nothing), per-sequence offsets, every kind of positions of PACK_POSITIONS (each
+    table mode), both directions, in place and into new arrays (rows of wider ones: their
+    last heads nothing may touch), every element against the oracle and nothing else
+    written."""
     batch, seq = 3, 5
     partial_warps = 0
     # (q heads, k heads, k in an array of its own)
@@ -550,7 +550,8 @@ def test_packs_layout_on_host_threads(kernels, rng, dtype, neox, rotary_dim):
         if kind in ("mrope", "mrope-grouped", "cache") and inverse == in_place:
             continue  # (the other tables: half the direction and placement pairs)
         case = _pack_positions(rng, kind, rotary_dim, batch, seq, offsets)
-        if (q_heads % 4 or k_heads % 4) and _rotate._packs_lane(neox, case["mode"], False)[1] == 4:
+        lane_rows = _rotate._packs_lane(neox, case["mode"], False)[1]
+        if q_heads % lane_rows or k_heads % lane_rows:
             continue  # (whole row groups a token only)
         launched = _launch_whole_rows(
             kernels, rng, dtype, neox, rotary_dim, (batch, seq), (q_heads, k_heads, k_apart),
