@@ -168,6 +168,32 @@ def _component_rows(torch) -> dict[str, Row]:
     return rows
 
 
+def _small_rows(torch) -> dict[str, Row]:
+    """Chunked-prefill sizes below the whole-row layout's lower bound (_rotate's
+    _PACK_MIN_HEAD_ROWS, 2**17 head rows): q alone (B1, H32 D128 bf16) and q and k in place
+    in a fused QKV row (32q/8kv) at a prefill's offset and at random per-token positions."""
+    from tileops_cupy.rope import RoPE, RoPEFwdOp
+
+    rows = {}
+    for seq in (512, 1024, 2048):
+        for layout in ("neox", "interleaved"):
+            x = torch.randn(1, seq, 32, 128, device="cuda").bfloat16()
+            op = RoPEFwdOp(layout, "2d")
+            rows[f"rope {layout} B1 S{seq} H32"] = (lambda op=op, x=x: op(x), 4 * x.numel())
+    rope = RoPE(128, 32, 8, max_position=1 << 16)
+    for tokens in (512, 1024, 2048):
+        q, k, moved = _qkv(torch, tokens)
+        positions = torch.randint(0, 32768, (tokens,), device="cuda")
+        rows[f"positions N{tokens}"] = (
+            lambda q=q, k=k, p=positions: rope.forward(q, k, positions=p),
+            moved + 8 * tokens,
+        )
+        q, k, moved = _qkv(torch, tokens)
+        q, k = q[None], k[None]  # (one sequence: [1, T, H*D])
+        rows[f"prefill N{tokens}"] = (lambda q=q, k=k: rope.prefill(q, k, 7), moved)
+    return rows
+
+
 def _mrope_rows(torch) -> dict[str, Row]:
     """MRoPE, q and k in place in a fused QKV row (32q/8kv) at random positions below 2**20:
     Qwen3-VL's interleaved rows over the whole-row layout's sizes and past them, sections on
@@ -328,6 +354,7 @@ GROUPS = {
     "component": _component_rows,
     "norm": _norm_rows,
     "mrope": _mrope_rows,
+    "small": _small_rows,
     "mhc": _mhc_rows,
     "decode": _decode_rows,
     "prebwd": _prebwd_rows,
