@@ -100,8 +100,6 @@ def export(revision: str, folder: Path, checkout: bool = False) -> list[str]:
 
 
 def _rope_rows(torch) -> dict[str, Row]:
-    from tileops_cupy.rope import RoPEFwdOp
-
     rows = {}
     shapes = {  # (batch, seq, heads, head_dim, dtype) of each layout's rows
         "neox": ((8, 4096, 32, 128, "bfloat16"), (1, 8192, 32, 128, "bfloat16"),
@@ -112,15 +110,24 @@ def _rope_rows(torch) -> dict[str, Row]:
                         (2, 2048, 32, 128, "bfloat16"), (8, 4096, 32, 128, "float32")),
     }  # fmt: skip
     for layout, cases in shapes.items():
-        for batch, seq, heads, head_dim, dtype in cases:
-            x = torch.randn(batch, seq, heads, head_dim, device="cuda").to(getattr(torch, dtype))
-            op = RoPEFwdOp(layout, "2d")
-            name = f"rope {layout} B{batch} S{seq} H{heads} D{head_dim}"
-            if dtype != "bfloat16":
-                name += f" {dtype}"
-            moved = 2 * x.numel() * x.element_size()  # x read, y written
-            rows[name] = (lambda op=op, x=x: op(x), moved)
+        for case in cases:
+            rows.update([_rope_row(torch, layout, *case)])
     return rows
+
+
+def _rope_row(
+    torch, layout: str, batch: int, seq: int, heads: int, head_dim: int, dtype: str
+) -> tuple[str, Row]:
+    """(name, row) of RoPEFwdOp on x [batch, seq, heads, head_dim] of ``dtype``."""
+    from tileops_cupy.rope import RoPEFwdOp
+
+    x = torch.randn(batch, seq, heads, head_dim, device="cuda").to(getattr(torch, dtype))
+    op = RoPEFwdOp(layout, "2d")
+    name = f"rope {layout} B{batch} S{seq} H{heads} D{head_dim}"
+    if dtype != "bfloat16":
+        name += f" {dtype}"
+    moved = 2 * x.numel() * x.element_size()  # x read, y written
+    return name, (lambda op=op, x=x: op(x), moved)
 
 
 def _qkv(torch, tokens: int, dtype: str = "bfloat16", head_dim: int = 128):
@@ -131,18 +138,24 @@ def _qkv(torch, tokens: int, dtype: str = "bfloat16", head_dim: int = 128):
     return q, k, 2 * qkv.element_size() * (q.numel() + k.numel())
 
 
+def _positions_row(torch, tokens: int) -> tuple[str, Row]:
+    """(name, row) of the component (32q/8kv D128 bf16) rotating q and k in place in a fused
+    QKV row at random per-token positions below 32768 (their int64 ids read too)."""
+    from tileops_cupy.rope import RoPE
+
+    q, k, moved = _qkv(torch, tokens)
+    positions = torch.randint(0, 32768, (tokens,), device="cuda")
+    rope = RoPE(128, 32, 8, max_position=1 << 16)
+    return f"positions N{tokens}", (
+        lambda rope=rope, q=q, k=k, p=positions: rope.forward(q, k, positions=p),
+        moved + 8 * tokens,
+    )
+
+
 def _component_rows(torch) -> dict[str, Row]:
     from tileops_cupy.rope import RoPE, apply_rope_with_cos_sin_cache_inplace
 
-    rows = {}
-    for tokens in (4096, 8192, 32768):
-        q, k, moved = _qkv(torch, tokens)
-        positions = torch.randint(0, 32768, (tokens,), device="cuda")
-        rope = RoPE(128, 32, 8, max_position=1 << 16)
-        rows[f"positions N{tokens}"] = (
-            lambda rope=rope, q=q, k=k, p=positions: rope.forward(q, k, positions=p),
-            moved + 8 * tokens,
-        )
+    rows = dict(_positions_row(torch, tokens) for tokens in (4096, 8192, 32768))
     q, k, moved = _qkv(torch, 8192)
     angles = torch.rand(1 << 17, 64, device="cuda") * 1e4
     cache = torch.cat([angles.cos(), angles.sin()], -1).contiguous()
@@ -172,22 +185,16 @@ def _small_rows(torch) -> dict[str, Row]:
     """Chunked-prefill sizes below the whole-row layout's lower bound (_rotate's
     _PACK_MIN_HEAD_ROWS, 2**17 head rows): q alone (B1, H32 D128 bf16) and q and k in place
     in a fused QKV row (32q/8kv) at a prefill's offset and at random per-token positions."""
-    from tileops_cupy.rope import RoPE, RoPEFwdOp
+    from tileops_cupy.rope import RoPE
 
-    rows = {}
-    for seq in (512, 1024, 2048):
-        for layout in ("neox", "interleaved"):
-            x = torch.randn(1, seq, 32, 128, device="cuda").bfloat16()
-            op = RoPEFwdOp(layout, "2d")
-            rows[f"rope {layout} B1 S{seq} H32"] = (lambda op=op, x=x: op(x), 4 * x.numel())
+    rows = dict(
+        _rope_row(torch, layout, 1, seq, 32, 128, "bfloat16")
+        for seq in (512, 1024, 2048)
+        for layout in ("neox", "interleaved")
+    )
     rope = RoPE(128, 32, 8, max_position=1 << 16)
     for tokens in (512, 1024, 2048):
-        q, k, moved = _qkv(torch, tokens)
-        positions = torch.randint(0, 32768, (tokens,), device="cuda")
-        rows[f"positions N{tokens}"] = (
-            lambda q=q, k=k, p=positions: rope.forward(q, k, positions=p),
-            moved + 8 * tokens,
-        )
+        rows.update([_positions_row(torch, tokens)])
         q, k, moved = _qkv(torch, tokens)
         q, k = q[None], k[None]  # (one sequence: [1, T, H*D])
         rows[f"prefill N{tokens}"] = (lambda q=q, k=k: rope.prefill(q, k, 7), moved)
