@@ -310,8 +310,8 @@ def test_packs_layout_takes_mid_sized_launches():
         takes(k_heads=8) and takes(seq=4096, k_heads=8) and takes(heads=4, k_heads=4, seq=1 << 14)
     )
     assert not takes(batch=8, seq=4096)  # _PACK_MAX_HEAD_ROWS
-    assert not takes(seq=4095, heads=24, k_heads=8) and takes(seq=4096, heads=24, k_heads=8)
-    assert not takes(batch=1, seq=2048)  # _PACK_MIN_HEAD_ROWS
+    assert not takes(seq=511, heads=24, k_heads=8) and takes(seq=512, heads=24, k_heads=8)
+    assert not takes(batch=1, seq=511) and takes(batch=1, seq=512)  # _PACK_MIN_HEAD_ROWS
     assert not takes(k_heads=2, neox=False) and not takes(k_heads=6, neox=False)
     assert not takes(k_heads=2, norm=True) and not takes(k_heads=2, table=_rotate.MROPE)
     assert takes(k_heads=2) and takes(k_heads=6, table=_rotate.COS_SIN_CACHE)  # (two rows a lane)

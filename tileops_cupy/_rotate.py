@@ -127,7 +127,7 @@ _PACK_THREADS, _PACK_REGISTERS, _PACK_ROWS = 256, 64, 4
 # lanes of up to four), the fused norm (80 bytes of spills at 64 registers so), and the
 # sectioned MRoPE (16-byte halves at lane boundaries of 8 pairs: N8192 90.4 -> 89.6).
 _PACK_WIDE_ROWS = 2
-_PACK_MIN_HEAD_ROWS = 1 << 17
+_PACK_MIN_HEAD_ROWS = 1 << 14
 _PACK_MAX_HEAD_ROWS = {  # (element size, neox): exclusive (float32 interleaved: none of its own)
     (2, True): 1 << 20, (2, False): 1 << 20, (4, True): 1 << 19, (4, False): 1 << 62
 }  # fmt: skip

@@ -153,51 +153,72 @@ def _positions_row(torch, tokens: int) -> tuple[str, Row]:
 
 
 def _component_rows(torch) -> dict[str, Row]:
-    from tileops_cupy.rope import RoPE, apply_rope_with_cos_sin_cache_inplace
+    from tileops_cupy.rope import RoPE
 
     rows = dict(_positions_row(torch, tokens) for tokens in (4096, 8192, 32768))
-    q, k, moved = _qkv(torch, 8192)
-    angles = torch.rand(1 << 17, 64, device="cuda") * 1e4
-    cache = torch.cat([angles.cos(), angles.sin()], -1).contiguous()
-    ids = torch.randint(0, 1 << 17, (8192,), device="cuda")
-    # (every tensor bound now: q and k are rebound below, and the timed calls of a row that
-    # found the MRoPE row's q and k at call time rewrote them before that row's first call)
-    rows["cos_sin_cache N8192"] = (
-        lambda q=q, k=k: (apply_rope_with_cos_sin_cache_inplace(ids, q, k, 128, cache), q, k)[1:],
-        moved,
-    )
-    thw = torch.randint(0, 1 << 20, (3, 8192), device="cuda")
-    for name, rope in (
-        ("sectioned", RoPE(128, 32, 8, mrope_section=(16, 24, 24))),
-        ("interleaved", RoPE(128, 32, 8, mrope_section=(24, 20, 20), mrope_interleaved=True)),
-    ):
-        # (rows in place each on their own q and k: timed calls, as many as fit the timing's
-        # window, rewrite them, so a row's first call would find another row's work)
-        q, k, moved = _qkv(torch, 8192)
-        rows[f"MRoPE {name} N8192"] = (
-            lambda rope=rope, q=q, k=k: rope.forward(q, k, positions=thw),
-            moved,
-        )
+    rows.update([_cache_row(torch, 8192)])
+    for name, rope in _mrope_ropes(RoPE).items():
+        rows.update([_mrope_row(torch, name, rope, 8192)])
     return rows
 
 
+def _cache_row(torch, tokens: int) -> tuple[str, Row]:
+    """(name, row) of apply_rope_with_cos_sin_cache_inplace on q and k (32q/8kv D128 bf16) in
+    a fused QKV row at random positions of a float32 cache of 2**17 positions."""
+    from tileops_cupy.rope import apply_rope_with_cos_sin_cache_inplace
+
+    q, k, moved = _qkv(torch, tokens)
+    angles = torch.rand(1 << 17, 64, device="cuda") * 1e4
+    cache = torch.cat([angles.cos(), angles.sin()], -1).contiguous()
+    ids = torch.randint(0, 1 << 17, (tokens,), device="cuda")
+    return f"cos_sin_cache N{tokens}", (
+        lambda q=q, k=k: (apply_rope_with_cos_sin_cache_inplace(ids, q, k, 128, cache), q, k)[1:],
+        moved,
+    )
+
+
+def _mrope_ropes(RoPE) -> dict[str, object]:
+    """The component (32q/8kv D128) with Qwen2-VL's sections and Qwen3-VL's interleaved ones."""
+    return {
+        "sectioned": RoPE(128, 32, 8, mrope_section=(16, 24, 24)),
+        "interleaved": RoPE(128, 32, 8, mrope_section=(24, 20, 20), mrope_interleaved=True),
+    }
+
+
+def _mrope_row(torch, name: str, rope, tokens: int) -> tuple[str, Row]:
+    """(name, row) of ``rope`` (MRoPE) on q and k in place in a fused QKV row of their own
+    (timed calls, as many as fit the timing's window, rewrite them, so a row's first call
+    would otherwise find another row's work) at random positions below 2**20."""
+    q, k, moved = _qkv(torch, tokens)
+    thw = torch.randint(0, 1 << 20, (3, tokens), device="cuda")
+    return f"MRoPE {name} N{tokens}", (
+        lambda rope=rope, q=q, k=k: rope.forward(q, k, positions=thw),
+        moved,
+    )
+
+
 def _small_rows(torch) -> dict[str, Row]:
-    """Chunked-prefill sizes below the whole-row layout's lower bound (_rotate's
-    _PACK_MIN_HEAD_ROWS, 2**17 head rows): q alone (B1, H32 D128 bf16) and q and k in place
-    in a fused QKV row (32q/8kv) at a prefill's offset and at random per-token positions."""
+    """Chunked-prefill sizes about the whole-row layout's lower bound (_rotate's
+    _PACK_MIN_HEAD_ROWS, 2**14 head rows): q alone (B1, H32 D128 bf16) and q and k in place
+    in a fused QKV row (32q/8kv) at a prefill's offset and at random per-token positions, and
+    at 1024 tokens the fused norm, MRoPE and the cos_sin_cache."""
     from tileops_cupy.rope import RoPE
 
     rows = dict(
         _rope_row(torch, layout, 1, seq, 32, 128, "bfloat16")
-        for seq in (512, 1024, 2048)
+        for seq in (256, 512, 1024, 2048)
         for layout in ("neox", "interleaved")
     )
     rope = RoPE(128, 32, 8, max_position=1 << 16)
-    for tokens in (512, 1024, 2048):
+    for tokens in (256, 512, 1024, 2048):
         rows.update([_positions_row(torch, tokens)])
         q, k, moved = _qkv(torch, tokens)
         q, k = q[None], k[None]  # (one sequence: [1, T, H*D])
         rows[f"prefill N{tokens}"] = (lambda q=q, k=k: rope.prefill(q, k, 7), moved)
+    rows.update([_norm_row(torch, RoPE(128, 32, 8, norm_eps=1e-6), 1024)])
+    rows.update([_cache_row(torch, 1024)])
+    for name, mrope in _mrope_ropes(RoPE).items():
+        rows.update([_mrope_row(torch, name, mrope, 1024)])
     return rows
 
 
@@ -242,19 +263,22 @@ def _norm_rows(torch) -> dict[str, Row]:
     from tileops_cupy.rope import RoPE
 
     rope = RoPE(128, 32, 8, norm_eps=1e-6)
+    return dict(_norm_row(torch, rope, tokens) for tokens in (4096, 8192, 32768))
+
+
+def _norm_row(torch, rope, tokens: int) -> tuple[str, Row]:
+    """(name, row) of ``rope`` (the fused QK-norm, 32q/8kv D128 bf16) on q and k in place in
+    a fused QKV row at random positions below 2**16."""
     q_weight, k_weight = ((1 + 0.1 * torch.randn(128, device="cuda")).bfloat16() for _ in "qk")
-    rows = {}
-    for tokens in (4096, 8192, 32768):
-        q, k, moved = _qkv(torch, tokens)
-        positions = torch.randint(0, 1 << 16, (tokens,), device="cuda")
+    q, k, moved = _qkv(torch, tokens)
+    positions = torch.randint(0, 1 << 16, (tokens,), device="cuda")
 
-        def fused(q=q, k=k, positions=positions):
-            return rope.forward(
-                q, k, positions=positions, q_norm_weight=q_weight, k_norm_weight=k_weight
-            )
+    def fused(q=q, k=k, positions=positions):
+        return rope.forward(
+            q, k, positions=positions, q_norm_weight=q_weight, k_norm_weight=k_weight
+        )
 
-        rows[f"qk-norm N{tokens}"] = (fused, moved)
-    return rows
+    return f"qk-norm N{tokens}", (fused, moved)
 
 
 def _mhc_rows(torch) -> dict[str, Row]:
