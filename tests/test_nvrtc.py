@@ -271,12 +271,12 @@ def test_rows_layout_takes_in_place_rows_with_32_bit_offsets():
 def test_packs_layout_takes_mid_sized_launches():
     """rope_rotate_packs takes q, or q and k, at any positions and table mode, rotated whole at a
     shipped rotary_dim, 16-byte aligned, a multiple of a lane's rows of heads in each operand
-    (four; two for the neox lanes of 32 bytes: _packs_lane), from
-    _PACK_MIN_HEAD_ROWS head rows in all up to _PACK_MAX_HEAD_ROWS of the element size and
-    layout (B1 S8192 and B2 S2048 of 32 heads take it, B8 S4096 does not, nor float32 neox
-    B1 S16384, while float32 interleaved takes any size its 32-bit thread numbers reach; 32
-    q and 8 k heads count 40 a token); every other launch keeps rope_rotate. The kernel it
-    names is shipped in that launch's module."""
+    (four; two for the neox lanes of 32 bytes: _packs_lane), from _PACK_MIN_HEAD_ROWS head
+    rows in all up to _PACK_MAX_HEAD_ROWS of the element size and layout (B1 S256, S8192 and
+    B2 S2048 of 32 heads take it; B1 S255 and B8 S4096 do not, nor float32 neox B1 S16384,
+    while float32 interleaved takes any size its 32-bit thread numbers reach; 32 q and 8 k
+    heads count 40 a token); every other launch keeps rope_rotate. The kernel it names is
+    shipped in that launch's module."""
 
     def takes(batch=1, seq=8192, heads=32, head_dim=128, rotary_dim=128, dtype="bfloat16",
               k_heads=0, offset=0, head_stride=None,
@@ -310,8 +310,8 @@ def test_packs_layout_takes_mid_sized_launches():
         takes(k_heads=8) and takes(seq=4096, k_heads=8) and takes(heads=4, k_heads=4, seq=1 << 14)
     )
     assert not takes(batch=8, seq=4096)  # _PACK_MAX_HEAD_ROWS
-    assert not takes(seq=511, heads=24, k_heads=8) and takes(seq=512, heads=24, k_heads=8)
-    assert not takes(batch=1, seq=511) and takes(batch=1, seq=512)  # _PACK_MIN_HEAD_ROWS
+    assert not takes(seq=255, heads=24, k_heads=8) and takes(seq=256, heads=24, k_heads=8)
+    assert not takes(batch=1, seq=255) and takes(batch=1, seq=256)  # _PACK_MIN_HEAD_ROWS
     assert not takes(k_heads=2, neox=False) and not takes(k_heads=6, neox=False)
     assert not takes(k_heads=2, norm=True) and not takes(k_heads=2, table=_rotate.MROPE)
     assert takes(k_heads=2) and takes(k_heads=6, table=_rotate.COS_SIN_CACHE)  # (two rows a lane)

@@ -127,7 +127,21 @@ _PACK_THREADS, _PACK_REGISTERS, _PACK_ROWS = 256, 64, 4
 # lanes of up to four), the fused norm (80 bytes of spills at 64 registers so), and the
 # sectioned MRoPE (16-byte halves at lane boundaries of 8 pairs: N8192 90.4 -> 89.6).
 _PACK_WIDE_ROWS = 2
-_PACK_MIN_HEAD_ROWS = 1 << 14
+# The layout's lower bound was 2**17 head rows, the smallest size measured when it landed. Below it
+# too the layout leads (H100, kernel_ab, bf16 D128, % of the copy ceiling, two runs of two rounds,
+# at S512 a third of three, chunks -> packs, the same bits): q alone B1 H32 S256 (2**13 head rows)
+# neox 19.4 / 19.1 -> 19.9 / 19.9, interleaved 19.5 / 18.6 -> 21.1 / 21.2; S512 neox 32.1 / 30.7 /
+# 30.8 -> 34.6 / 34.3 / 35.1, interleaved 33.5 / 32.1 / 33.5 -> 35.1 / 33.7 / 36.8; S1024 47.2 /
+# 47.9 -> 51.2 / 49.4, 46.0 / 45.7 -> 51.0 / 51.9; S2048 61.7 / 63.4 -> 67.4 / 67.1, 59.5 / 59.0 ->
+# 65.7 / 66.4. q and k in place in a fused QKV row (32q/8kv): a prefill N256 22.0 / 21.7 -> 24.1 /
+# 23.3, N512 35.6 / 36.4 -> 40.0 / 38.2, N1024 53.0 / 52.6 -> 57.0 / 55.4, N2048 67.2 / 67.8 -> 71.4
+# / 70.0; per-token positions N256 22.0 / 21.8 -> 22.4 / 22.5, N1024 52.9 / 52.5 -> 53.7 / 54.5;
+# N1024 with the fused norm (other bits: a neox lane's sum of squares takes its columns of both
+# halves) 39.9 / 40.4 -> 53.2 / 52.9, MRoPE sectioned 46.7 / 47.3 -> 54.9 / 54.6, interleaved (the
+# grouped tables) 48.4 / 45.3 -> 52.1 / 53.0; the cos_sin_cache alone lost there, 53.0 / 53.8 ->
+# 52.3 / 51.8 (N4096 80.4 -> 81.7: one bound for every mode). Below 2**13 (decode and short
+# prefills) not measured.
+_PACK_MIN_HEAD_ROWS = 1 << 13
 _PACK_MAX_HEAD_ROWS = {  # (element size, neox): exclusive (float32 interleaved: none of its own)
     (2, True): 1 << 20, (2, False): 1 << 20, (4, True): 1 << 19, (4, False): 1 << 62
 }  # fmt: skip

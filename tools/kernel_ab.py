@@ -199,7 +199,7 @@ def _mrope_row(torch, name: str, rope, tokens: int) -> tuple[str, Row]:
 
 def _small_rows(torch) -> dict[str, Row]:
     """Chunked-prefill sizes about the whole-row layout's lower bound (_rotate's
-    _PACK_MIN_HEAD_ROWS, 2**14 head rows): q alone (B1, H32 D128 bf16) and q and k in place
+    _PACK_MIN_HEAD_ROWS, 2**13 head rows): q alone (B1, H32 D128 bf16) and q and k in place
     in a fused QKV row (32q/8kv) at a prefill's offset and at random per-token positions, and
     at 1024 tokens the fused norm, MRoPE and the cos_sin_cache."""
     from tileops_cupy.rope import RoPE
