@@ -206,11 +206,11 @@ def _small_rows(torch) -> dict[str, Row]:
 
     rows = dict(
         _rope_row(torch, layout, 1, seq, 32, 128, "bfloat16")
-        for seq in (256, 512, 1024, 2048)
+        for seq in (128, 256, 512, 1024, 2048)
         for layout in ("neox", "interleaved")
     )
     rope = RoPE(128, 32, 8, max_position=1 << 16)
-    for tokens in (256, 512, 1024, 2048):
+    for tokens in (128, 256, 512, 1024, 2048):
         rows.update([_positions_row(torch, tokens)])
         q, k, moved = _qkv(torch, tokens)
         q, k = q[None], k[None]  # (one sequence: [1, T, H*D])
