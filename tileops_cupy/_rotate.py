@@ -619,8 +619,8 @@ def _packs_lane(neox: bool, table: int, norm: bool) -> tuple[int, int]:
 def _packs_name(dtype: str, neox: bool, rotary_dim: int, table: int, norm: bool) -> str:
     """(table: rope.cu's TABLE, the module's mode or MROPE_GROUPED)"""
     lane_bytes, rows = _packs_lane(neox, table, norm)
-    flags = f"{str(neox).lower()}, {rotary_dim}, {lane_bytes}, {rows}, {table}, "
-    return f"rope_rotate_packs<{_cuda.CUDA_TYPES[dtype]}, {flags}{str(norm).lower()}>"
+    flags = f"{str(neox).lower()}, {rotary_dim}, {lane_bytes}, {rows}, {table}"
+    return f"rope_rotate_packs<{_cuda.CUDA_TYPES[dtype]}, {flags}, {str(norm).lower()}>"
 
 
 def instantiations(
