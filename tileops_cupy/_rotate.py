@@ -139,8 +139,11 @@ _PACK_WIDE_ROWS = 2
 # N1024 with the fused norm (other bits: a neox lane's sum of squares takes its columns of both
 # halves) 39.9 / 40.4 -> 53.2 / 52.9, MRoPE sectioned 46.7 / 47.3 -> 54.9 / 54.6, interleaved (the
 # grouped tables) 48.4 / 45.3 -> 52.1 / 53.0; the cos_sin_cache alone lost there, 53.0 / 53.8 ->
-# 52.3 / 51.8 (N4096 80.4 -> 81.7: one bound for every mode). Below 2**13 (decode and short
-# prefills) not measured.
+# 52.3 / 51.8 (N4096 80.4 -> 81.7: one bound for every mode). Below 2**13, at 128 tokens (the
+# bound at 2**10, medians of five and six rounds, the same bits), q alone S128 neox 9.9 -> 11.8,
+# interleaved 10.7 -> 11.2, q and k N128 11.4 -> 13.8 (positions) and 11.8 -> 13.3 (prefill):
+# within the 3 points by which rows of identical code differed in that run; decode sizes not
+# measured.
 _PACK_MIN_HEAD_ROWS = 1 << 13
 _PACK_MAX_HEAD_ROWS = {  # (element size, neox): exclusive (float32 interleaved: none of its own)
     (2, True): 1 << 20, (2, False): 1 << 20, (4, True): 1 << 19, (4, False): 1 << 62
