@@ -104,6 +104,11 @@ def test_table_marks_outputs_whose_bits_differ_from_the_first_variants():
     ]  # fmt: skip
 
 
+def test_a_variant_named_again_runs_again_in_a_column_of_its_own():
+    named = _tool().columns(["tree", "prof/try", "tree", "tree"])
+    assert named == {"tree": "tree", "prof/try": "prof/try", "tree#2": "tree", "tree#3": "tree"}
+
+
 def test_digest_covers_every_bit_of_every_output():
     torch = pytest.importorskip("torch")
     tool = _tool()

@@ -6,6 +6,7 @@ targets are set on, since the H100 and the H200 have ranked layouts differently)
     python tools/kernel_ab.py export --checkout main prof/main     # its Python too
     python tools/kernel_ab.py run --rounds 2 prof/base tree            # the rows of every group
     python tools/kernel_ab.py run --rows rope,norm prof/base prof/try  # some groups
+    python tools/kernel_ab.py run --rows small tree tree prof/try      # with an A/A control
 
 A variant is ``tree`` (the checkout's own ``kernels_cu``), a folder whose files (``rope.cu``,
 ``mhc.cu``, ``mhc_backward.cu``, ``common.cuh``) replace the shipped ones of the same name, or
@@ -19,7 +20,8 @@ runs) and prints one JSON line (passed on to stderr, so that stdout holds the ta
 the table gives each row's median over the rounds (min-max) in % of the copy ceiling, and
 what a copy of the same bytes reaches (latency rows: device µs). A row whose outputs' bits
 differ from the first variant's (the same seed makes the same inputs in every process) is
-marked ``!bits``.
+marked ``!bits``. A variant named twice (``run tree tree prof/try``) gets a column of its own
+each time, ``tree`` and ``tree#2``: an A/A control, how far identical code drifts in that run.
 """
 
 from __future__ import annotations
@@ -461,19 +463,32 @@ def table(runs: dict[str, list[Result]]) -> str:
     return "\n".join(lines)
 
 
+def columns(variants: list[str]) -> dict[str, str]:
+    """Each column of the table, in order, to the variant it runs: a variant named again runs
+    again in a column of its own (``tree#2``), so that two columns of identical code show the
+    run's own scatter beside a change's (the performance log, forty-fourth session: up to 3
+    points of the copy ceiling between medians of identical code at 1024 tokens)."""
+    named: dict[str, str] = {}
+    for variant in variants:
+        repeats = sum(1 for v in named.values() if v == variant)
+        named[variant if not repeats else f"{variant}#{repeats + 1}"] = variant
+    return named
+
+
 def run(variants: list[str], groups: list[str], rounds: int) -> str:
-    """Warm every variant in parallel, then ``rounds`` rounds of one process a variant."""
+    """Warm every variant in parallel, then ``rounds`` rounds of one process a column."""
     me = [sys.executable, str(Path(__file__).resolve())]
     rows = ["--rows", ",".join(groups)]
     warming = [
         subprocess.Popen([*me, "measure", variant, *rows, "--warm"], stdout=subprocess.DEVNULL)
-        for variant in variants
+        for variant in dict.fromkeys(variants)
     ]
     if any([process.wait() for process in warming]):  # (every process waited for)
         raise SystemExit("a variant failed to build or run (its error is above)")
-    runs: dict[str, list[Result]] = {variant: [] for variant in variants}
+    named = columns(variants)
+    runs: dict[str, list[Result]] = {column: [] for column in named}
     for _ in range(rounds):
-        for variant in variants:
+        for column, variant in named.items():
             line = (
                 subprocess.run(
                     [*me, "measure", variant, *rows], check=True, stdout=subprocess.PIPE, text=True
@@ -481,8 +496,8 @@ def run(variants: list[str], groups: list[str], rounds: int) -> str:
                 .stdout.strip()
                 .splitlines()[-1]
             )  # (its errors pass through to stderr)
-            runs[variant].append(json.loads(line))
-            print(variant, line, file=sys.stderr, flush=True)  # (stdout: the table alone)
+            runs[column].append(json.loads(line))
+            print(column, line, file=sys.stderr, flush=True)  # (stdout: the table alone)
     return table(runs)
 
 
