@@ -187,14 +187,27 @@ def _mrope_ropes(RoPE) -> dict[str, object]:
     }
 
 
-def _mrope_row(torch, name: str, rope, tokens: int) -> tuple[str, Row]:
-    """(name, row) of ``rope`` (MRoPE) on q and k in place in a fused QKV row of their own
-    (timed calls, as many as fit the timing's window, rewrite them, so a row's first call
-    would otherwise find another row's work) at random positions below 2**20."""
-    q, k, moved = _qkv(torch, tokens)
+def _mrope_row(
+    torch,
+    name: str,
+    rope,
+    tokens: int,
+    dtype: str = "bfloat16",
+    head_dim: int = 128,
+    norm: bool = False,
+) -> tuple[str, Row]:
+    """(name, row) of ``rope`` (MRoPE, 32q/8kv; ``norm``: with the fused norm's weights) on q
+    and k in place in a fused QKV row of their own (timed calls, as many as fit the timing's
+    window, rewrite them, so a row's first call would otherwise find another row's work) at
+    random positions below 2**20."""
+    q, k, moved = _qkv(torch, tokens, dtype, head_dim)
     thw = torch.randint(0, 1 << 20, (3, tokens), device="cuda")
+    weights = {}
+    for operand in "qk" if norm else "":
+        weight = 1 + 0.1 * torch.randn(head_dim, device="cuda")
+        weights[f"{operand}_norm_weight"] = weight.to(q.dtype)
     return f"MRoPE {name} N{tokens}", (
-        lambda rope=rope, q=q, k=k: rope.forward(q, k, positions=thw),
+        lambda rope=rope, q=q, k=k, p=thw, w=weights: rope.forward(q, k, positions=p, **w),
         moved,
     )
 
@@ -231,33 +244,24 @@ def _mrope_rows(torch) -> dict[str, Row]:
     from tileops_cupy.rope import RoPE
 
     interleaved, aligned, split = ((24, 20, 20), True), ((16, 24, 24), False), ((17, 23, 24), False)
-    cases = {  # name: ((section, interleaved), tokens, dtype, head_dim, norm)
-        "interleaved N4096": (interleaved, 4096, "bfloat16", 128, False),
-        "interleaved N8192": (interleaved, 8192, "bfloat16", 128, False),
-        "interleaved N16384": (interleaved, 16384, "bfloat16", 128, False),
-        "interleaved N32768": (interleaved, 32768, "bfloat16", 128, False),
-        "sectioned N8192": (aligned, 8192, "bfloat16", 128, False),
-        "sections off lanes N8192": (split, 8192, "bfloat16", 128, False),
-        "interleaved fp16 N8192": (interleaved, 8192, "float16", 128, False),
-        "interleaved fp32 N8192": (interleaved, 8192, "float32", 128, False),
-        "interleaved D64 N8192": (((12, 10, 10), True), 8192, "bfloat16", 64, False),
-        "interleaved + norm N8192": (interleaved, 8192, "bfloat16", 128, True),
-        "sectioned + norm N8192": (aligned, 8192, "bfloat16", 128, True),
-    }
+    cases = (  # name, (section, interleaved), tokens, dtype, head_dim, norm
+        ("interleaved", interleaved, 4096, "bfloat16", 128, False),
+        ("interleaved", interleaved, 8192, "bfloat16", 128, False),
+        ("interleaved", interleaved, 16384, "bfloat16", 128, False),
+        ("interleaved", interleaved, 32768, "bfloat16", 128, False),
+        ("sectioned", aligned, 8192, "bfloat16", 128, False),
+        ("sections off lanes", split, 8192, "bfloat16", 128, False),
+        ("interleaved fp16", interleaved, 8192, "float16", 128, False),
+        ("interleaved fp32", interleaved, 8192, "float32", 128, False),
+        ("interleaved D64", ((12, 10, 10), True), 8192, "bfloat16", 64, False),
+        ("interleaved + norm", interleaved, 8192, "bfloat16", 128, True),
+        ("sectioned + norm", aligned, 8192, "bfloat16", 128, True),
+    )
     rows = {}
-    for name, ((section, inter), tokens, dtype, head_dim, norm) in cases.items():
-        q, k, moved = _qkv(torch, tokens, dtype, head_dim)
-        thw = torch.randint(0, 1 << 20, (3, tokens), device="cuda")
+    for name, (section, inter), tokens, dtype, head_dim, norm in cases:
         extra = dict(norm_eps=1e-6) if norm else {}
         rope = RoPE(head_dim, 32, 8, mrope_section=section, mrope_interleaved=inter, **extra)
-        weights = {}
-        for operand in "qk" if norm else "":
-            weight = 1 + 0.1 * torch.randn(head_dim, device="cuda")
-            weights[f"{operand}_norm_weight"] = weight.to(q.dtype)
-        rows[f"MRoPE {name}"] = (
-            lambda rope=rope, q=q, k=k, p=thw, w=weights: rope.forward(q, k, positions=p, **w),
-            moved,
-        )
+        rows.update([_mrope_row(torch, name, rope, tokens, dtype, head_dim, norm)])
     return rows
 
 
