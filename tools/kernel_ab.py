@@ -155,11 +155,9 @@ def _positions_row(torch, tokens: int) -> tuple[str, Row]:
 
 
 def _component_rows(torch) -> dict[str, Row]:
-    from tileops_cupy.rope import RoPE
-
     rows = dict(_positions_row(torch, tokens) for tokens in (4096, 8192, 32768))
     rows.update([_cache_row(torch, 8192)])
-    for name, rope in _mrope_ropes(RoPE).items():
+    for name, rope in _mrope_ropes().items():
         rows.update([_mrope_row(torch, name, rope, 8192)])
     return rows
 
@@ -179,8 +177,10 @@ def _cache_row(torch, tokens: int) -> tuple[str, Row]:
     )
 
 
-def _mrope_ropes(RoPE) -> dict[str, object]:
+def _mrope_ropes() -> dict[str, object]:
     """The component (32q/8kv D128) with Qwen2-VL's sections and Qwen3-VL's interleaved ones."""
+    from tileops_cupy.rope import RoPE
+
     return {
         "sectioned": RoPE(128, 32, 8, mrope_section=(16, 24, 24)),
         "interleaved": RoPE(128, 32, 8, mrope_section=(24, 20, 20), mrope_interleaved=True),
@@ -232,7 +232,7 @@ def _small_rows(torch) -> dict[str, Row]:
         rows[f"prefill N{tokens}"] = (lambda q=q, k=k: rope.prefill(q, k, 7), moved)
     rows.update([_norm_row(torch, RoPE(128, 32, 8, norm_eps=1e-6), 1024)])
     rows.update([_cache_row(torch, 1024)])
-    for name, mrope in _mrope_ropes(RoPE).items():
+    for name, mrope in _mrope_ropes().items():
         rows.update([_mrope_row(torch, name, mrope, 1024)])
     return rows
 
