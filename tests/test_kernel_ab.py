@@ -107,6 +107,10 @@ def test_table_marks_outputs_whose_bits_differ_from_the_first_variants():
 def test_a_variant_named_again_runs_again_in_a_column_of_its_own():
     named = _tool().columns(["tree", "prof/try", "tree", "tree"])
     assert named == {"tree": "tree", "prof/try": "prof/try", "tree#2": "tree", "tree#3": "tree"}
+    # a folder named like a repeat's column keeps its own column
+    assert _tool().columns(["tree", "tree#2", "tree"]) == {
+        "tree": "tree", "tree#2": "tree#2", "tree#3": "tree"
+    }  # fmt: skip
 
 
 def test_digest_covers_every_bit_of_every_output():

@@ -474,8 +474,11 @@ def columns(variants: list[str]) -> dict[str, str]:
     points of the copy ceiling between medians of identical code at 1024 tokens)."""
     named: dict[str, str] = {}
     for variant in variants:
-        repeats = sum(1 for v in named.values() if v == variant)
-        named[variant if not repeats else f"{variant}#{repeats + 1}"] = variant
+        column, repeat = variant, 1
+        while column in named:  # (a folder could itself be named like a repeat's column)
+            repeat += 1
+            column = f"{variant}#{repeat}"
+        named[column] = variant
     return named
 
 
