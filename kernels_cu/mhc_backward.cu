@@ -655,10 +655,7 @@ __device__ __forceinline__ void sinkhorn_divisors(const float (&m)[N * N], float
   float s[N];
 #pragma unroll
   for (int i = 0; i < N; ++i) {
-    float t = 0.f;
-#pragma unroll
-    for (int k = 0; k < N; ++k) t += m[ROWS ? i * N + k : k * N + i];
-    t += eps;
+    const float t = sum_in_order<N>([&](int k) { return m[ROWS ? i * N + k : k * N + i]; }) + eps;
     s[i] = t == 0.f ? 1.f : t;
   }
   reciprocals<N>(s, r);
@@ -689,17 +686,13 @@ __device__ __forceinline__ void back_through_step(const float (&rows)[N * N], St
                                                   float (&u)[N * N]) {
 #pragma unroll
   for (int k = 0; k < N; ++k) {  // back through the column step
-    float s = 0.f;
-#pragma unroll
-    for (int i = 0; i < N; ++i) s += u[i * N + k];
+    const float s = sum_in_order<N>([&](int i) { return u[i * N + k]; });
 #pragma unroll
     for (int i = 0; i < N; ++i) u[i * N + k] = fmaf(-step_out(i * N + k), s, u[i * N + k]);
   }
 #pragma unroll
   for (int i = 0; i < N; ++i) {  // back through the row step
-    float s = 0.f;
-#pragma unroll
-    for (int k = 0; k < N; ++k) s += u[i * N + k];
+    const float s = sum_in_order<N>([&](int k) { return u[i * N + k]; });
 #pragma unroll
     for (int k = 0; k < N; ++k) u[i * N + k] = fmaf(-rows[i * N + k], s, u[i * N + k]);
   }
