@@ -452,9 +452,10 @@ __device__ void rows_rms(const PreParams& p, float* sh_h, i64 row0, int rows) {
 
 // entry(0) + entry(1) + ... + entry(N-1) in index order (as on the host), begun from the first
 // term rather than from 0.f: one dependent add fewer on a Sinkhorn step's chain (n = 4, the
-// matrix in registers: a half-step 113 -> 100 cycles measured alone, H100, the performance log,
-// 2026-12-07). 0.f + x is x for every x but -0, so the bits are the same except that a sum of
-// zeros only keeps -0 where every term is -0 (never for Sinkhorn entries, which are +0 or more).
+// matrix in registers: a half-step 113 -> 100 cycles measured alone, a B1 decode call 12.0 ->
+// 11.5 us; H100, the performance log, 2026-12-07). 0.f + x is x for every x but -0, so only
+// the sign of a zero sum can change: -0 where every term is -0, which Sinkhorn entries (+0 or
+// more) never are.
 template <int N, typename Entry>
 __device__ __forceinline__ float sum_in_order(Entry entry) {
   float s = entry(0);
