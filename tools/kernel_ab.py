@@ -202,10 +202,7 @@ def _mrope_row(
     random positions below 2**20."""
     q, k, moved = _qkv(torch, tokens, dtype, head_dim)
     thw = torch.randint(0, 1 << 20, (3, tokens), device="cuda")
-    weights = {}
-    for operand in "qk" if norm else "":
-        weight = 1 + 0.1 * torch.randn(head_dim, device="cuda")
-        weights[f"{operand}_norm_weight"] = weight.to(q.dtype)
+    weights = _norm_weights(torch, head_dim, q.dtype) if norm else {}
     return f"MRoPE {name} N{tokens}", (
         lambda rope=rope, q=q, k=k, p=thw, w=weights: rope.forward(q, k, positions=p, **w),
         moved,
@@ -275,16 +272,21 @@ def _norm_rows(torch) -> dict[str, Row]:
 def _norm_row(torch, rope, tokens: int) -> tuple[str, Row]:
     """(name, row) of ``rope`` (the fused QK-norm, 32q/8kv D128 bf16) on q and k in place in
     a fused QKV row at random positions below 2**16."""
-    q_weight, k_weight = ((1 + 0.1 * torch.randn(128, device="cuda")).bfloat16() for _ in "qk")
+    weights = _norm_weights(torch, 128, torch.bfloat16)
     q, k, moved = _qkv(torch, tokens)
     positions = torch.randint(0, 1 << 16, (tokens,), device="cuda")
+    return f"qk-norm N{tokens}", (
+        lambda q=q, k=k, p=positions, w=weights: rope.forward(q, k, positions=p, **w),
+        moved,
+    )
 
-    def fused(q=q, k=k, positions=positions):
-        return rope.forward(
-            q, k, positions=positions, q_norm_weight=q_weight, k_norm_weight=k_weight
-        )
 
-    return f"qk-norm N{tokens}", (fused, moved)
+def _norm_weights(torch, head_dim: int, dtype) -> dict[str, object]:
+    """The fused norm's q and k weights as keyword arguments: 1 + 0.1 * N(0, 1) a column."""
+    return {
+        f"{operand}_norm_weight": (1 + 0.1 * torch.randn(head_dim, device="cuda")).to(dtype)
+        for operand in "qk"
+    }
 
 
 def _mhc_rows(torch) -> dict[str, Row]:
