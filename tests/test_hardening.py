@@ -228,6 +228,110 @@ def test_out_of_place_q_and_k_may_share_memory(rng):
     assert _bytes(q_rot) == _bytes(k_rot) and _bytes(q) == before
 
 
+def _memory_of(array):
+    """``array``'s memory with no autograd history (a torch tensor detached)."""
+    return array.detach() if isinstance(array, torch.Tensor) else array
+
+
+def _positions_in(array, index):
+    """An int32 view of ``array``'s memory at ``index`` (of its float32 elements), set to
+    positions 0, 1, ...: an argument that aliases what an in-place call writes."""
+    memory = _memory_of(array)
+    if isinstance(memory, torch.Tensor):
+        ints = memory.view(torch.int32)[index]
+        ints.copy_(torch.arange(ints.numel()).reshape(ints.shape))
+    else:
+        ints = memory.view(np.int32)[index]
+        ints[...] = np.arange(ints.size).reshape(ints.shape)
+    return ints
+
+
+def _positions(like, count):
+    if isinstance(like, torch.Tensor):
+        return torch.arange(count, device=like.device)
+    return np.arange(count)
+
+
+# in-place calls with an argument in the memory of ``home`` (q, or an array shaped as q):
+# (q, k, home) -> (a function of the component, its further arguments, its keywords), the
+# argument made (and its positions written) when the call is
+READS_OF_Q = {
+    "positions": lambda q, k, home: (
+        RoPE.forward,
+        (q, k),
+        {"positions": _positions_in(home, (..., 0))},
+    ),
+    "position_offset": lambda q, k, home: (
+        RoPE.prefill,
+        (q, k, _positions_in(home, (slice(None), 0, 0))),
+        {},
+    ),
+    "position": lambda q, k, home: (
+        RoPE.decode,
+        (q[:, :1], k[:, :1], _positions_in(home, (slice(None), 0, 0))),
+        {},
+    ),
+    "cos_sin_cache": lambda q, k, home: (
+        lambda _, *arguments: apply_rope_with_cos_sin_cache_inplace(*arguments),
+        (_positions(q, T), q[0], k[0], HEAD_DIM, _memory_of(home)[0, 0].reshape(-1, HEAD_DIM)),
+        {},
+    ),
+    "q_norm_weight": lambda q, k, home: (
+        RoPE.prefill,
+        (q, k, 0),
+        {
+            "q_norm_weight": _memory_of(home)[0, 0, :HEAD_DIM],
+            "k_norm_weight": _memory_of(k)[0, 0, :HEAD_DIM] * 0 + 1,
+        },
+    ),
+}
+
+
+def _refused_as_reading_q(rope, q, k, read):
+    """The call READS_OF_Q[read] with its argument in q's memory: refused, nothing written."""
+    rotate, arguments, keywords = READS_OF_Q[read](q, k, q)  # (aliasing positions written)
+    before = _bytes(q, k)
+    written = "query" if read == "cos_sin_cache" else "q"
+    with pytest.raises(ValueError, match=f"^{read} overlaps {written} in memory, which this call"):
+        rotate(rope, *arguments, **keywords)
+    assert _bytes(q, k) == before
+
+
+@pytest.mark.parametrize("grad", (False, True))
+@pytest.mark.parametrize("read", list(READS_OF_Q))
+@pytest.mark.parametrize(
+    ("place", "framework"),
+    [("cpu", "numpy"), ("cpu", "torch"), pytest.param("cuda", "torch", marks=GPU)],
+)
+def test_an_argument_in_q_memory_is_refused_before_any_write(rng, place, framework, read, grad):
+    """Positions, offsets, a cos_sin_cache or a norm weight in q's memory would be read after
+    q is written (the host rotates q, then k; on a device the two race): a ValueError naming
+    both, before anything changes, with or without autograd."""
+    require(place, framework)
+    if grad and framework != "torch":
+        pytest.skip("autograd takes torch tensors")
+    q, k = (_random(rng, (B, T, width), framework) for width in (Q_WIDTH, K_WIDTH))
+    if framework == "torch":
+        q, k = (t.to(place).requires_grad_(grad) * 1 for t in (q, k))
+    _refused_as_reading_q(_rope(), q, k, read)
+
+
+@GPU
+@pytest.mark.parametrize("read", list(READS_OF_Q))
+def test_a_recorded_launch_refuses_an_argument_in_q_memory(rng, read):
+    """A later call of a recorded layout re-runs its launch with new addresses: an argument
+    that now lies in q's memory (the layout unchanged) takes the validated path, refused."""
+    require("cuda", "torch")
+    rope = _rope()
+    q, k, home = (
+        torch.from_numpy(_random(rng, (B, T, width))).cuda()
+        for width in (Q_WIDTH, K_WIDTH, Q_WIDTH)
+    )
+    rotate, arguments, keywords = READS_OF_Q[read](q, k, home)
+    rotate(rope, *arguments, **keywords)  # apart: rotated, and its launch recorded
+    _refused_as_reading_q(rope, q, k, read)
+
+
 # --------------------------------------------------------------------------- item 2: self overlap
 
 
@@ -628,11 +732,13 @@ def test_a_position_offset_that_is_no_int_is_refused(rng, grad, offset):
         apply_rope(q, None, _rope(), offset)
 
 
+@pytest.mark.filterwarnings("error")  # (a NumPy int's overflow warns)
+@pytest.mark.parametrize("position", (2**63, np.int64(2**63 - 1), np.uint64(2**64 - 1)))
 @pytest.mark.parametrize("grad", (False, True))
-def test_a_position_offset_beyond_int64_is_refused(rng, grad):
+def test_a_position_offset_beyond_int64_is_refused(rng, grad, position):
     q = _random(rng, (B, 1, Q_WIDTH), "torch").requires_grad_(grad) * 1
     with pytest.raises(ValueError, match=r"^position must (keep positions|be a position) in"):
-        _rope().decode(q, None, 2**63)
+        _rope().decode(q, None, position)
 
 
 def test_arrays_of_another_framework_are_named_through_the_dispatcher(rng):
@@ -700,6 +806,13 @@ def test_an_offset_beyond_the_table_is_named_as_given(rng):
     q = _random(rng, (B, T, Q_WIDTH))
     with pytest.raises(ValueError, match=f"e.g. {2**63 - 1}$"):
         _rope().prefill(q, None, np.array([1, 2**63 - 1]))
+
+
+def test_an_odd_head_size_is_named_as_the_cos_sin_cache_calls_name_it():
+    query, cache = np.zeros((1, 14), np.float32), np.ones((2, 6), np.float32)
+    for call in (apply_rope_with_cos_sin_cache, apply_rope_with_cos_sin_cache_inplace):
+        with pytest.raises(ValueError, match="^head_size must be even, got 7$"):
+            call(np.array([0]), query, None, 7, cache)
 
 
 def test_cos_sin_cache_heads_are_named_query_and_key():

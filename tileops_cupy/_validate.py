@@ -258,12 +258,15 @@ def check_dtype(operand: Operand, name: str, allowed: tuple[str, ...]) -> None:
         raise TypeError(f"{name} must be {' or '.join(allowed)}, got {operand.dtype}")
 
 
-def check_in_place(operands: dict[str, Operand]) -> None:
+def check_in_place(operands: dict[str, Operand], read: dict[str, Operand] | None = None) -> None:
     """Refuse, before anything is written, operands that an in-place call cannot write
     each element of exactly once, or may not write: read-only memory, a torch inference
     tensor outside inference mode (torch forbids writing it), an operand that addresses an
     element twice (:func:`self_overlapping`), or two operands that share memory
-    (:func:`overlapping`). Raises ValueError naming the argument(s)."""
+    (:func:`overlapping`); and any of the call's ``read`` operands (positions, tables,
+    weights) that shares memory with one it writes: the call would read it after writing
+    it (the host rotates q before k; on a device the two race). Raises ValueError naming
+    the argument(s)."""
     items = list(operands.items())
     for name, operand in items:
         if operand.framework == "torch" and torch_ops.inference_writes_refused(operand.obj):
@@ -288,4 +291,11 @@ def check_in_place(operands: dict[str, Operand]) -> None:
                     f"strides {a.strides}; {name_b}: shape {b.shape}, strides {b.strides}); "
                     "expected disjoint memory, since this call writes into both (e.g. "
                     "disjoint slices of one fused QKV buffer)"
+                )
+    for read_name, operand in (read or {}).items():
+        for name, written in items:
+            if overlapping(operand, written):
+                raise ValueError(
+                    f"{read_name} overlaps {name} in memory, which this call writes; expected "
+                    f"{read_name} apart from the data this call writes"
                 )

@@ -33,7 +33,6 @@ from ._arrays import (
     contiguous,
     contiguous_strides,
     empty_like,
-    overlapping,
     select_place,
     to_caller,
     upload,
@@ -588,14 +587,15 @@ class RoPE(ProcessLocal):
     gradient flows through the norm too, to the data and to both weights.
 
     In place: q and k must be writable (not read-only, nor an inference tensor outside
-    ``torch.inference_mode``, which torch forbids to change), must not share memory, and
-    neither may address an element twice (an expanded view); under autograd they must be
+    ``torch.inference_mode``, which torch forbids to change), must not share memory, nor
+    share it with what the call reads (positions, offsets, a cos_sin_cache, norm weights),
+    and neither may address an element twice (an expanded view); under autograd they must be
     tensors torch lets change in place (not a leaf that requires grad, a view of one, one of
     the views ``split`` returns). Each is refused with a ValueError naming it before
     anything is written; torch.func transforms included, and ``torch.compile`` when the
     graph runs. One case goes unchecked: a compiled call that autograd records (q or k
     requires grad) rotates copies and writes them back, traced with no memory to compare,
-    so q and k sharing memory are not detected there (the later write wins).
+    so memory shared there is not detected (the later write wins).
 
     Positions: ``position_offset``/``position`` is a Python int or an integer tensor
     ``[B]`` (one per sequence). ``forward(q, k, positions=...)`` (and ``backward``,
@@ -897,7 +897,7 @@ class RoPE(ProcessLocal):
         key = (keys, inverse, decode, int_position)
         fast = self._relaunches.get(key)
         if fast is not None:
-            launch, last_position, k_gap, q_bytes, k_bytes = fast
+            launch, last_position, k_gap, q_bytes, k_bytes, reads = fast
             # the first call checked q and k disjoint at this distance; at another they must
             # lie apart, and an int offset must stay within what the launch's table holds
             apart = (
@@ -906,10 +906,13 @@ class RoPE(ProcessLocal):
                 or k_ptr >= q_ptr + q_bytes
                 or q_ptr >= k_ptr + k_bytes
             )
-            # norm weights must lie outside what is written (else: the validated path)
-            for weight_ptr in (q_weight_ptr, k_weight_ptr) if q_weight_ptr else ():
-                for start, size in ((q_ptr, q_bytes), (k_ptr, k_bytes)):
-                    apart &= not (start - self.head_dim * 4 < weight_ptr < start + size)
+            # what it reads besides them (positions, offsets, the cache, norm weights) must
+            # lie outside what it writes, else the validated path names it (k None: k_ptr 0)
+            for index, span in reads:
+                start = pointers[index]
+                apart &= (start + span <= q_ptr or start >= q_ptr + q_bytes) and (
+                    start + span <= k_ptr or start >= k_ptr + k_bytes
+                )
             # (an inference tensor outside inference mode: the validated path refuses it)
             if (
                 apart
@@ -945,7 +948,13 @@ class RoPE(ProcessLocal):
             if ids is not None:
                 last_position = 0
             spans = (_byte_span(q), 0 if k is None else _byte_span(k))
-            self._relaunches[key] = (launch, last_position, k_ptr - q_ptr, *spans)
+            read = (position, ids, cache, *weights)  # (pointers 2 to 6)
+            reads = tuple(
+                (index, _byte_span(tensor))
+                for index, tensor in enumerate(read, 2)
+                if keys[index] is not None and tensor.numel()
+            )
+            self._relaunches[key] = (launch, last_position, k_ptr - q_ptr, *spans, reads)
         torch_ops.bump_versions(q, k)
 
     # the custom ops' two entries: one signature, the copy or in-place choice by name (plain
@@ -1105,6 +1114,7 @@ class RoPE(ProcessLocal):
         name = _position_name(decode)
         if ids is None and _is_int(position):  # (a traced int is checked as the graph runs)
             limit = self.max_position or MAX_POSITIONS
+            position = int(position)  # (a NumPy int's sum could wrap)
             if position < 0 or position + seq > limit:
                 raise ValueError(
                     f"{name} must keep positions in [0, {limit}): got {name}={position} with "
@@ -1171,21 +1181,14 @@ class RoPE(ProcessLocal):
         if k_rows is not None:
             operands[k_name] = k_rows.operand
         if in_place:  # every operand checked before anything is written
-            check_in_place(operands)
-        written = dict(operands) if in_place else {}
+            offsets = position if isinstance(position, Operand) else None
+            check_in_place(operands, _read_only(name, offsets, ids, cache, weights))
         table = self.table
         if cache is not None:
             table = CosSinCache(cache)
             operands["cos_sin_cache"] = cache
         norm = None
         if weights[0] is not None:
-            for weight_name, weight in zip(weight_names, weights, strict=True):
-                for target_name, target in written.items():
-                    if weight is not None and overlapping(weight, target):
-                        raise ValueError(
-                            f"{weight_name} overlaps {target_name} in memory, which this call "
-                            "writes; expected a weight apart from the data"
-                        )
             norm = RowNorm(weights[0], weights[1], self.norm_eps, self.norm_weight_offset)
             named = zip(weight_names, weights, strict=True)
             operands.update((n, w) for n, w in named if w is not None)
@@ -1296,10 +1299,15 @@ def _in_place_call(
             _refuse_unwritable(name, tensor)
     named = ((q_name, q), (k_name, k))
     memory = {name: torch_ops.memory_of(tensor) for name, tensor in named if tensor is not None}
+    read = _read_only(_position_name(decode), offsets, ids, cache, weights)
+    read = {name: torch_ops.memory_of(tensor) for name, tensor in read.items()}
     # (a traced graph has no memory to compare; `is`, since `None in` would call tensor ==)
-    if all(tensor is not None for tensor in memory.values()):
+    if all(tensor is not None for tensor in (*memory.values(), *read.values())):
         with torch_ops.outside_transforms():
-            check_in_place({name: as_operand(tensor, name) for name, tensor in memory.items()})
+            check_in_place(
+                {name: as_operand(tensor, name) for name, tensor in memory.items()},
+                {name: as_operand(tensor, name) for name, tensor in read.items()},
+            )
     q_in, k_in = q, k
     if weights[0] is not None or weights[1] is not None:
         q_in, k_in = q.clone(), None if k is None else k.clone()
@@ -1400,7 +1408,9 @@ def apply_rope_with_cos_sin_cache_inplace(
     """:func:`apply_rope_with_cos_sin_cache` in place (FlashInfer's ``..._inplace``):
     rotates query and key (None: query only) inside their memory, strided views included
     (last dim contiguous), and returns None. Torch tensors autograd tracks are recorded as
-    torch's in-place ops are (a leaf that requires grad is refused).
+    torch's in-place ops are (a leaf that requires grad is refused). Positions or a cache
+    that share memory with query or key are refused (a ValueError naming both) before
+    anything is written.
 
     Example::
 
@@ -1418,7 +1428,7 @@ def apply_rope_with_cos_sin_cache_inplace(
 def _cache_config(query: Any, key: Any, head_size: Any, cache: Any, is_neox: Any) -> tuple:
     """The configuration of the component that runs a cos_sin_cache call of these shapes
     (the scheme's table unused; every such component raises one device error flag)."""
-    head_size = check_positive_int("head_size", head_size)
+    head_size = check_positive_int("head_size", head_size, even=True)
     if not isinstance(is_neox, bool):
         raise TypeError(f"is_neox must be a bool, got {is_neox!r}")
     heads = _packed_heads("query", query, head_size)
@@ -1481,6 +1491,16 @@ def _refuse_differentiated_cache(cache: Any) -> None:
             "flows to it (the rotation is differentiated with respect to query and key only); "
             "pass cos_sin_cache.detach()"
         )
+
+
+def _read_only(position_name: str, offsets: Any, ids: Any, cache: Any, weights: tuple) -> dict:
+    """The arguments an in-place call reads besides q and k, by name (those given): what
+    must lie apart from the memory it writes (:func:`check_in_place`)."""
+    named = (
+        (position_name, offsets), ("positions", ids), ("cos_sin_cache", cache),
+        ("q_norm_weight", weights[0]), ("k_norm_weight", weights[1]),
+    )  # fmt: skip
+    return {name: value for name, value in named if value is not None}
 
 
 def _position_name(decode: bool) -> str:
