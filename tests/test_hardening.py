@@ -55,7 +55,7 @@ def _bytes(*arrays) -> list[bytes]:
     out = []
     for array in arrays:
         if isinstance(array, torch.Tensor):
-            array = array.detach().contiguous().view(torch.uint8).numpy()
+            array = array.detach().cpu().contiguous().view(torch.uint8).numpy()
         out.append(np.ascontiguousarray(array).tobytes())
     return out
 
@@ -700,6 +700,69 @@ def test_a_recorded_launch_is_not_rerun_on_an_inference_tensor_outside_inference
     with pytest.raises(ValueError, match="^q is an inference tensor"):
         rope.decode(q, k, positions)
     assert torch.equal(q, before[0]) and torch.equal(k, before[1])
+
+
+# the call a recorded launch is made by, for each argument it leaves out
+RECORDED_WITHOUT = {
+    "positions": lambda rope, q, k: rope.forward(q, k),
+    "norm weights": lambda rope, q, k: rope.prefill(q, k, 0),
+    "k": lambda rope, q, k: rope.prefill(q, None, 0),
+}
+
+
+def _call_with(argument, rope, q, k, convert, data):
+    """RECORDED_WITHOUT[argument]'s call passing that argument (``convert`` of its data);
+    returns the k it rotated."""
+    if argument == "positions":
+        rope.forward(q, k, positions=convert(data["ids"]))
+    elif argument == "norm weights":
+        weights = (convert(data["q_weight"]), convert(data["k_weight"]))
+        rope.prefill(q, k, 0, q_norm_weight=weights[0], k_norm_weight=weights[1])
+    else:
+        k = convert(data["k"])
+        rope.prefill(q, k, 0)
+    return k
+
+
+@GPU
+@pytest.mark.parametrize("framework", ("numpy", "cupy"))
+@pytest.mark.parametrize("argument", list(RECORDED_WITHOUT))
+def test_a_recorded_launch_is_not_rerun_with_an_argument_it_did_not_have(rng, argument, framework):
+    """A launch recorded for a call without positions, norm weights or k re-runs only for
+    calls without them: the same call passing them as NumPy or CuPy arrays takes the
+    validated path, which uses them as a first call does or refuses them before writing."""
+    require("cuda", "torch")
+    convert = np.asarray if framework == "numpy" else pytest.importorskip("cupy").asarray
+    data = {
+        "q": _random(rng, (B, T, Q_WIDTH)),
+        "k": _random(rng, (B, T, K_WIDTH)),
+        "ids": rng.integers(0, 1000, (B, T)),
+        "q_weight": _random(rng, HEAD_DIM),
+        "k_weight": _random(rng, HEAD_DIM),
+    }
+
+    def fresh():
+        return tuple(torch.from_numpy(data[name]).cuda() for name in ("q", "k"))
+
+    def on_device(array):
+        return torch.from_numpy(array).cuda()
+
+    rope = _rope()
+    for _ in range(2):  # (the first records the launch, the second re-runs it)
+        RECORDED_WITHOUT[argument](rope, *fresh())
+    assert rope._relaunches, "the first calls recorded no launch"
+    q_expected, k = fresh()
+    k_expected = _call_with(argument, _rope(), q_expected, k, on_device, data)
+    q, k = fresh()
+    before = _bytes(q, k)
+    try:
+        k_got = _call_with(argument, rope, q, k, convert, data)
+    except (ValueError, TypeError) as error:  # refused: named, nothing written
+        assert re.search(r"\b(positions|q_norm_weight|k_norm_weight|k)\b", str(error))
+        assert _bytes(q, k) == before
+    else:
+        k_got = k_got.get() if hasattr(k_got, "get") else k_got
+        assert _bytes(q, k_got) == _bytes(q_expected, k_expected)
 
 
 @pytest.mark.parametrize("transform", ("vjp", "vmap"))

@@ -313,6 +313,60 @@ def test_pre_backward_reads_strided_inputs(rng, place):
     assert_pre_backward_matches(case, (grad_res, grad_layer, grad_post), grads)
 
 
+SLEEP_CYCLES = 100_000_000  # ~50 ms of GPU time: work queued behind it is clearly ordered
+
+
+@pytest.mark.gpu
+def test_mixed_frameworks_keep_copies_and_scratch_on_the_launch_stream(rng):
+    """phi (torch) names the launch's stream; x and the upstream gradients come from CuPy,
+    with strided columns, so they are copied. The copies and the scratch must come from the
+    launch's stream: with it held behind a sleep, memory that CuPy hands out at once on its
+    own stream (here filled with NaN) must not be memory the kernels read."""
+    cupy = pytest.importorskip("cupy")
+    case = random_pre_case(rng, 4, 256, 300, dtype="float32")  # 300: fresh scratch a call
+    upstream = upstream_grads(rng, case)
+    layer = rng.standard_normal((300, 256)).astype(np.float32)
+    gates = rng.uniform(0, 2, (300, 4)).astype(np.float32)
+    pre = MHCPreFwdOp(*case.alphas, case.repeat, case.eps)
+    pre_bwd = MHCPreBwdOp(*case.alphas, case.repeat, case.eps)
+    post_bwd = MHCPostBwdOp()
+    phi, b, grad_post, layer, gates = (
+        on("cuda", a) for a in (case.phi, case.b, upstream[2], layer, gates)
+    )
+
+    def calls(x, grad_res, grad_layer):
+        return (
+            *pre(phi, x, b),
+            *pre_bwd(phi, x, b, grad_res, grad_layer, grad_post),
+            *post_bwd(layer, gates, grad_res, grad_res)[:2],
+        )
+
+    expected = calls(*(on("cuda", a) for a in (case.x, *upstream[:2])))
+    templates = []
+    allocate = _mhc._operand_buffer
+
+    def spy(template, words):
+        templates.append(template.framework)
+        return allocate(template, words)
+
+    cupy_stream, side = cupy.cuda.Stream(non_blocking=True), torch.cuda.Stream()
+    with cupy_stream, mock.patch.object(_mhc, "_operand_buffer", spy):
+        strided = [cupy.asarray(np.repeat(a, 2, axis=1))[:, ::2] for a in (case.x, *upstream[:2])]
+        cupy_stream.synchronize()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(SLEEP_CYCLES)  # the launches below wait behind it
+            got = calls(*strided)
+        # at once, on CuPy's stream: what its pool freed there is taken and overwritten
+        poison = [cupy.full(1 << size, np.nan, np.float32) for size in range(8, 24)]
+    torch.cuda.synchronize()
+    cupy_stream.synchronize()
+    del poison
+    assert templates and set(templates) == {"torch"}, "scratch from another framework's pool"
+    for g, e in zip(got, expected, strict=True):
+        assert torch.equal(g, e)
+
+
 def test_pre_backward_torch_cpu_in_torch_out(rng):
     case = random_pre_case(rng, 2, 64, batch=3, dtype="bfloat16")
     upstream = upstream_grads(rng, case)

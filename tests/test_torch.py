@@ -1035,11 +1035,44 @@ def test_layout_keys_stand_contiguity_for_strides():
     transposed = torch.zeros(4, 8, 6).transpose(1, 2)
     same_strides = torch.zeros(5, 8, 6).transpose(1, 2)[:4]
     (key_t, key_s), pointers = _torch_ops.layouts(transposed, same_strides)
-    assert key_t[1] == transposed.stride() and key_t == key_s
+    assert key_t[1] == (transposed.stride(), False) and key_t == key_s
     assert _torch_ops.layouts(base)[0] != keys[:1], "a shape change must change the key"
     shifted = base.flatten()[1:49].view(6, 8)  # 4 bytes past a 16-byte boundary
     assert _torch_ops.layouts(shifted)[0] != _torch_ops.layouts(base[0])[0]
     assert pointers == [transposed.data_ptr(), same_strides.data_ptr()]
+
+
+def test_layout_keys_tell_absent_foreign_and_negative_arguments_apart():
+    """A recorded launch re-runs on its arguments' addresses alone, so the keys must tell
+    apart what validation does: an argument left out (None) from one of another framework
+    (a NumPy array, a list), which no recorded launch reads; and a negative view
+    (``z.conj().imag``, refused) from a plain view of the same memory and strides."""
+    from tileops_cupy import _torch_ops
+
+    absent, numpy_array, listed, number = _torch_ops.layouts(None, np.zeros(3), [1, 2], 7)[0]
+    assert absent is None and number is None
+    assert numpy_array == listed == _torch_ops.FOREIGN and numpy_array is not None
+    assert not _torch_ops.all_torch((numpy_array,)) and not _torch_ops.all_torch((None,))
+    z = torch.zeros(4, 8, dtype=torch.complex64)
+    negative, plain = z.conj().imag, torch.view_as_real(z)[..., 1]
+    assert negative.is_neg() and not plain.is_neg()
+    assert (negative.stride(), negative.data_ptr()) == (plain.stride(), plain.data_ptr())
+    key_negative, key_plain = _torch_ops.layouts(negative, plain)[0]
+    assert key_negative != key_plain and _torch_ops.all_torch((key_negative, key_plain))
+
+
+@pytest.mark.gpu
+def test_gpu_a_negative_view_of_a_recorded_layout_is_refused(rng):
+    """h_post as every other float of a buffer is read in place, and its launch recorded;
+    the negative view of the same memory and strides is refused, not read as its memory."""
+    post = MHCPostFwdOp()
+    layer = torch.tensor(rng.standard_normal((3, 64)), dtype=torch.float32, device="cuda")
+    res = torch.tensor(rng.standard_normal((3, 4 * 64)), dtype=torch.float32, device="cuda")
+    gates = torch.tensor(rng.standard_normal((3, 4)), dtype=torch.complex64, device="cuda")
+    post(layer, torch.view_as_real(gates)[..., 1], res)
+    assert len(post._relaunches) == 1
+    with pytest.raises(TypeError, match="^h_post has torch's lazy negation bit set"):
+        post(layer, gates.conj().imag, res)
 
 
 @pytest.mark.gpu

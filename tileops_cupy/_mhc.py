@@ -213,7 +213,8 @@ def mhc_pre(
     device = x.device
     plan = _pre_plan(device, x.dtype, n, c_x, batch)
     stream = stream_handle(phi)
-    keep, scratch = _scratch(plan, device, stream, _operand_buffer, x)
+    # (scratch in phi's framework: its pool hands the memory back on the launch's stream)
+    keep, scratch = _scratch(plan, device, stream, _operand_buffer, phi)
     params = pre_launch_params(gates, plan, x, phi, b, x_res, x_layer, h_post, scratch)
     launch = _cuda.launch(device, params, plan.steps, stream)
     del keep  # (alive until the launch is on the stream)
@@ -263,8 +264,8 @@ def mhc_pre_backward(
             grad_h_post.host, grad_phi.host, grad_x.host, grad_b.host, grad_alpha.host,
         )  # fmt: skip
         return None
-    x, grad_x_res, grad_x_layer = (
-        operand if operand.last_dim_contiguous else contiguous(operand)
+    x, grad_x_res, grad_x_layer = (  # (copies on phi's stream, the launch's)
+        operand if operand.last_dim_contiguous else contiguous(operand, phi)
         for operand in (x, grad_x_res, grad_x_layer)
     )
     batch, width = x.shape
@@ -280,7 +281,7 @@ def mhc_pre_backward(
         )
     plan = _pre_backward_plan(device, x.dtype, n, c_x, batch, gates.sinkhorn_repeat)
     stream = stream_handle(phi)
-    keep, pointers = _scratch(plan, device, stream, _operand_buffer, x)
+    keep, pointers = _scratch(plan, device, stream, _operand_buffer, phi)  # (as mhc_pre's)
     scratch = dict(zip(_PRE_BWD_SCRATCH, pointers, strict=True))
     size = ITEMSIZE[x.dtype]
     alignment = x.ptr | grad_x_res.ptr | grad_x_layer.ptr | grad_x.ptr
@@ -1058,8 +1059,8 @@ def post_backward_cuda(
 ) -> _cuda.Launch:
     """Fill ``grad_x_layer_out [B, c_x]`` and ``grad_h_post [B, n]`` (float32) for
     ``x_out = h_post[i] * x_layer_out + x_res[i]``; returns the launch."""
-    layer, grad = (
-        operand if operand.last_dim_contiguous else contiguous(operand)
+    layer, grad = (  # (copies on x_layer_out's stream, the launch's)
+        operand if operand.last_dim_contiguous else contiguous(operand, x_layer_out)
         for operand in (x_layer_out, grad_x_out)
     )
     batch, c_x = layer.shape

@@ -100,6 +100,23 @@ _guards: Any = None  # the library holding rope_qk_'s autograd kernels (alive wh
 # --------------------------------------------------------------------------- routing
 
 DISPATCH = "dispatch"
+# The layout key of an argument that is neither a plain torch tensor nor None nor an int (a
+# NumPy or CuPy array, a list, a tensor subclass outside the dispatcher): equal to no key a
+# launch is recorded under, and unlike an absent argument's None, so that a call passing
+# one where the recorded call passed nothing takes the validated path.
+FOREIGN = "not a plain torch tensor"
+
+
+def is_torch_key(key: Any) -> bool:
+    """Whether ``key`` (of :func:`layouts`) is a plain torch tensor's."""
+    return type(key) is tuple
+
+
+def all_torch(keys: tuple) -> bool:
+    """Whether every one of ``keys`` is a plain torch tensor's: what a recorded launch
+    needs, since it re-runs with the arguments' addresses alone."""
+    return all(type(key) is tuple for key in keys)
+
 
 # torch's per-call entry points, bound once torch is imported: attribute chains such as
 # torch._C._len_torch_dispatch_stack cost a visible share of a decode call
@@ -235,8 +252,9 @@ def outside_transforms() -> Any:
 
 def layouts(*args: Any) -> tuple[tuple, list[int]]:
     """``(keys, addresses)``: per argument, the layout key of a plain torch tensor (shape,
-    True if contiguous else its strides, dtype, device, address mod 16; a key equal to no
-    other for a sparse or nested tensor; None for anything else) and its address (0).
+    True if contiguous else its strides and negative bit, dtype, device, address mod 16; a
+    key equal to no other for a sparse or nested tensor), None for None or an int,
+    :data:`FOREIGN` for anything else; and its address (0 but for a tensor).
     Contiguity stands for the strides because it costs a third of reading them on every
     call; two contiguous tensors of one shape differ at most in the strides of dimensions
     of size 1 (or of an empty tensor), which address no element but the first, so a launch
@@ -262,7 +280,10 @@ def _layouts(args: tuple, grad: bool | None) -> Any:
         if kind is tensor or kind is _Parameter:
             try:
                 pointer = arg.data_ptr()
-                strides = arg.is_contiguous() or arg.stride()
+                # (a negative view's elements are minus its memory's, and validation refuses
+                # it: ``z.conj().imag``, strided; only torch's private _neg_view makes a
+                # contiguous one)
+                strides = arg.is_contiguous() or (arg.stride(), arg.is_neg())
                 key = (arg.shape, strides, arg.dtype, arg.device, pointer & 15)
             except RuntimeError:  # not one block of strided memory (sparse, nested): a key
                 pointer, key = 0, object()  # equal to none, so validation names the argument
@@ -282,7 +303,7 @@ def _layouts(args: tuple, grad: bool | None) -> Any:
             ensure_registered()
             return DISPATCH
         else:
-            keys.append(None)
+            keys.append(FOREIGN)
             pointers.append(0)
     if on_meta and grad is not None and on_meta == sum(isinstance(a, tensor) for a in args):
         ensure_registered()  # every tensor on meta: shapes alone, from the fake implementations

@@ -197,7 +197,7 @@ class _RotaryOp(ProcessLocal):
         seq = rows.shape[1]
         positions = Positions(limit=max(seq, 1), cover=max(seq, 1))
         result, launch = self._run(source, rows, positions)
-        if launch is not None and keys[0] is not None and source.obj is x:
+        if launch is not None and torch_ops.all_torch(keys) and source.obj is x:
             self._relaunches[keys] = launch
         return to_caller(result)
 
@@ -475,7 +475,7 @@ class RoPENeoxPositionIdsFwdOp(_RotaryOp):
         # device ids are bounded by the kernel (clamped, flagged): no sync, capturable
         positions = Positions(ids=ids, limit=self.max_position, cover=self.max_position)
         result, launch = self._run(source, rows, positions, self._flag)
-        recorded = launch is not None and None not in keys
+        recorded = launch is not None and torch_ops.all_torch(keys)
         if recorded and source.obj is x and ids.obj is position_ids:  # nothing was copied
             self._relaunches[keys] = launch
         return to_caller(result)
@@ -929,18 +929,19 @@ class RoPE(ProcessLocal):
                 return
         launch = self._apply(q, k, position, inverse, decode, None, ids, weights, cache)
         # torch q (and k) only; device positions or ints: host ones are uploaded per call
-        device_position = int_position or (keys[2] is not None and keys[2][3].type == "cuda")
-        torch_operands = keys[0] is not None and (k is None or keys[1] is not None)
+        torch_key = torch_ops.is_torch_key
+        device_position = int_position or (torch_key(keys[2]) and keys[2][3].type == "cuda")
+        torch_operands = torch_key(keys[0]) and (k is None or torch_key(keys[1]))
         # norm weights: torch tensors too (the launch reads them in place: never copied)
         torch_operands &= all(
-            w is None or key is not None for w, key in zip(weights, keys[5:], strict=True)
+            w is None or torch_key(key) for w, key in zip(weights, keys[5:], strict=True)
         )
         # per-token positions: only when the launch reads the caller's tensor itself (host
         # ones are uploaded, non-contiguous ones copied: a new address every call)
         own_ids = ids is None or (
             launch is not None and ROPE_PARAMS.read(launch.params, "ids") == ids_ptr
         )
-        own_cache = cache is None or keys[4] is not None  # a torch tensor, read in place
+        own_cache = cache is None or torch_key(keys[4])  # a torch tensor, read in place
         if launch is not None and torch_operands and device_position and own_ids and own_cache:
             # the highest int offset the launch's table covers; with per-token positions
             # the offset must stay 0 (the kernel bounds every position)
@@ -952,7 +953,7 @@ class RoPE(ProcessLocal):
             reads = tuple(
                 (index, _byte_span(tensor))
                 for index, tensor in enumerate(read, 2)
-                if keys[index] is not None and tensor.numel()
+                if torch_key(keys[index]) and tensor.numel()
             )
             self._relaunches[key] = (launch, last_position, k_ptr - q_ptr, *spans, reads)
         torch_ops.bump_versions(q, k)

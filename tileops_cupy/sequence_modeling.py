@@ -205,7 +205,7 @@ class MHCPreFwdOp(_PreSettings):
         x_res, x_layer, h_post = (empty_like(phi_op, shape, dtype) for shape, dtype in layouts)
         if batch:
             planned = _mhc.mhc_pre(place, self._gates, phi_op, x_op, b_op, x_res, x_layer, h_post)
-            if planned is not None and None not in keys and x_op.last_dim_contiguous:
+            if planned is not None and torch_ops.all_torch(keys) and x_op.last_dim_contiguous:
                 self._relaunches[keys] = _mhc.pre_relauncher(planned, phi, x)
         return to_caller(x_res), to_caller(x_layer), to_caller(h_post)
 
@@ -271,7 +271,7 @@ class MHCPostFwdOp(_MHCOp):
         if res_op.shape[0] and res_op.shape[1]:
             launch = _mhc.mhc_post(place, layer_op, gates_op, res_op, x_out)
             read_in_place = layer_op.last_dim_contiguous and res_op.last_dim_contiguous
-            if launch is not None and None not in keys and read_in_place:
+            if launch is not None and torch_ops.all_torch(keys) and read_in_place:
                 self._relaunches[keys] = launch
         return to_caller(x_out)
 
@@ -379,7 +379,7 @@ class MHCPreBwdOp(_PreSettings):
                 place, self._gates, phi_op, x_op, b_op, up_res, up_layer, up_post, *grads
             )
             read_in_place = all(a.last_dim_contiguous for a in (x_op, up_res, up_layer))
-            if planned is not None and None not in keys and read_in_place:
+            if planned is not None and torch_ops.all_torch(keys) and read_in_place:
                 self._relaunches[keys] = _mhc.pre_backward_relauncher(planned, phi, x, b)
         else:
             for grad in grads:
@@ -476,7 +476,7 @@ class MHCPostBwdOp(_MHCOp):
         if res_op.shape[0] and res_op.shape[1]:
             launch = _mhc.mhc_post_backward(place, layer_op, gates_op, up_op, *grads)
             read_in_place = layer_op.last_dim_contiguous and up_op.last_dim_contiguous
-            if launch is not None and None not in keys and read_in_place:
+            if launch is not None and torch_ops.all_torch(keys) and read_in_place:
                 self._relaunches[keys] = launch
         else:  # nothing to sum: grad_h_post is 0 (and empty with the batch)
             for grad in grads:
