@@ -11,6 +11,7 @@ Every refused call is checked to leave every input's bytes unchanged.
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import numpy as np
@@ -233,16 +234,17 @@ def _memory_of(array):
     return array.detach() if isinstance(array, torch.Tensor) else array
 
 
-def _positions_in(array, index):
-    """An int32 view of ``array``'s memory at ``index`` (of its float32 elements), set to
-    positions 0, 1, ...: an argument that aliases what an in-place call writes."""
-    memory = _memory_of(array)
+def _positions_in(array, shape):
+    """A contiguous int32 view of the start of ``array``'s memory (a contiguous float32
+    array), of ``shape``, set to positions 0, 1, ...: an argument that aliases what an
+    in-place call writes."""
+    memory = _memory_of(array).reshape(-1)
     if isinstance(memory, torch.Tensor):
-        ints = memory.view(torch.int32)[index]
-        ints.copy_(torch.arange(ints.numel()).reshape(ints.shape))
+        ints = memory.view(torch.int32)[: math.prod(shape)].view(shape)
+        ints.copy_(torch.arange(ints.numel()).view(shape))
     else:
-        ints = memory.view(np.int32)[index]
-        ints[...] = np.arange(ints.size).reshape(ints.shape)
+        ints = memory.view(np.int32)[: math.prod(shape)].reshape(shape)
+        ints[...] = np.arange(ints.size).reshape(shape)
     return ints
 
 
@@ -259,16 +261,16 @@ READS_OF_Q = {
     "positions": lambda q, k, home: (
         RoPE.forward,
         (q, k),
-        {"positions": _positions_in(home, (..., 0))},
+        {"positions": _positions_in(home, (B, T))},
     ),
     "position_offset": lambda q, k, home: (
         RoPE.prefill,
-        (q, k, _positions_in(home, (slice(None), 0, 0))),
+        (q, k, _positions_in(home, (B,))),
         {},
     ),
     "position": lambda q, k, home: (
         RoPE.decode,
-        (q[:, :1], k[:, :1], _positions_in(home, (slice(None), 0, 0))),
+        (q[:, :1], k[:, :1], _positions_in(home, (B,))),
         {},
     ),
     "cos_sin_cache": lambda q, k, home: (

@@ -1035,6 +1035,7 @@ def test_layout_keys_stand_contiguity_for_strides():
     transposed = torch.zeros(4, 8, 6).transpose(1, 2)
     same_strides = torch.zeros(5, 8, 6).transpose(1, 2)[:4]
     (key_t, key_s), pointers = _torch_ops.layouts(transposed, same_strides)
+    # (a last stride other than 1: the key holds the negative bit too)
     assert key_t[1] == (transposed.stride(), False) and key_t == key_s
     assert _torch_ops.layouts(base)[0] != keys[:1], "a shape change must change the key"
     shifted = base.flatten()[1:49].view(6, 8)  # 4 bytes past a 16-byte boundary

@@ -252,9 +252,10 @@ def outside_transforms() -> Any:
 
 def layouts(*args: Any) -> tuple[tuple, list[int]]:
     """``(keys, addresses)``: per argument, the layout key of a plain torch tensor (shape,
-    True if contiguous else its strides and negative bit, dtype, device, address mod 16; a
-    key equal to no other for a sparse or nested tensor), None for None or an int,
-    :data:`FOREIGN` for anything else; and its address (0 but for a tensor).
+    True if contiguous else its strides (and negative bit where the last stride is not 1),
+    dtype, device, address mod 16; a key equal to no other for a sparse or nested tensor),
+    None for None or an int, :data:`FOREIGN` for anything else; and its address (0 but for
+    a tensor).
     Contiguity stands for the strides because it costs a third of reading them on every
     call; two contiguous tensors of one shape differ at most in the strides of dimensions
     of size 1 (or of an empty tensor), which address no element but the first, so a launch
@@ -280,10 +281,12 @@ def _layouts(args: tuple, grad: bool | None) -> Any:
         if kind is tensor or kind is _Parameter:
             try:
                 pointer = arg.data_ptr()
-                # (a negative view's elements are minus its memory's, and validation refuses
-                # it: ``z.conj().imag``, strided; only torch's private _neg_view makes a
-                # contiguous one)
-                strides = arg.is_contiguous() or (arg.stride(), arg.is_neg())
+                strides = arg.is_contiguous() or arg.stride()
+                if strides is not True and strides[-1:] != (1,):
+                    # a negative view's elements are minus its memory's, and validation
+                    # refuses it: z.conj().imag, every other float of z's memory (with a
+                    # unit last stride, only torch's private _neg_view makes one)
+                    strides = (strides, arg.is_neg())
                 key = (arg.shape, strides, arg.dtype, arg.device, pointer & 15)
             except RuntimeError:  # not one block of strided memory (sparse, nested): a key
                 pointer, key = 0, object()  # equal to none, so validation names the argument
