@@ -900,19 +900,15 @@ class RoPE(ProcessLocal):
             launch, last_position, k_gap, q_bytes, k_bytes, reads = fast
             # the first call checked q and k disjoint at this distance; at another they must
             # lie apart, and an int offset must stay within what the launch's table holds
-            apart = (
-                k is None
-                or k_ptr - q_ptr == k_gap
-                or k_ptr >= q_ptr + q_bytes
-                or q_ptr >= k_ptr + k_bytes
-            )
+            q_end, k_end = q_ptr + q_bytes, k_ptr + k_bytes
+            apart = k is None or k_ptr - q_ptr == k_gap or k_ptr >= q_end or q_ptr >= k_end
             # what it reads besides them (positions, offsets, the cache, norm weights) must
-            # lie outside what it writes, else the validated path names it (k None: k_ptr 0)
+            # lie outside what it writes, else the validated path names it (k None: k_end 0)
             for index, span in reads:
                 start = pointers[index]
-                apart &= (start + span <= q_ptr or start >= q_ptr + q_bytes) and (
-                    start + span <= k_ptr or start >= k_ptr + k_bytes
-                )
+                end = start + span
+                if (end > q_ptr and start < q_end) or (end > k_ptr and start < k_end):
+                    apart = False
             # (an inference tensor outside inference mode: the validated path refuses it)
             if (
                 apart
