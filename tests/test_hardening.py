@@ -818,6 +818,24 @@ def test_arrays_of_another_framework_are_named_through_the_dispatcher(rng):
     x = _random(rng, (B, 32), "torch").requires_grad_()
     with pytest.raises(TypeError, match="^phi must be a torch tensor, got numpy.ndarray"):
         MHCPreFwdOp(1, 1, 1, 3)(phi, x, torch.zeros(24))
+    # in place (autograd records the rotation, then its copy into q and k): the same names,
+    # before anything is written
+    q, k = (
+        _random(rng, (B, T, width), "torch").requires_grad_() * 1 for width in (Q_WIDTH, K_WIDTH)
+    )
+    before = _bytes(q, k)
+    weight = np.ones(HEAD_DIM, np.float32)
+    in_place = {
+        "positions": lambda: _rope().forward(q, k, positions=np.zeros((B, T), np.int64)),
+        "position_offset": lambda: _rope().prefill(q, k, np.arange(B)),
+        "q_norm_weight": lambda: _rope().prefill(
+            q, k, 0, q_norm_weight=weight, k_norm_weight=weight
+        ),
+    }
+    for name, call in in_place.items():
+        with pytest.raises(TypeError, match=f"^{name} must be a torch tensor, got numpy.ndarray"):
+            call()
+    assert _bytes(q, k) == before
 
 
 def test_an_empty_head_dim_is_refused():

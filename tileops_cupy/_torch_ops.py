@@ -234,8 +234,9 @@ def differentiating() -> bool:
 def memory_of(tensor: Any) -> Any:
     """The torch tensor whose memory ``tensor`` addresses: itself, or the one that a
     ``torch.func`` transform's wrappers (grad tracking, a vmap batch) hold; None where no
-    memory can be described (Dynamo's fake tensors, a wrapper without storage inside)."""
-    if is_compiling():
+    memory can be described (Dynamo's fake tensors, a wrapper without storage inside) or
+    ``tensor`` is no torch tensor (which the dispatcher then names)."""
+    if is_compiling() or not isinstance(tensor, _Tensor):
         return None
     while _functorch_wrapped(tensor):
         tensor = _functorch_unwrapped(tensor)
