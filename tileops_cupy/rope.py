@@ -349,7 +349,8 @@ class YaRNFwdOp(_SchemeOp, scheme=YaRN):
     """Neox RoPE with YaRN frequencies and attention amplitude, as vLLM's
     ``YaRNScalingRotaryEmbedding`` and HF ``rope_type="yarn"`` (TileOPs' own kernel drifted
     from that reference; see ``schemes.YaRN``). cos and sin carry the amplitude
-    ``(0.1*ln(scale) + 1) * attn_factor``.
+    ``(0.1*ln(scale) + 1) * attn_factor`` (vLLM's ``attn_factor``, a multiplier; HF's
+    ``attention_factor`` replaces the amplitude instead, see ``schemes.YaRN``).
 
     Args:
         input_layout: "1d" or "2d", as in RoPEFwdOp.

@@ -99,6 +99,12 @@ class YaRN(_Numbers):
     """YaRN ramp between interpolated and extrapolated frequencies, with the attention
     (mscale) amplitude, as vLLM's ``YaRNScalingRotaryEmbedding`` and HF ``rope_type="yarn"``.
 
+    ``attn_factor`` multiplies that amplitude, ``(0.1*ln(scale) + 1) * attn_factor``, as
+    vLLM's argument of that name does. HF's ``attention_factor`` replaces it instead: to
+    match a config that sets one, pass ``attn_factor = attention_factor / (0.1*ln(scale) +
+    1)`` (scale > 1). HF's ``mscale``/``mscale_all_dim`` and ``truncate=False`` have no
+    counterpart here (SPEC section 1).
+
     TileOPs' own YaRN kernel drifted from this reference (``scale*base`` powers, a half-width
     correction range, no mscale; ~78% off at position 16000): we follow vLLM/HF.
     """
