@@ -10,7 +10,9 @@
   every step from learned alphas) leave nothing behind: behind the dispatcher they run on
   their configuration's twin, of which a bounded number are kept.
 - An op called with a new layout every call (varying batch and sequence lengths) keeps a
-  bounded number of recorded launches."""
+  bounded number of recorded launches.
+- A process forked while another thread holds one of the package's locks gets them
+  unlocked."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import contextlib
 import copy
 import ctypes
 import gc
+import os
 import pickle
 import sys
 import textwrap
@@ -31,7 +34,7 @@ import pytest
 from _cases import PLACES, assert_runs_in_own_process, to_place
 from _oracle import to_host
 
-from tileops_cupy import _rotate, rope, sequence_modeling
+from tileops_cupy import _cache, _rotate, _tables, rope, sequence_modeling
 from tileops_cupy._cache import TWINS, LaunchRecords
 from tileops_cupy.rope import (
     Llama31,
@@ -408,3 +411,35 @@ def test_gpu_mhc_keeps_a_bounded_number_of_stream_workspaces():
         streams[-1].synchronize()
         assert_pre_matches(case, outputs)
     assert len(_mhc._workspaces) == LaunchRecords.KEPT
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # (fork in a threaded process)
+def test_a_forked_child_is_not_held_by_locks_taken_at_the_fork():
+    """A fork copies a lock as it is: held by another thread of the parent (a table
+    growing, a table or module being built, a launch being recorded), it would stay held in
+    the child, and the child's first call that needs it would wait forever. The parent
+    holds them here across the fork; the child grows a table, builds another, records a
+    launch and rotates, each within the alarm's 20 s."""
+    table = _tables.shared_table(rope.Standard(), 6)
+    held = (table._lock, _tables._registry_lock, _cache._records_lock)
+    with contextlib.ExitStack() as stack:
+        for lock in held:
+            stack.enter_context(lock)
+        pid = os.fork()
+        if pid == 0:  # the child: a failure or a hang is its exit status
+            status = 1
+            try:
+                import signal
+
+                signal.alarm(20)
+                table.ensure(1 << 20)
+                _tables.shared_table(rope.Standard(), 10)
+                LaunchRecords()["layout"] = "launch"
+                q = np.ones((1, 3, 16), np.float32)
+                RoPE(16, 1).prefill(q, None, 1 << 19)
+                status = 0
+            finally:
+                os._exit(status)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status}"

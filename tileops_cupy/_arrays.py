@@ -13,12 +13,13 @@ same memory without the per-call capsule round trip, which matters at decode siz
 from __future__ import annotations
 
 import functools
-import threading
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from ._cache import ForkSafeLock
 
 try:  # ml_dtypes is a hard dependency, but keep the import error readable
     import ml_dtypes
@@ -412,7 +413,7 @@ def numpy_dtype(name: str) -> np.dtype:
 # --------------------------------------------------------------------------- CUDA runtime
 
 _cupy_state: dict[str, Any] = {}
-_cupy_lock = threading.Lock()
+_cupy_lock = ForkSafeLock()
 
 
 def cupy():

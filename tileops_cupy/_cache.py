@@ -1,16 +1,59 @@
-"""Thread-safe build-once maps (compiled modules, shared tables, device flags), the bound
-on ops rebuilt behind the dispatcher (:data:`TWINS`), an op's launch records
-(:class:`LaunchRecords`), and what an op keeps of them when it is copied or pickled
-(:class:`ProcessLocal`)."""
+"""Thread-safe build-once maps (compiled modules, shared tables, device flags) and the
+package's locks (:class:`ForkSafeLock`), the bound on ops rebuilt behind the dispatcher
+(:data:`TWINS`), an op's launch records (:class:`LaunchRecords`), and what an op keeps of
+them when it is copied or pickled (:class:`ProcessLocal`)."""
 
 from __future__ import annotations
 
+import os
 import threading
+import weakref
 from collections.abc import Callable, Hashable
 from typing import Any, ClassVar
 
 
-def build_once(cache: dict, lock: threading.Lock, key: Hashable, build: Callable[[], Any]) -> Any:
+class ForkSafeLock:
+    """A lock (``with lock:``) that a forked child holds anew, unlocked. A fork copies a
+    lock as it is: taken by another thread of the parent (a table growing, a kernel
+    building, a launch being recorded), it would stay taken in the child, which has no such
+    thread, and the child's first call that needs it would wait forever (multiprocessing's
+    fork start method and DataLoader workers fork from threaded processes). What the locks
+    guard is published by single assignments (a table's arrays, a map's entry), so the
+    child finds each done or not begun, and redoes it; the one exception is the custom ops'
+    registration with torch, whose own registry a fork in its midst leaves half made (the
+    child then gets torch's error, not a hang). Every lock of the package is one; only slow
+    paths take them."""
+
+    __slots__ = ("_lock", "__weakref__")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        _fork_safe_locks.add(self)
+
+    def __enter__(self) -> ForkSafeLock:
+        self._lock.acquire()
+        return self
+
+    def __exit__(self, *exception: object) -> None:
+        self._lock.release()
+
+    def _renew(self) -> None:
+        self._lock = threading.Lock()
+
+
+_fork_safe_locks: weakref.WeakSet[ForkSafeLock] = weakref.WeakSet()
+
+
+def _renew_locks_in_child() -> None:
+    for lock in list(_fork_safe_locks):
+        lock._renew()
+
+
+if hasattr(os, "register_at_fork"):  # (POSIX: where a process can fork)
+    os.register_at_fork(after_in_child=_renew_locks_in_child)
+
+
+def build_once(cache: dict, lock: ForkSafeLock, key: Hashable, build: Callable[[], Any]) -> Any:
     """``cache[key]``, made by ``build()`` under ``lock`` the first time. The common path
     (already built) takes no lock; the second look under the lock makes sure two threads
     never build the same key twice."""
@@ -50,7 +93,7 @@ class LaunchRecords(dict):
             super().__setitem__(key, value)
 
 
-_records_lock = threading.Lock()  # (every op's records: only a new record takes it)
+_records_lock = ForkSafeLock()  # (every op's records: only a new record takes it)
 
 
 class ProcessLocal:

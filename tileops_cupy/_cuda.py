@@ -30,7 +30,7 @@ from typing import Any
 import kernels_cu
 
 from ._arrays import cupy
-from ._cache import build_once
+from ._cache import ForkSafeLock, build_once
 
 # The CUDA type of each float dtype the kernels take (kernels_cu/common.cuh declares them).
 CUDA_TYPES = {"bfloat16": "bfloat16_t", "float16": "half_t", "float32": "float"}
@@ -66,7 +66,7 @@ class ModuleSpec:
 
 
 _functions: dict[tuple[ModuleSpec, int], dict[str, Any]] = {}
-_lock = threading.Lock()
+_lock = ForkSafeLock()
 
 
 def _load(spec: ModuleSpec, device: int) -> dict[str, Any]:

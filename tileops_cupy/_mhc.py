@@ -26,7 +26,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -34,7 +33,7 @@ from typing import Any
 from . import _cuda
 from . import _torch_ops as torch_ops
 from ._arrays import ITEMSIZE, Operand, as_cupy, contiguous, cupy, empty_like, stream_handle
-from ._cache import LaunchRecords
+from ._cache import ForkSafeLock, LaunchRecords
 from ._mhc_host import (
     SinkhornGates,
     mhc_post_backward_host,
@@ -476,7 +475,7 @@ class _PrePlan:
 
 _pre_plans: dict[tuple, _PrePlan] = {}
 _smem_raised: set[tuple[int, int]] = set()
-_lock = threading.Lock()
+_lock = ForkSafeLock()
 
 
 def _raise_smem_limit(kernel: Any, device: int, nbytes: int) -> int:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ import numpy as np
 
 from . import _cuda
 from ._arrays import ITEMSIZE, Operand, cupy, stream_handle
-from ._cache import build_once
+from ._cache import ForkSafeLock, build_once
 from ._tables import FINE_BITS, RotaryTable, shared_table
 
 __all__ = [
@@ -337,7 +336,7 @@ class ErrorFlag:
     def __init__(self) -> None:
         self._pointers: dict[int, int] = {}
         self._cells: tuple[ctypes.c_int32, ...] = ()  # the same memory, read on every call
-        self._lock = threading.Lock()
+        self._lock = ForkSafeLock()
 
     def pointer(self, device: int) -> int:
         """The flag's device-visible address on ``device`` (mapped on first use)."""
@@ -381,7 +380,7 @@ class ErrorFlag:
 
 _CELLS_A_PAGE = 1024  # flag cells one host-mapped allocation holds (4 KiB)
 _free_cells: dict[int, list[int]] = {}  # device -> cells not handed out yet
-_cells_lock = threading.Lock()
+_cells_lock = ForkSafeLock()
 
 
 def _mapped_cell(device: int) -> int:
@@ -406,7 +405,7 @@ _ANY_FLAG = ErrorFlag()  # for launches whose positions were validated on the ho
 # call leave nothing behind. (The host-mapped cells of a dropped flag stay allocated: a
 # kernel or a captured graph may still write them.)
 _flags: weakref.WeakValueDictionary[int, ErrorFlag] = weakref.WeakValueDictionary()
-_flags_lock = threading.Lock()
+_flags_lock = ForkSafeLock()
 
 
 def error_flag(key: int) -> tuple[int, ErrorFlag]:

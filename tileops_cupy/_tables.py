@@ -19,14 +19,13 @@ memory.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ._arrays import cupy
-from ._cache import build_once
+from ._cache import ForkSafeLock, build_once
 from ._validate import FLOAT32_MAX, MAX_POSITIONS
 from .schemes import Scheme
 
@@ -58,7 +57,7 @@ class RotaryTable:
     coarse32: np.ndarray = field(init=False)
     _device: dict[int, tuple[Any, Any]] = field(default_factory=dict, init=False)
     _retired: list[Any] = field(default_factory=list, init=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
+    _lock: ForkSafeLock = field(default_factory=ForkSafeLock, init=False)
 
     def __post_init__(self) -> None:
         self.inv_freq = self.scheme.inv_freq(self.rotary_dim)
@@ -174,7 +173,7 @@ class RotaryTable:
 
 
 _registry: dict[tuple[Scheme, int, tuple[int, ...] | None], RotaryTable] = {}
-_registry_lock = threading.Lock()
+_registry_lock = ForkSafeLock()
 
 
 def shared_table(

@@ -24,10 +24,10 @@ implementation is the op's own direct path, rebuilt from that configuration once
 from __future__ import annotations
 
 import sys
-import threading
 from typing import Any
 
 from ._arrays import described  # (imports neither torch nor CuPy)
+from ._cache import ForkSafeLock
 
 NAMESPACE = "tileops_cupy"
 
@@ -93,7 +93,7 @@ def _tensor_arguments(schema: str) -> tuple[tuple[int, str], ...]:
 _TENSOR_ARGUMENTS = {name: _tensor_arguments(schema) for name, schema in SCHEMAS.items()}
 
 _registered = False
-_lock = threading.Lock()
+_lock = ForkSafeLock()
 _guards: Any = None  # the library holding rope_qk_'s autograd kernels (alive while it is)
 
 
