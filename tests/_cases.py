@@ -25,6 +25,7 @@ from _oracle import DEVICE_DTYPES, HOST_DTYPES, to_framework
 GPU = pytest.mark.gpu
 REPO = Path(__file__).resolve().parents[1]
 PLACES = ("cpu", pytest.param("cuda", marks=GPU))
+SLEEP_CYCLES = 100_000_000  # ~50 ms of GPU time: work queued behind it is clearly ordered
 FRAMEWORKS = {"cpu": ("numpy", "torch"), "cuda": ("torch", "cupy")}
 """The arrays each place takes: host arrays (numpy, torch CPU) or device arrays (torch CUDA,
 CuPy; JAX has its own GPU test)."""

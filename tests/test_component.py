@@ -28,6 +28,7 @@ import torch
 from _cases import (
     GPU,
     PLACES,
+    SLEEP_CYCLES,
     clone,
     frameworks_and_dtypes,
     per_place,
@@ -74,7 +75,6 @@ HEAD_DIMS = {"cpu": 64, "cuda": 128}  # the device runs the production head size
 HEAD_DIM, DEVICE_HEAD_DIM = HEAD_DIMS["cpu"], HEAD_DIMS["cuda"]
 NUM_HEADS, NUM_KV_HEADS = 8, 2
 LAYOUTS = ("neox", "interleaved")
-SLEEP_CYCLES = 100_000_000  # ~50 ms of GPU time: work queued behind it is clearly ordered
 
 # --------------------------------------------------------------------------- schemes
 

@@ -12,7 +12,7 @@ from unittest import mock
 
 import numpy as np
 import pytest
-from _cases import PLACES
+from _cases import PLACES, SLEEP_CYCLES
 from _mhc_oracle import (
     NP_DTYPES,
     as_float64_tensor,
@@ -311,9 +311,6 @@ def test_pre_backward_reads_strided_inputs(rng, place):
         )
     assert grads[1].shape == (7, width)
     assert_pre_backward_matches(case, (grad_res, grad_layer, grad_post), grads)
-
-
-SLEEP_CYCLES = 100_000_000  # ~50 ms of GPU time: work queued behind it is clearly ordered
 
 
 @pytest.mark.gpu

@@ -26,6 +26,7 @@ from _cases import (
     FRAMEWORKS,
     GPU,
     REPO,
+    SLEEP_CYCLES,
     frameworks_and_dtypes,
     per_place,
     require,
@@ -744,7 +745,7 @@ def test_runs_on_the_current_torch_stream(rng):
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        torch.cuda._sleep(100_000_000)
+        torch.cuda._sleep(SLEEP_CYCLES)
         x.copy_(source)
         ids.copy_(ids_source)
         y = RoPEFwdOp(input_layout="2d")(x)
