@@ -115,7 +115,7 @@ def is_torch_key(key: Any) -> bool:
 def all_torch(keys: tuple) -> bool:
     """Whether every one of ``keys`` is a plain torch tensor's: what a recorded launch
     needs, since it re-runs with the arguments' addresses alone."""
-    return all(type(key) is tuple for key in keys)
+    return all(map(is_torch_key, keys))
 
 
 # torch's per-call entry points, bound once torch is imported: attribute chains such as
