@@ -118,6 +118,27 @@ def test_pre_saturated(rng, place, n):
     assert (np.minimum(gates, 2 - gates) < 1e-3).mean() > 0.5  # the post gates saturate too
 
 
+@pytest.mark.parametrize("place", PLACES)
+def test_pre_wide_rows_keep_h_post_within_tolerance(rng, place):
+    """28672-wide rows (n 4, c_x 7168) whose post gates read 64 of x's columns through
+    weights of scale 20, so that ``h / rms`` is about 160 while h itself is a short sum, and
+    post biases that put one post gate of each of four rows at its steepest: there h_post
+    carries the row's sum of squares' relative error times ``h / rms``, so that sum in one
+    running float32 total (4e-6 of the row) misses SPEC's 5e-5 by 4x."""
+    n, c_x, batch = 4, 7168, 8
+    case = random_pre_case(rng, n, c_x, batch, saturated=True)
+    case.alphas = (case.alphas[0], 1.0, case.alphas[2])
+    read = rng.choice(n * c_x, 64, replace=False)
+    case.phi[:, n : 2 * n] = 0
+    case.phi[read, n : 2 * n] = 20 * rng.standard_normal((64, n))
+    x = case.x.astype(np.float64)
+    rms = np.sqrt((x * x).mean(axis=1)) + 1e-4
+    post_logits = (x @ case.phi[:, n : 2 * n].astype(np.float64)) / rms[:, None]
+    for gate in range(n):
+        case.b[n + gate] = -post_logits[gate, gate]  # row `gate`'s gate `gate` at 0
+    assert_pre_matches(case, run_pre(case, place))
+
+
 @pytest.mark.parametrize(
     ("place", "n", "c_x", "batch"),
     per_place({"cpu": ((2, 130, 64), (4, 130, 64)), "cuda": ((4, 136, 2), (4, 136, 64))}),
