@@ -12,7 +12,7 @@ from unittest import mock
 
 import numpy as np
 import pytest
-from _cases import PLACES, SLEEP_CYCLES
+from _cases import PLACES, SLEEP_CYCLES, per_place, to_place
 from _mhc_oracle import (
     NP_DTYPES,
     as_float64_tensor,
@@ -26,6 +26,7 @@ from _mhc_oracle import (
     to_float64,
     torch_pre_reference,
 )
+from _oracle import framework_name
 
 from tileops_cupy import _cuda, _mhc, _mhc_host, sequence_modeling
 from tileops_cupy.sequence_modeling import (
@@ -657,6 +658,32 @@ def test_post_backward_strided_inputs(rng, place):
             on(place, wide)[:, 2:-3],  # padded rows
         )
     assert_post_backward_matches(layer, gates, grad_out, grads, "float32")
+
+
+@pytest.mark.parametrize(
+    ("place", "first", "upstream", "dtype"),
+    per_place({
+        "cpu": (("numpy", "torch", "bfloat16"), ("torch", "numpy", "float32")),
+        "cuda": (("torch", "cupy", "bfloat16"), ("cupy", "torch", "float32")),
+    }),
+)  # fmt: skip
+def test_post_backward_results_come_in_the_first_arguments_framework(
+    rng, place, first, upstream, dtype
+):
+    """SPEC 6: every result in x_layer_out's framework, grad_x_res too where grad_x_out is
+    another framework's: a view of grad_x_out's own memory (a write through it shows there)."""
+    batch, n, c_x = 3, 2, 8
+    layer = rng.standard_normal((batch, c_x)).astype(NP_DTYPES[dtype])
+    gates = rng.uniform(0, 2, (batch, n)).astype(np.float32)
+    res = rng.standard_normal((batch, n * c_x)).astype(NP_DTYPES[dtype])
+    grad_out = rng.standard_normal((batch, n * c_x)).astype(NP_DTYPES[dtype])
+    inputs = [to_place(a, place, first) for a in (layer, gates, res)]
+    grad_in = to_place(grad_out, place, upstream)
+    grads = MHCPostBwdOp()(*inputs, grad_in)
+    assert [framework_name(g) for g in grads] == [first] * 3
+    assert_post_backward_matches(layer, gates, grad_out, grads, dtype)
+    grads[2][1, 5] = 7
+    assert to_float64(grad_in)[1, 5] == 7
 
 
 # --------------------------------------------------------------------------- empty, chained

@@ -12,6 +12,7 @@ same memory without the per-call capsule round trip, which matters at decode siz
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from dataclasses import dataclass
@@ -404,6 +405,19 @@ def to_caller(result: Operand) -> Any:
 
         return jnp.asarray(array)
     return array
+
+
+def in_framework_of(operand: Operand, template: Operand) -> Any:
+    """``operand``'s own memory as an object of ``template``'s framework (zero-copy): an
+    input an op hands back as one of its results (MHCPostBwdOp's ``grad_x_res``), which
+    must come back in the framework of the first argument, as its other results do."""
+    if operand.framework == template.framework:
+        return operand.obj
+    if operand.is_cuda:
+        if template.framework == "torch":
+            return _torch().from_dlpack(as_cupy(operand))
+        return to_caller(_from_cupy(as_cupy(operand), template.framework))
+    return to_caller(dataclasses.replace(operand, obj=None, framework=template.framework))
 
 
 def numpy_dtype(name: str) -> np.dtype:

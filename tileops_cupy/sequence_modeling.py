@@ -46,6 +46,7 @@ from ._arrays import (
     Operand,
     as_operand,
     empty_like,
+    in_framework_of,
     select_place,
     to_caller,
 )
@@ -406,7 +407,9 @@ class MHCPostBwdOp(_MHCOp):
     rounded once), ``grad_h_post[:, i] = sum_c x_layer_out[:, c] * grad_x_out[:, i*c_x + c]``
     (float32), and ``grad_x_res`` is ``grad_x_out`` itself, the same object (x_res enters
     the output with weight 1; torch's own ``add`` backward passes its gradient on the same
-    way): nothing is copied. ``x_res`` only sets the shapes.
+    way): nothing is copied. (A ``grad_x_out`` of another framework than ``x_layer_out``
+    comes back as a view of its memory in ``x_layer_out``'s, as every result does.)
+    ``x_res`` only sets the shapes.
 
     Raises:
         ValueError: whatever :class:`MHCPostFwdOp` refuses so; a ``grad_x_out`` whose ndim
@@ -481,7 +484,7 @@ class MHCPostBwdOp(_MHCOp):
         else:  # nothing to sum: grad_h_post is 0 (and empty with the batch)
             for grad in grads:
                 _mhc.zero_fill(grad)
-        return (*(to_caller(grad) for grad in grads), grad_x_out)
+        return (*(to_caller(grad) for grad in grads), in_framework_of(up_op, layer_op))
 
     __call__ = forward
     __repr__ = MHCPostFwdOp.__repr__
