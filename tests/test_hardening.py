@@ -609,9 +609,86 @@ def test_in_place_under_autograd_refuses_before_any_write(rng, which, kind):
         for name in ("q", "k")
     }
     before = _bytes(*tensors.values())
-    with pytest.raises(ValueError, match=f"^{which} cannot be rotated in place here: "):
+    reason = "is an inference tensor" if kind == "inference tensor" else "cannot be rotated"
+    with pytest.raises(ValueError, match=f"^{which} {reason}"):
         _rope().forward(tensors["q"], tensors["k"])
     assert _bytes(*tensors.values()) == before
+
+
+# in-place calls under autograd that are refused after q and k pass their own checks, with
+# the argument each names
+REFUSED_LATE = {
+    "positions out of range": (
+        "positions",
+        lambda q, k: _rope().forward(q, k, positions=torch.full((B, T), 1000)),
+    ),
+    "float positions": (
+        "positions",
+        lambda q, k: _rope().forward(q, k, positions=torch.zeros(B, T)),
+    ),
+    "float64 cos_sin_cache": (
+        "cos_sin_cache",
+        lambda q, k: apply_rope_with_cos_sin_cache_inplace(
+            torch.arange(T), q[0], k[0], HEAD_DIM, torch.zeros(T, HEAD_DIM, dtype=torch.float64)
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("call", list(REFUSED_LATE))
+def test_a_refused_in_place_call_under_autograd_leaves_autograd_as_it_was(rng, call):
+    """q and k views of one tensor autograd tracks, which an op saved for its backward: a
+    call refused for another argument leaves their version counter alone (torch's probe of
+    whether q and k may change writes nothing), so that backward still runs."""
+    name, rotate = REFUSED_LATE[call]
+    x = torch.from_numpy(_random(rng, (B, T, Q_WIDTH + K_WIDTH))).requires_grad_()
+    mixed = x * 1
+    q, k = mixed[..., :Q_WIDTH], mixed[..., Q_WIDTH:]
+    saved = (mixed * mixed).sum()  # saves mixed
+    with pytest.raises((ValueError, TypeError), match=name):
+        rotate(q, k)
+    assert mixed._version == 0
+    saved.backward()
+    np.testing.assert_array_equal(x.grad.numpy(), 2 * x.detach().numpy())
+
+
+def test_a_view_made_under_no_grad_is_refused_and_left_usable(rng):
+    """k made under no_grad from the memory q (made with grad) views: autograd forbids k to
+    change in place, so the call names k; q's probe before it must not have left k's base
+    changed in autograd's eyes, which would make every later use of k raise."""
+    mixed = torch.from_numpy(_random(rng, (B, T, Q_WIDTH + K_WIDTH))).requires_grad_() * 1
+    with torch.no_grad():
+        k = mixed[..., Q_WIDTH:]
+    q = mixed[..., :Q_WIDTH]
+    before = _bytes(q, k)
+    with pytest.raises(ValueError, match="^k "):
+        _rope().prefill(q, k, 0)
+    assert _bytes(q, k) == before
+    assert torch.equal(k * 1, mixed.detach()[..., Q_WIDTH:])
+
+
+@pytest.mark.parametrize(
+    ("call", "name"),
+    (
+        (lambda q, k: _rope().prefill(q, k, 0), "k"),
+        (
+            lambda q, k: apply_rope_with_cos_sin_cache_inplace(
+                torch.arange(T), q[0], k[0], HEAD_DIM, torch.zeros(T, HEAD_DIM)
+            ),
+            "key",
+        ),
+    ),
+    ids=("prefill", "cos_sin_cache"),
+)
+def test_a_numpy_k_beside_a_q_autograd_tracks_is_named(rng, call, name):
+    """The dispatcher takes torch tensors only: a NumPy k is a TypeError naming it (under
+    the cos_sin_cache call's name), before any write."""
+    q = torch.from_numpy(_random(rng, (B, T, Q_WIDTH))).requires_grad_() * 1
+    k = _random(rng, (B, T, K_WIDTH))
+    before = _bytes(q, k)
+    with pytest.raises(TypeError, match=f"^{name} must be a torch tensor, got numpy.ndarray"):
+        call(q, k)
+    assert _bytes(q, k) == before
 
 
 # the in-place calls and the names they give q and k, on tensors of one device
@@ -795,6 +872,23 @@ def test_a_position_offset_that_is_no_int_is_refused(rng, grad, offset):
     q = _random(rng, (B, T, Q_WIDTH), "torch").requires_grad_(grad)
     with pytest.raises(TypeError, match="^position_offset must be an int or an int32/int64"):
         apply_rope(q, None, _rope(), offset)
+
+
+@pytest.mark.parametrize("framework", ("numpy", "torch"))
+def test_per_sequence_offsets_of_an_empty_chunk_are_taken(rng, framework):
+    """A chunk of T = 0 tokens has no positions, so offsets in range pass, as an int offset
+    does (its last position, offset + T - 1, was checked: -1 for an offset 0); with tokens,
+    a last position past max_position is named as such."""
+    rope = _rope()
+    offsets = np.array([0, 999]) if framework == "numpy" else torch.tensor([0, 999])
+    q = _random(rng, (B, 0, Q_WIDTH), framework)
+    rope.prefill(q, None, offsets)
+    assert apply_rope(q, None, rope, offsets)[0].shape == (B, 0, Q_WIDTH)
+    q = _random(rng, (B, T, Q_WIDTH), framework)
+    before = _bytes(q)
+    with pytest.raises(ValueError, match=r"^position_offset \+ T - 1 \(a sequence's last "):
+        rope.prefill(q, None, offsets)
+    assert _bytes(q) == before
 
 
 @pytest.mark.filterwarnings("error")  # (a NumPy int's overflow warns)
@@ -1204,3 +1298,32 @@ def test_bench_timer_resets_l2_persisting_lines_first():
 
     x = torch.randn(1 << 20, device="cuda")
     assert 0 < median_us(lambda: x.mul_(1.0)) < 1e4
+
+
+class _Producer:
+    """A DLPack producer the package knows by no name (its host memory: a torch tensor's)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def __dlpack__(self, **kwargs):
+        return self.tensor.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.tensor.__dlpack_device__()
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32))
+def test_any_dlpack_producer_on_the_host_is_read_in_place(dtype):
+    """SPEC 6: any object with ``__dlpack__``, bfloat16 included (NumPy refuses its dtype
+    code: the bits are read as ml_dtypes' bfloat16). Out of place the same bits as on the
+    torch tensor itself; in place the producer's own memory is rotated."""
+    rope = RoPE(HEAD_DIM, NUM_HEADS, max_position=1000)
+    q = torch.randn(B, T, Q_WIDTH).to(dtype)
+    expected = apply_rope(q, None, rope, 5)[0]
+    rotated = apply_rope(_Producer(q), None, rope, 5)[0]
+    assert torch.equal(
+        torch.from_numpy(np.asarray(rotated).view(np.int8)), expected.view(torch.int8)
+    )
+    rope.prefill(_Producer(q), None, 5)
+    assert torch.equal(q, expected)

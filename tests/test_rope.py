@@ -304,6 +304,27 @@ def test_forward_and_call_agree_and_bwd_is_not_fwd(rng):
     np.testing.assert_array_equal(y_bwd[0], x[0])  # position 0 is the identity either way
 
 
+def test_bwd_twins_take_and_name_grad(rng):
+    """SPEC 3: a Bwd twin's call is ``forward(grad, ...)``: ``grad`` by keyword too, and
+    every error names it (as RoPE.backward's name grad_q and grad_k), not the Fwd op's x."""
+    grad = random_data(rng, (5, 2, 64), "float32")
+    ids = np.arange(5)
+    np.testing.assert_array_equal(
+        rope.RoPENeoxPositionIdsBwdOp(8).forward(grad=grad, position_ids=ids),
+        rope.RoPENeoxPositionIdsBwdOp(8)(grad, ids),
+    )
+    np.testing.assert_array_equal(RoPEBwdOp().forward(grad=grad[:, 0]), RoPEBwdOp()(grad[:, 0]))
+    with pytest.raises(ValueError, match=r"^head_dim \(grad.shape\[-1\]\) must be even"):
+        RoPEBwdOp()(grad[:, 0, :63])
+    with pytest.raises(TypeError, match="^grad must be float16"):
+        rope.RoPENeoxPositionIdsBwdOp(8)(grad.astype(np.int32), ids)
+    with pytest.raises(ValueError, match=r"^grad must be \[tokens, heads, head_dim\]"):
+        rope.RoPENeoxPositionIdsBwdOp(8)(grad[0], ids)
+    grad_q, grad_k = (random_data(rng, (1, 3, width), "float32") for width in (128, 63))
+    with pytest.raises(ValueError, match=r"^grad_k must be \[B, T, 1\*64\]"):
+        rope.RoPE(64, 2, 1).backward(grad_q, grad_k)
+
+
 def test_bfloat16_results_are_rounded_to_nearest_even(rng):
     """The host bf16 path rounds the float32 result once, to nearest even: the output is
     exactly the float32 host result (fp32 data of the same values) rounded by ml_dtypes."""

@@ -713,6 +713,81 @@ def test_vmap_has_a_rule_for_every_op(rng, place, without_vmap_fallback):
     _assert_vmap_is_a_loop(lambda x, *grads: pre_bwd(phi, x, b, *grads), (xs, *grads))
 
 
+def _assert_vmap_of_no_slices_is_empty(function, inputs, in_dims=0):
+    """``torch.vmap`` over the first 0 slices of ``inputs``: each result [0, ...] of the
+    shape, dtype and device of one slice's result."""
+    dims = in_dims if isinstance(in_dims, tuple) else (in_dims,) * len(inputs)
+    pairs = list(zip(inputs, dims, strict=True))
+    one = function(*(t if d is None else t.select(d, 0) for t, d in pairs))
+    empty = torch.vmap(function, in_dims=in_dims)(
+        *(t if d is None else t.narrow(d, 0, 0) for t, d in pairs)
+    )
+    as_tuples = ((r if isinstance(r, tuple) else (r,)) for r in (empty, one))
+    for got, slice_result in zip(*as_tuples, strict=True):
+        assert got.shape == (0, *slice_result.shape), (got.shape, slice_result.shape)
+        assert (got.dtype, got.device) == (slice_result.dtype, slice_result.device)
+
+
+@pytest.mark.parametrize("place", PLACES)
+def test_vmap_over_no_slices_gives_empty_results(rng, place, without_vmap_fallback):
+    """vmap over an empty batch, as torch's own ops take it (the rules ran a first slice
+    that was not there, or joined no rows into a shape unflatten could not split)."""
+    x = random_tensor(rng, (3, *SHAPES["2d"]), place)
+    _assert_vmap_of_no_slices_is_empty(RoPEFwdOp(input_layout="2d"), (x,))
+    rope = RoPE(HEAD_DIM, HEADS, KV_HEADS, max_position=64)
+    q = random_tensor(rng, (3, 1, 11, HEADS * HEAD_DIM), place)
+
+    def rotated(q):
+        return apply_rope(q, None, rope, 3)[0]
+
+    _assert_vmap_of_no_slices_is_empty(rotated, (q,))
+    pre, post = MHCPreFwdOp(1.0, 0.8, 1.2, 5), MHCPostFwdOp()
+    phi, x_rows, b = _mhc_inputs(rng, place, n=2, c_x=16, batch=4)
+    xs = torch.stack([x_rows, x_rows * 2])
+    _assert_vmap_of_no_slices_is_empty(pre, (phi, xs, b), in_dims=(None, 0, None))
+    x_res, x_layer, h_post = torch.vmap(pre, in_dims=(None, 0, None))(phi, xs, b)
+    _assert_vmap_of_no_slices_is_empty(post, (x_layer, h_post, x_res))
+    _assert_vmap_of_no_slices_is_empty(MHCPostBwdOp(), (x_layer, h_post, x_res, x_res))
+
+
+def test_vmap_of_an_in_place_call_that_cannot_write_k_writes_neither():
+    """Under vmap a batched q rotates in place, but an unbatched k captured from outside
+    cannot take a batched result: the call names k before q is written."""
+    rope = RoPE(8, 2, 1)
+    q_rows, k = torch.randn(3, 1, 4, 16), torch.randn(1, 4, 8)
+    before = q_rows.clone(), k.clone()
+
+    def rotate(q):
+        rope.prefill(q, k, 5)
+        return q
+
+    with pytest.raises(ValueError, match="^k cannot be rotated in place here: vmap"):
+        torch.vmap(rotate)(q_rows)
+    assert torch.equal(q_rows, before[0]) and torch.equal(k, before[1])
+
+
+@pytest.mark.parametrize(
+    ("call", "name"),
+    (
+        (lambda q, k: RoPE(8, 2, 1).decode(q, k, np.array([1, 2])), "position"),
+        (
+            lambda q, k: apply_rope_with_cos_sin_cache(
+                torch.arange(2), q[:, 0], k[:, 0].numpy(), 8, torch.randn(10, 8)
+            ),
+            "key",
+        ),
+        (lambda q, k: apply_rope(q, k.numpy(), RoPE(8, 2, 1)), "k"),
+    ),
+    ids=("decode position", "cos_sin_cache key", "apply_rope k"),
+)
+def test_a_non_torch_argument_on_the_dispatcher_is_named_as_the_api_names_it(call, name):
+    """Through the dispatcher (q requires grad) a NumPy argument is a TypeError naming it
+    as the call's own API does, not by the custom op's schema."""
+    q = torch.randn(2, 1, 16, requires_grad=True) * 1
+    with pytest.raises(TypeError, match=f"^{name} must be a torch tensor, got numpy.ndarray"):
+        call(q, torch.randn(2, 1, 8))
+
+
 def _autograd_gradients(function, inputs):
     leaves = [t.detach().clone().requires_grad_() for t in inputs]
     function(*leaves).backward()
@@ -1197,3 +1272,40 @@ _CAPTURED = (
 @pytest.mark.parametrize("name", _CAPTURED)
 def test_gpu_cuda_graph_capture_and_replay(name):
     assert_runs_in_own_process(_CAPTURE, name, "7")
+
+
+class _UserTensor(torch.Tensor):
+    """A torch.Tensor subclass defined outside torch (as torchao's are)."""
+
+
+SUBCLASS_CALLS = {
+    "RoPEFwdOp": lambda make: RoPEFwdOp()(make((5, 64), torch.float32)),
+    "apply_rope": lambda make: apply_rope(make((1, 5, 128), torch.float32), None, RoPE(64, 2))[0],
+    "MHCPostFwdOp": lambda make: MHCPostFwdOp()(
+        make((3, 16), torch.float32), make((3, 4), torch.float32), make((3, 64), torch.float32)
+    ),
+    "prefill bf16": lambda make: _rotated_in_place(make((1, 5, 128), torch.bfloat16)),
+}
+
+
+def _rotated_in_place(q):
+    RoPE(64, 2).prefill(q, None, 3)
+    return q
+
+
+@pytest.mark.parametrize("call", list(SUBCLASS_CALLS))
+def test_a_tensor_subclass_of_another_module_is_taken_as_torch(call):
+    """torch in, torch out, whatever module defines the subclass: the same bits as on plain
+    tensors (it was read as a generic DLPack producer: a NumPy output the op then failed to
+    return, and bfloat16 refused)."""
+    values = []
+    for kind in (torch.Tensor, _UserTensor):
+        generator = torch.Generator().manual_seed(len(call))  # the same data for both
+
+        def make(shape, dtype, kind=kind, generator=generator):
+            return torch.randn(shape, generator=generator).to(dtype).as_subclass(kind)
+
+        result = SUBCLASS_CALLS[call](make)
+        assert isinstance(result, torch.Tensor)
+        values.append(result.as_subclass(torch.Tensor))
+    assert torch.equal(values[0], values[1])

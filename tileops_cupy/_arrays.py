@@ -12,8 +12,10 @@ same memory without the per-call capsule round trip, which matters at decode siz
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -169,6 +171,9 @@ def _framework_of(obj: Any) -> str:
         return module
     if module in ("jax", "jaxlib"):
         return "jax"
+    torch = sys.modules.get("torch")  # a torch.Tensor subclass of another module (torchao's)
+    if torch is not None and isinstance(obj, torch.Tensor):
+        return "torch"
     return "dlpack"
 
 
@@ -213,9 +218,57 @@ def as_operand(obj: Any, name: str) -> Operand:
         return _from_cupy(cupy().from_dlpack(obj), framework)
     if device_type in (_KDL_CPU, _KDL_CUDA_HOST):
         # np.asarray keeps JAX's ml_dtypes bfloat16; from_dlpack refuses it
-        array = np.asarray(obj) if framework == "jax" else np.from_dlpack(obj)
+        array = np.asarray(obj) if framework == "jax" else _host_from_dlpack(obj)
         return _from_numpy(obj, array, framework, name)
     raise ValueError(f"{name} lives on DLPack device type {device_type}; expected CPU or CUDA")
+
+
+# DLPack's DLTensor: data (8 bytes), device (8), ndim (4), then dtype: code, bits, lanes; a
+# versioned capsule's DLTensor follows its version, manager context, deleter and flags
+_DLTENSOR_DTYPE_OFFSET = 20
+_CAPSULES = {b"dltensor_versioned": 32, b"dltensor": 0}  # name: offset of the DLTensor
+_KDL_UINT, _KDL_BFLOAT = 1, 4
+
+
+class _Exported:
+    """A DLPack capsule already taken from a producer, offered to ``np.from_dlpack``."""
+
+    def __init__(self, capsule: Any, device: tuple[int, int]) -> None:
+        self._capsule, self._device = capsule, device
+
+    def __dlpack__(self, **_: Any) -> Any:
+        return self._capsule
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self._device
+
+
+def _host_from_dlpack(obj: Any) -> np.ndarray:
+    """A NumPy view of any DLPack producer's host memory, bfloat16 included: NumPy refuses
+    that dtype code, so a bfloat16 capsule is relabelled 16-bit unsigned (the same bits)
+    before NumPy takes it, and viewed as ml_dtypes' bfloat16 after. A versioned capsule is
+    asked for first, as NumPy does: its flags say whether the memory may be written."""
+    try:
+        capsule = obj.__dlpack__(max_version=(1, 0))
+    except TypeError:  # a producer older than DLPack 1.0
+        capsule = obj.__dlpack__()
+    name = next(name for name in _CAPSULES if _capsule_is_valid(capsule, name))
+    address = _capsule_pointer(capsule, name) + _CAPSULES[name] + _DLTENSOR_DTYPE_OFFSET
+    dtype = (ctypes.c_uint8 * 4).from_address(address)
+    is_bfloat16 = (dtype[0], dtype[1]) == (_KDL_BFLOAT, 16)
+    if is_bfloat16:
+        dtype[0] = _KDL_UINT
+    array = np.from_dlpack(_Exported(capsule, obj.__dlpack_device__()))
+    return array.view(_BF16) if is_bfloat16 else array
+
+
+# Python's capsule API with its own signatures (ctypes.pythonapi's are shared, and unset)
+_capsule_is_valid = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_IsValid", ctypes.pythonapi)
+)
+_capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_GetPointer", ctypes.pythonapi)
+)
 
 
 # --------------------------------------------------------------------------- memory

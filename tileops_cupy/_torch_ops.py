@@ -409,15 +409,20 @@ def _require_tensors(name: str, arguments: tuple) -> None:
     else (a NumPy or CuPy array, a list): the direct path takes any framework's arrays, but
     the dispatcher takes torch tensors only, and its own error names a schema type."""
     for index, argument in _TENSOR_ARGUMENTS[name]:
-        value = arguments[index]
-        if value is not None and not isinstance(value, _Tensor):
-            kind = type(value)
-            raise TypeError(
-                f"{argument} must be a torch tensor, got {kind.__module__}.{kind.__qualname__}: "
-                "this call goes through torch's dispatcher (a torch argument requires grad, "
-                "or a tracer or transform watches), which takes torch tensors only; "
-                "torch.from_numpy or torch.from_dlpack give one without a copy"
-            )
+        require_tensor(argument, arguments[index])
+
+
+def require_tensor(argument: str, value: Any) -> None:
+    """:func:`_require_tensors` of one argument (None passes), for callers that read a
+    tensor's attributes before the op's own check."""
+    if value is not None and not isinstance(value, _Tensor):
+        kind = type(value)
+        raise TypeError(
+            f"{argument} must be a torch tensor, got {kind.__module__}.{kind.__qualname__}: "
+            "this call goes through torch's dispatcher (a torch argument requires grad, "
+            "or a tracer or transform watches), which takes torch tensors only; "
+            "torch.from_numpy or torch.from_dlpack give one without a copy"
+        )
 
 
 def _call(name: str, arguments: tuple, config: tuple) -> Any:
@@ -924,6 +929,26 @@ def _slice(arguments: tuple, in_dims: tuple, index: int) -> list:
     return [a.select(d, index) if isinstance(d, int) else a for a, d in pairs]
 
 
+def _no_slices(op: Any, in_dims: tuple, arguments: tuple) -> Any:
+    """The results of a vmap over an empty batch: each one [0, ...] of the dtype, the shape
+    and the device of one slice's, which the op's fake implementation gives on meta tensors
+    (there is no slice to run, and the joined rows of none say nothing of a slice's)."""
+    import torch
+
+    device = next(a.device for a in arguments if isinstance(a, torch.Tensor))
+    pairs = zip(arguments, in_dims, strict=True)
+    shapes = [
+        torch.empty(a.shape[:d] + a.shape[d + 1 :], dtype=a.dtype, device="meta")
+        if isinstance(d, int)
+        else a.to("meta") if isinstance(a, torch.Tensor) else a
+        for a, d in pairs
+    ]  # fmt: skip
+    results = op(*shapes)
+    if isinstance(results, tuple):
+        return tuple(torch.empty(0, *r.shape, dtype=r.dtype, device=device) for r in results)
+    return torch.empty(0, *results.shape, dtype=results.dtype, device=device)
+
+
 def _vmap_rule(op: Any, fold: Any) -> Any:
     """torch.library.register_vmap's rule for the custom op ``op``: ``fold(size, in_dims,
     arguments)`` gives the arguments of one call on the joined rows and what makes its
@@ -932,7 +957,9 @@ def _vmap_rule(op: Any, fold: Any) -> Any:
 
     def rule(info, in_dims, *arguments):
         size = info.batch_size
-        if fold is not None:
+        if size == 0:
+            results = _no_slices(op, in_dims, arguments)
+        elif fold is not None:
             call, finish = fold(size, in_dims, list(arguments))
             results = finish(op(*call))
         else:

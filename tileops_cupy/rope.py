@@ -120,6 +120,7 @@ class _RotaryOp(ProcessLocal):
     """Rotation of ``x`` by its sequence positions with one scheme; see the subclasses."""
 
     _inverse = False
+    _argument = "x"  # what errors call the rotated input: the Bwd twins' is "grad"
     _process_state = frozenset({"_tables", "_relaunches", "_flag", "config"})
 
     def _setup(
@@ -191,9 +192,9 @@ class _RotaryOp(ProcessLocal):
             stream = torch_ops.current_stream(fast.device)
             fast.relaunch(stream, RELAUNCH_X, x_ptr, result.data_ptr())
             return result
-        source = check_float_operand(x, "x")
+        source = check_float_operand(x, self._argument)
         rows = self.checked_rows(source)
-        select_place(self.target, {"x": source})
+        select_place(self.target, {self._argument: source})
         seq = rows.shape[1]
         positions = Positions(limit=max(seq, 1), cover=max(seq, 1))
         result, launch = self._run(source, rows, positions)
@@ -205,11 +206,12 @@ class _RotaryOp(ProcessLocal):
         """``source`` (x) as head rows, its dtype, layout, head_dim, rotary_dim and
         positions checked: every check of a call that needs no memory, which the op's fake
         implementation (meta tensors, torch.compile) runs too."""
-        check_float_dtype(source, "x")
-        rows = self._rows(source, "x")
+        name = self._argument
+        check_float_dtype(source, name)
+        rows = self._rows(source, name)
         if rows.shape[1] > MAX_POSITIONS:
-            raise ValueError(f"x has {rows.shape[1]} positions; at most 2**24 are supported")
-        check_head_dim_rotary_dim("x", rows.shape[3], self.rotary_dim)
+            raise ValueError(f"{name} has {rows.shape[1]} positions; at most 2**24 are supported")
+        check_head_dim_rotary_dim(name, rows.shape[3], self.rotary_dim)
         return rows
 
     def _run(
@@ -464,11 +466,11 @@ class RoPENeoxPositionIdsFwdOp(_RotaryOp):
             stream = torch_ops.current_stream(fast.device)
             fast.relaunch(stream, RELAUNCH_IDS, x_ptr, result.data_ptr(), 0, 0, ids_ptr)
             return result
-        source = check_float_operand(x, "x")
+        source = check_float_operand(x, self._argument)
         ids = as_operand(position_ids, "position_ids")
         rows = self.checked_rows(source, ids)
         tokens = source.shape[0]
-        place = select_place(self.target, {"x": source, "position_ids": ids})
+        place = select_place(self.target, {self._argument: source, "position_ids": ids})
         if place == "cpu":
             check_host_positions("position_ids", ids.host, self.max_position)
         elif ids.strides[0] != 1 and tokens > 1:
@@ -484,9 +486,10 @@ class RoPENeoxPositionIdsFwdOp(_RotaryOp):
     def checked_rows(self, source: Operand, ids: Operand | None = None) -> HeadRows:
         """x ``[tokens, heads, head_dim]`` as head rows, checked with its ``ids`` (see
         :meth:`_RotaryOp.checked_rows`)."""
-        check_float_dtype(source, "x")
+        name = self._argument
+        check_float_dtype(source, name)
         if source.ndim != 3:
-            raise ValueError(f"x must be [tokens, heads, head_dim], got shape {source.shape}")
+            raise ValueError(f"{name} must be [tokens, heads, head_dim], got shape {source.shape}")
         if ids is None:
             raise TypeError("position_ids must be an int32/int64 array [tokens], got None")
         tokens, heads, head_dim = source.shape
@@ -494,9 +497,10 @@ class RoPENeoxPositionIdsFwdOp(_RotaryOp):
             raise TypeError(f"position_ids must be int32 or int64, got {ids.dtype}")
         if ids.shape != (tokens,):
             raise ValueError(
-                f"position_ids must have shape [tokens] = ({tokens},) to match x, got {ids.shape}"
+                f"position_ids must have shape [tokens] = ({tokens},) to match {name}, got "
+                f"{ids.shape}"
             )
-        check_head_dim_rotary_dim("x", head_dim, self.rotary_dim)
+        check_head_dim_rotary_dim(name, head_dim, self.rotary_dim)
         return HeadRows(source, (1, tokens, heads, head_dim), (0, *source.strides[:2], 1))
 
     def __repr__(self) -> str:
@@ -509,11 +513,21 @@ def _make_backward(forward: type[_RotaryOp]) -> type[_RotaryOp]:
     name = forward.__name__.replace("FwdOp", "BwdOp")
     doc = (
         f"Backward of :class:`{forward.__name__}`: same constructor and call, applies the "
-        "inverse rotation (sin negated) to the incoming gradient ``grad``. With an amplitude "
-        "``a`` (YaRN, LongRoPE), Bwd(Fwd(x)) == a*a*x.\n\n"
+        "inverse rotation (sin negated) to the incoming gradient ``grad`` (the first "
+        "argument of ``forward(grad, ...)``, in x's place). With an amplitude ``a`` (YaRN, "
+        "LongRoPE), Bwd(Fwd(x)) == a*a*x.\n\n"
         f"{forward.__name__}'s documentation:\n\n{forward.__doc__}"
     )
-    return type(name, (forward,), {"_inverse": True, "__doc__": doc, "__module__": __name__})
+
+    def backward_forward(self: _RotaryOp, grad: Any, *args: Any, **kwargs: Any) -> Any:
+        """The inverse rotation of ``grad``; the other arguments as the Fwd op's."""
+        return forward.forward(self, grad, *args, **kwargs)
+
+    attributes = {
+        "_inverse": True, "_argument": "grad", "forward": backward_forward, "__doc__": doc,
+        "__module__": __name__,
+    }  # fmt: skip
+    return type(name, (forward,), attributes)
 
 
 RoPEBwdOp = _make_backward(RoPEFwdOp)
@@ -886,9 +900,11 @@ class RoPE(ProcessLocal):
         bookkeeping would otherwise cost more than the kernel."""
         weights = (q_norm_weight, k_norm_weight)
         if not in_place:
-            q_name, k_name = _argument_names(cache)
-            q_out = empty_like(as_operand(q, q_name), tuple(q.shape))
-            k_out = None if k is None else empty_like(as_operand(k, k_name), tuple(k.shape))
+            q_name, k_name = _argument_names(cache, inverse)
+            q_op = as_operand(q, q_name)
+            q_out = empty_like(q_op, q_op.shape)
+            k_op = None if k is None else as_operand(k, k_name)
+            k_out = None if k_op is None else empty_like(k_op, k_op.shape)
             out = (q_out, k_out)
             self._apply(q, k, position, inverse, decode, out, ids, weights, cache)
             return to_caller(q_out), None if k_out is None else to_caller(k_out)
@@ -1021,7 +1037,9 @@ class RoPE(ProcessLocal):
         offsets = value
         if not offsets.is_cuda:
             check_host_positions(name, offsets.host, limit)  # (first: the sum below can wrap)
-            check_host_positions(name, offsets.host.astype(np.int64) + seq - 1, limit)
+            if seq:  # each sequence's last position (a chunk of T = 0 tokens has none)
+                last = offsets.host.astype(np.int64) + seq - 1
+                check_host_positions(f"{name} + T - 1 (a sequence's last position)", last, limit)
             highest = int(offsets.host.max(initial=0)) + seq
             if place == "cuda":
                 offsets = upload(rows.operand, np.ascontiguousarray(offsets.host))
@@ -1083,7 +1101,7 @@ class RoPE(ProcessLocal):
                     f"cos_sin_cache has width {width}; this component rotates "
                     f"rotary_dim={self.rotary_dim}"
                 )
-        q_name, k_name = _argument_names(cache)
+        q_name, k_name = _argument_names(cache, inverse)
         check_float_layout(q, q_name, in_place=in_place)
         q_rows = self._rows(q, q_name, self.num_heads, packed)
         k_rows = None
@@ -1152,7 +1170,7 @@ class RoPE(ProcessLocal):
         self._flag.raise_if_set(self._flagged_message)
         in_place = out is None
         name = _position_name(decode)
-        q_name, k_name = _argument_names(cache)
+        q_name, k_name = _argument_names(cache, inverse)
         q_op = as_operand(q, q_name)
         k_op = None if k is None else as_operand(k, k_name)
         ids = None if ids is None else as_operand(ids, "positions")  # (described once)
@@ -1277,13 +1295,15 @@ def _in_place_call(
         )  # fmt: skip
         return
     offsets, offset = _split_position(position, _position_name(decode))
+    arguments = (q, k, offsets, offset, ids, cache, inverse, decode, *weights)
+    _require_tensors(arguments)
     _refuse_differentiated_cache(cache)
     if not torch_ops.requires_grad(q, k, *weights) and not torch_ops.transformed():
-        arguments = (q, k, offsets, offset, ids, cache, inverse, decode, *weights)
         torch_ops.rope_qk(config, *arguments, in_place=True)
         return
-    q_name, k_name = _argument_names(cache)
-    for name, tensor in ((q_name, q), (k_name, k)):
+    q_name, k_name = _argument_names(cache, inverse)
+    named = ((q_name, q), (k_name, k))
+    for name, tensor in named:
         if tensor is not None and tensor.requires_grad and tensor.is_leaf:
             copy = (
                 "apply_rope_with_cos_sin_cache" if cache is not None else "apply_rope(q, k, rope)"
@@ -1293,9 +1313,6 @@ def _in_place_call(
                 f"place (autograd forbids it); use {copy} for a rotated copy, or rotate "
                 "under torch.no_grad()"
             )
-        if tensor is not None:
-            _refuse_unwritable(name, tensor)
-    named = ((q_name, q), (k_name, k))
     memory = {name: torch_ops.memory_of(tensor) for name, tensor in named if tensor is not None}
     read = _read_only(_position_name(decode), offsets, ids, cache, weights)
     read = {name: torch_ops.memory_of(tensor) for name, tensor in read.items()}
@@ -1309,11 +1326,25 @@ def _in_place_call(
     q_in, k_in = q, k
     if weights[0] is not None or weights[1] is not None:
         q_in, k_in = q.clone(), None if k is None else k.clone()
-    arguments = (q_in, k_in, offsets, offset, ids, cache, inverse, decode, *weights)
-    q_rot, k_rot = torch_ops.rope_qk(config, *arguments)
+    q_rot, k_rot = torch_ops.rope_qk(config, q_in, k_in, *arguments[2:])
+    for name, tensor, rotated in ((q_name, q, q_rot), (k_name, k, k_rot)):
+        if tensor is not None:
+            _refuse_unwritable(name, tensor, rotated)
     q.copy_(q_rot)
     if k is not None:
         k.copy_(k_rot)
+
+
+def _require_tensors(arguments: tuple) -> None:
+    """TypeError naming, as the caller's API does, an argument of ``rope_qk``'s
+    ``arguments`` that is not a torch tensor: the dispatcher takes torch tensors only, and
+    its own check knows only the schema's names (``k`` for the cos_sin_cache calls' ``key``,
+    ``position_offset`` for decode's ``position``)."""
+    q, k, offsets, _, ids, cache, inverse, decode, q_weight, k_weight = arguments
+    q_name, k_name = _argument_names(cache, inverse)
+    read = _read_only(_position_name(decode), offsets, ids, cache, (q_weight, k_weight))
+    for name, value in ((q_name, q), (k_name, k), *read.items()):
+        torch_ops.require_tensor(name, value)
 
 
 def apply_rope(
@@ -1354,6 +1385,7 @@ def apply_rope(
         )  # fmt: skip
     offsets, offset = _split_position(position_offset)
     arguments = (q, k, offsets, offset, positions, None, False, False, *weights)
+    _require_tensors(arguments)
     q_rot, k_rot = torch_ops.rope_qk(rope.config, *arguments)
     return q_rot, None if k is None else k_rot
 
@@ -1394,8 +1426,9 @@ def apply_rope_with_cos_sin_cache(
     config = _cache_config(query, key, head_size, cos_sin_cache, is_neox)
     if torch_ops.classify(query, key, positions, cos_sin_cache) is not torch_ops.DISPATCH:
         return component(config).rotated(query, key, 0, ids=positions, cache=cos_sin_cache)
-    _refuse_differentiated_cache(cos_sin_cache)
     arguments = (query, key, None, 0, positions, cos_sin_cache, False, False, None, None)
+    _require_tensors(arguments)
+    _refuse_differentiated_cache(cos_sin_cache)
     q_rot, k_rot = torch_ops.rope_qk(config, *arguments)
     return q_rot, None if key is None else k_rot
 
@@ -1466,15 +1499,24 @@ _CACHE_FLAG, _CACHE_ERRORS = configuration_flag(("apply_rope_with_cos_sin_cache"
 _STANDARD_ARGS = scheme_args(Standard())
 
 
-def _refuse_unwritable(name: str, tensor: Any) -> None:
-    """torch's own checks of an in-place write under autograd (a view of a leaf that
-    requires grad, one of several views a function such as ``split`` returned, a view made
-    under no_grad, an inference tensor), run by an in-place op on an empty slice of
-    ``tensor``, which writes nothing. The rotated q and k are copied in one after the other,
-    so k must be refused before q's copy rather than fail at its own; and q too, since an
-    inference tensor's copy fails only after writing (at its version counter)."""
+def _refuse_unwritable(name: str, tensor: Any, rotated: Any) -> None:
+    """torch's own checks of the in-place write of ``rotated`` into ``tensor`` under
+    autograd or a transform (a view of a leaf that requires grad, one of several views a
+    function such as ``split`` returned, a view made under no_grad, an inference tensor,
+    an unbatched tensor written from a batched one under vmap), run by the same ``copy_``
+    on empty slices of both, which writes nothing. The rotated q and k are copied in one
+    after the other, so k must be refused before q's copy rather than fail at its own; and
+    q too, since an inference tensor's copy fails only after writing (at its version
+    counter).
+
+    The rehearsal writes nothing, so the version counter it bumps (shared with every view
+    of the same memory) is put back: a call refused after it must not leave a tensor saved
+    for backward looking modified, nor a view made under no_grad unusable."""
+    import torch
+
     try:
-        tensor.narrow(-1, 0, 0).zero_()
+        with torch.autograd._unsafe_preserve_version_counter(tensor):
+            tensor.narrow(-1, 0, 0).copy_(rotated.narrow(-1, 0, 0))
     except RuntimeError as error:
         raise ValueError(f"{name} cannot be rotated in place here: {error}") from error
 
@@ -1507,10 +1549,13 @@ def _position_name(decode: bool) -> str:
     return "position" if decode else "position_offset"
 
 
-def _argument_names(cache: Any) -> tuple[str, str]:
+def _argument_names(cache: Any, inverse: bool) -> tuple[str, str]:
     """What the caller's API calls q and k, for its errors: FlashInfer's ``query`` and
-    ``key`` in the cos_sin_cache calls (``cache`` given), ``q`` and ``k`` elsewhere."""
-    return ("query", "key") if cache is not None else ("q", "k")
+    ``key`` in the cos_sin_cache calls (``cache`` given), :meth:`RoPE.backward`'s
+    ``grad_q`` and ``grad_k`` for the inverse rotation, ``q`` and ``k`` elsewhere."""
+    if cache is not None:
+        return "query", "key"
+    return ("grad_q", "grad_k") if inverse else ("q", "k")
 
 
 def _byte_span(tensor: Any) -> int:
