@@ -15,9 +15,19 @@ NP_DTYPES = {
 }
 H_POST_TOLERANCE = 5e-5  # SPEC 5: absolute, against float64
 ROW_SCALE_TOLERANCE = 2.0**-7  # SPEC 5: x_res / x_layer, relative to each row's scale
-# Post is float32 arithmetic rounded once to the output dtype: twice the dtype's unit
-# roundoff (2**-8 bf16, 2**-11 fp16, 2**-24 fp32) leaves room for the float32 noise.
-POST_TOLERANCE = {"bfloat16": 2.0**-7, "float16": 2.0**-10, "float32": 2.0**-22}
+# Post is float32 arithmetic rounded once to the output dtype (SPEC 4, 8): the float32
+# result lies within FLOAT32_ERROR of its terms' magnitudes, and its one rounding within the
+# dtype's unit roundoff of that result (UNIT_ROUNDOFF), or half a subnormal step of it
+UNIT_ROUNDOFF = {"bfloat16": 2.0**-8, "float16": 2.0**-11, "float32": 2.0**-24}
+FLOAT32_ERROR = 2.0**-22  # of the terms' magnitudes: a product and a sum, with room
+
+
+def one_rounding_bound(exact: np.ndarray, float32_error: np.ndarray, dtype: str) -> np.ndarray:
+    """How far from ``exact`` a float32 result within ``float32_error`` of it may land once
+    rounded to ``dtype``: a second rounding (through the dtype on the way, say) overshoots
+    it wherever the result is not itself near a representable value."""
+    subnormal = float(ml_dtypes.finfo(NP_DTYPES[dtype]).smallest_subnormal)
+    return UNIT_ROUNDOFF[dtype] * (np.abs(exact) + float32_error) + float32_error + subnormal / 2
 
 
 @dataclass
@@ -154,7 +164,7 @@ def assert_post_matches(x_layer_out, h_post, x_res, x_out, dtype: str) -> None:
     ref, scale = post_reference(x_layer_out, h_post, x_res)
     got = to_float64(x_out)
     assert got.shape == ref.shape
-    bound = POST_TOLERANCE[dtype] * scale + 1e-30
+    bound = one_rounding_bound(ref, FLOAT32_ERROR * scale, dtype)
     error = np.abs(got - ref)
     worst = np.unravel_index(np.argmax(error - bound), error.shape)
     assert (error <= bound).all(), f"x_out[{worst}] = {got[worst]} vs {ref[worst]}"
@@ -265,10 +275,10 @@ def assert_pre_grads_match(ref: dict, grads, dtype: str) -> None:
 
 def assert_post_backward_matches(x_layer_out, h_post, grad_x_out, grads, dtype: str) -> None:
     """(grad_x_layer_out, grad_h_post, grad_x_res) of mHC post against float64:
-    grad_x_layer_out (a sum of n products) within one output unit (POST_TOLERANCE) plus the
-    float32 sum's own n * 2**-24, and grad_h_post (float32) within POST_TOLERANCE["float32"],
-    each of the sum of |terms|, plus the dtype's smallest subnormal (the spacing of tiny
-    results); grad_x_res is grad_x_out exactly."""
+    grad_x_layer_out (a sum of n products in float32, each term's error 2**-23 of the sum of
+    |terms| at most) rounded once (:func:`one_rounding_bound`), and grad_h_post (float32, a
+    sum over c_x) within FLOAT32_ERROR of the sum of |terms|, plus the smallest subnormal;
+    grad_x_res is grad_x_out exactly."""
     layer = np.asarray(x_layer_out).astype(np.float64)
     gates = np.asarray(h_post).astype(np.float64)
     upstream = np.asarray(grad_x_out).astype(np.float64)
@@ -278,18 +288,14 @@ def assert_post_backward_matches(x_layer_out, h_post, grad_x_out, grads, dtype: 
     terms_layer = gates[:, :, None] * upstream  # summed over i
     terms_gates = upstream * layer[:, None, :]  # summed over c
     grad_layer, grad_gates, grad_res = grads
-    spacing = float(ml_dtypes.finfo(NP_DTYPES[dtype]).smallest_subnormal)
-    layer_tolerance = POST_TOLERANCE[dtype] + n * 2.0**-24
-    assert_within(
-        "grad_x_layer_out",
-        grad_layer,
-        terms_layer.sum(axis=1),
-        layer_tolerance * np.abs(terms_layer).sum(axis=1) + spacing,
-    )
+    exact_layer = terms_layer.sum(axis=1)
+    float32_error = n * 2.0**-23 * np.abs(terms_layer).sum(axis=1)
+    bound = one_rounding_bound(exact_layer, float32_error, dtype)
+    assert_within("grad_x_layer_out", grad_layer, exact_layer, bound)
     assert_within(
         "grad_h_post",
         grad_gates,
         terms_gates.sum(axis=2),
-        POST_TOLERANCE["float32"] * np.abs(terms_gates).sum(axis=2) + 2.0**-149,
+        FLOAT32_ERROR * np.abs(terms_gates).sum(axis=2) + 2.0**-149,
     )
     assert_within("grad_x_res", grad_res, upstream.reshape(batch, n * c_x), 0.0)
