@@ -1795,9 +1795,9 @@ def test_a_rejected_call_changes_nothing(rng):
     rope = RoPE(HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, max_position=1000)
     q, k, _, _ = _qk(rng, "cpu", B, T, "float32")
     q_before, k_before = q.copy(), k.copy()
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^position_offset \+ T - 1 .* e\.g\. 1000$"):
         rope.prefill(q, k, np.array([0, 998]))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^q and k must share \[B, T\]"):
         rope.prefill(q, k[:, :2], 0)
     assert np.array_equal(q, q_before) and np.array_equal(k, k_before)
 

@@ -589,7 +589,8 @@ def _bad_calls(place):
                                       0, q_norm_weight=good,
                                       k_norm_weight=buffer[0, 0, (HEADS + KV_HEADS) * head_dim :]),
             None, None),  # apart from q and k (the v part): allowed
-        "backward": (lambda r, q, k: r.backward(q, k, 0, q_norm_weight=good), TypeError, None),
+        "backward": (lambda r, q, k: r.backward(q, k, 0, q_norm_weight=good), TypeError,
+                     "unexpected keyword argument 'q_norm_weight'"),
     }  # fmt: skip
 
 

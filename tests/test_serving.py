@@ -477,7 +477,7 @@ def test_rotary_dim_equal_to_head_dim_is_the_full_rotation(rng):
          "rescale_factors must have rotary_dim/2 = 8"),
         (lambda: RoPEFwdOp(rotary_dim=80)(np.zeros((3, 64), np.float32)), ValueError,
          "rotary_dim must be <= head_dim"),
-        (lambda: RoPEFwdOp("neox", "1d", 10000.0, 16), TypeError, None),  # keyword-only
+        (lambda: RoPEFwdOp("neox", "1d", 10000.0, 16), TypeError, "positional argument"),
     ],
     ids=["odd", "zero", "bool", "float", "longrope-factors", "above-head-dim", "positional"],
 )  # fmt: skip
