@@ -58,12 +58,23 @@ def check_real(
 
 
 def check_positive_int(name: str, value: Any, *, even: bool = False) -> int:
-    """A positive int (numpy ints included; bools refused), even when ``even``."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+    """A positive int (numpy ints included; bools refused: a TypeError, as any other type),
+    even when ``even``."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be a positive int, got {value!r}")
+    if value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     if even and value % 2:
         raise ValueError(f"{name} must be even, got {value}")
     return int(value)
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """A bool (NumPy's included, as NumPy ints are ints), refused as TypeError otherwise: an
+    int or a string would read as true."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return bool(value)
 
 
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:

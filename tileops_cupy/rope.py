@@ -51,6 +51,7 @@ from ._rotate import (
 from ._tables import combined_bytes, existing_table, shared_table, table_bytes, table_cache_info
 from ._validate import (
     MAX_POSITIONS,
+    check_bool,
     check_choice,
     check_cos_sin_cache,
     check_float_dtype,
@@ -683,8 +684,7 @@ class RoPE(ProcessLocal):
         self.max_position = None if max_position is None else check_max_position(max_position)
         self.target = check_target(target)
         self.mrope_section = check_mrope_section(mrope_section, self.rotary_dim)
-        if not isinstance(mrope_interleaved, bool):
-            raise TypeError(f"mrope_interleaved must be a bool, got {mrope_interleaved!r}")
+        mrope_interleaved = check_bool("mrope_interleaved", mrope_interleaved)
         if mrope_interleaved and self.mrope_section is None:
             raise ValueError("mrope_interleaved=True needs an mrope_section (t, h, w)")
         self.mrope_interleaved = mrope_interleaved
@@ -1460,8 +1460,7 @@ def _cache_config(query: Any, key: Any, head_size: Any, cache: Any, is_neox: Any
     """The configuration of the component that runs a cos_sin_cache call of these shapes
     (the scheme's table unused; every such component raises one device error flag)."""
     head_size = check_positive_int("head_size", head_size, even=True)
-    if not isinstance(is_neox, bool):
-        raise TypeError(f"is_neox must be a bool, got {is_neox!r}")
+    is_neox = check_bool("is_neox", is_neox)
     heads = _packed_heads("query", query, head_size)
     kv_heads = heads if key is None else _packed_heads("key", key, head_size)
     if heads % kv_heads:

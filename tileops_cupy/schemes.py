@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
+import ml_dtypes
 import numpy as np
 
 from ._validate import check_real
@@ -37,6 +38,10 @@ class _Numbers:
                 value = check_real(
                     f.name, getattr(self, f.name), integer=f.type == "int", positive=True
                 )
+                if f.type == "int" and value > 2**53:  # (scheme_args carries it as a float)
+                    raise ValueError(
+                        f"{f.name} must be at most 2**53, got {value.bit_length()} bits"
+                    )
                 object.__setattr__(self, f.name, value)
 
 
@@ -205,6 +210,8 @@ def _factors(values) -> np.ndarray:
         array = np.asarray(_host_values(values))
     except (TypeError, ValueError):  # ragged nesting
         array = np.asarray(None)
+    if array.dtype == np.dtype(ml_dtypes.bfloat16):  # (NumPy counts it no float)
+        array = array.astype(np.float64)
     if isinstance(values, (str, bytes)) or array.dtype.kind not in "iuf":
         raise TypeError(
             "rescale_factors must be real numbers (a list, a NumPy array or a tensor of "
