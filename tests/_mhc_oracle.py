@@ -13,8 +13,12 @@ NP_DTYPES = {
     "float16": np.dtype(np.float16),
     "float32": np.dtype(np.float32),
 }
+DTYPE_NAMES = {dtype: name for name, dtype in NP_DTYPES.items()}
 H_POST_TOLERANCE = 5e-5  # SPEC 5: absolute, against float64
-ROW_SCALE_TOLERANCE = 2.0**-7  # SPEC 5: x_res / x_layer, relative to each row's scale
+# SPEC 5: x_res / x_layer within 2**-7 of each row's scale; for float32 x, SPEC 4's float32
+# arithmetic rounded once to float32 is held to 2**-12 (the host reaches 2**-15.5 on
+# saturated rows), which a mix in bfloat16 (2**-9) does not pass and 2**-7 would
+ROW_SCALE_TOLERANCE = {"bfloat16": 2.0**-7, "float16": 2.0**-7, "float32": 2.0**-12}
 # Post is float32 arithmetic rounded once to the output dtype (SPEC 4, 8): the float32
 # result lies within FLOAT32_ERROR of its terms' magnitudes, and its one rounding within the
 # dtype's unit roundoff of that result (UNIT_ROUNDOFF), or half a subnormal step of it
@@ -152,7 +156,8 @@ def assert_pre_matches(case: PreCase, outputs, *, check_mix: bool = True) -> Non
     tiny = 1e-30  # values far below every dtype's resolution round to zero either way
     for name, scale in (("x_res", "res_scale"), ("x_layer", "layer_scale")):
         got = x_res if name == "x_res" else x_layer
-        bound = ROW_SCALE_TOLERANCE * ref[scale][:, None] + tiny
+        tolerance = ROW_SCALE_TOLERANCE[DTYPE_NAMES[case.x.dtype]]
+        bound = tolerance * ref[scale][:, None] + tiny
         error = np.abs(got - ref[name])
         worst = np.unravel_index(np.argmax(error - bound), error.shape)
         assert (error <= bound).all(), (
