@@ -230,6 +230,31 @@ def rms_norm_reference(
     return x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps) * weight64
 
 
+def torch_norm_rope_reference(
+    x: Any, weight: Any, eps: float, weight_offset: float, head_dim: int, positions: Any,
+    frequencies: Frequencies, neox: bool,
+) -> Any:  # fmt: skip
+    """:func:`rms_norm_reference` then :func:`rope_reference` as float64 torch ops, which
+    autograd differentiates: each head row of ``x`` (``[..., heads*head_dim]``) normalised,
+    then its first rotary_dim columns rotated at ``positions`` (one per token), amplitude
+    included. test_qknorm holds the two forms to the same numbers."""
+    import torch
+
+    inv_freq = torch.from_numpy(frequencies.inv_freq).to(x.device)
+    theta = torch.as_tensor(positions, device=x.device).double()[..., None] * inv_freq
+    amplitude = frequencies.amplitude
+    cos, sin = (amplitude * theta.cos())[..., None, :], (amplitude * theta.sin())[..., None, :]
+    first, second = pair_columns(frequencies.rotary_dim, neox)
+    rows = x.double().unflatten(-1, (-1, head_dim))
+    inverse_rms = torch.rsqrt(rows.square().mean(-1, keepdim=True) + eps)
+    normed = rows * inverse_rms * (weight.double() + weight_offset)
+    x1, x2 = normed[..., first], normed[..., second]
+    y = normed.clone()
+    y[..., first] = x1 * cos - x2 * sin
+    y[..., second] = x2 * cos + x1 * sin
+    return y.flatten(-2)
+
+
 def sequence_positions(shape: tuple[int, ...], input_layout: str) -> np.ndarray:
     """Positions of the head rows of an ``x`` of ``shape``: the seq index, shaped to
     broadcast against ``shape[:-1]`` ("1d": ``[seq]``; "2d": ``[1, seq, 1]``)."""

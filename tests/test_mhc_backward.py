@@ -615,6 +615,21 @@ def test_pre_backward_first_pass_stage_width(monkeypatch, dtype, n, c_x, batch, 
     assert plan.stats_stages == min(3, optin // stage_bytes) >= 2
 
 
+@pytest.mark.parametrize("n", (1, 2, 4))
+@pytest.mark.parametrize("saturated", (False, True))
+@pytest.mark.parametrize(("repeat", "eps"), ((0, 0.02), (3, 0.0), (20, 0.02)))
+def test_the_numpy_and_torch_oracles_agree(rng, n, saturated, repeat, eps):
+    """The forward oracle (numpy, pre_reference) and the one torch differentiates for the
+    gradients (torch_pre_reference) are one oracle: the same float64 numbers."""
+    case = random_pre_case(rng, n, 24, 6, dtype="float32", repeat=repeat, eps=eps,
+                           saturated=saturated)  # fmt: skip
+    ref = pre_reference(case)
+    as_tensors = (torch.from_numpy(a.astype(np.float64)) for a in (case.phi, case.x, case.b))
+    outputs = torch_pre_reference(*as_tensors, case.alphas, repeat, eps)
+    for name, got in zip(("x_res", "x_layer", "h_post"), outputs, strict=True):
+        np.testing.assert_allclose(got.numpy(), ref[name], rtol=1e-12, atol=1e-12, err_msg=name)
+
+
 # --------------------------------------------------------------------------- post
 
 

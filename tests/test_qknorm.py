@@ -24,12 +24,14 @@ from _oracle import (
     assert_gradcheck,
     assert_norm_rope_matches_oracle,
     mrope_pair_positions,
-    pair_columns,
     random_data,
     rms_norm_reference,
+    rope_reference,
     standard_frequencies,
     to_float64,
     to_framework,
+    torch_norm_rope_reference,
+    yarn_frequencies,
 )
 
 from tileops_cupy import _rotate
@@ -412,23 +414,33 @@ def test_matches_hf_norm_then_rotary(rng, norm, dtype, place):
 
 
 def _torch_reference(q, k, q_weight, k_weight, rope, positions, frequencies, neox):
-    """The same math as torch ops in float64 (autograd differentiates it): RMSNorm per head
-    row, then the rotation of the first rotary_dim columns."""
-    inv_freq = torch.from_numpy(frequencies.inv_freq).to(q.device)
-    theta = torch.as_tensor(positions, device=q.device).double()[..., None] * inv_freq
-    cos, sin = theta.cos()[..., None, :], theta.sin()[..., None, :]
-    first, second = pair_columns(frequencies.rotary_dim, neox)
-    outputs = []
-    for x, weight in ((q, q_weight), (k, k_weight)):
-        rows = x.double().unflatten(-1, (-1, rope.head_dim))
-        inverse_rms = torch.rsqrt(rows.square().mean(-1, keepdim=True) + rope.norm_eps)
-        normed = rows * inverse_rms * (weight.double() + rope.norm_weight_offset)
-        x1, x2 = normed[..., first], normed[..., second]
-        y = normed.clone()
-        y[..., first] = x1 * cos - x2 * sin
-        y[..., second] = x2 * cos + x1 * sin
-        outputs.append(y.flatten(-2))
-    return outputs
+    """The same math as torch ops in float64 (autograd differentiates it)."""
+    settings = (rope.norm_eps, rope.norm_weight_offset, rope.head_dim, positions, frequencies)
+    return [
+        torch_norm_rope_reference(x, weight, *settings, neox)
+        for x, weight in ((q, q_weight), (k, k_weight))
+    ]
+
+
+@pytest.mark.parametrize("case", ("D128-partial64-neox", "D64-interleaved"))
+def test_the_numpy_and_torch_oracles_agree(rng, case):
+    """The torch form of the norm and rotation (the gradients' oracle) gives the numpy
+    oracle's float64 numbers, amplitude and unrotated tail included."""
+    head_dim, rotary_dim, layout = CASES[case]
+    frequencies = yarn_frequencies(rotary_dim, 10000.0, 4.0, 2048)  # (an amplitude > 1)
+    x = rng.standard_normal((B, T, HEADS * head_dim))
+    weight = rng.standard_normal(head_dim)
+    ids = rng.integers(0, 1 << 16, (B, T))
+    torch_form = torch_norm_rope_reference(
+        torch.from_numpy(x), torch.from_numpy(weight), 1e-6, 1.0, head_dim, ids, frequencies,
+        layout == "neox",
+    )  # fmt: skip
+    rows = x.reshape(B, T, HEADS, head_dim)
+    normed = rms_norm_reference(rows, weight, 1e-6, 1.0)
+    numpy_form = rope_reference(normed, ids[..., None], frequencies, neox=layout == "neox")
+    np.testing.assert_allclose(
+        torch_form.numpy(), numpy_form.reshape(x.shape), rtol=1e-12, atol=1e-12
+    )
 
 
 @pytest.mark.parametrize("place", PLACES)
