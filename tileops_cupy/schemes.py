@@ -40,7 +40,7 @@ class _Numbers:
                 )
                 if f.type == "int" and value > 2**53:  # (scheme_args carries it as a float)
                     raise ValueError(
-                        f"{f.name} must be at most 2**53, got {value.bit_length()} bits"
+                        f"{f.name} must be at most 2**53, got an int of {value.bit_length()} bits"
                     )
                 object.__setattr__(self, f.name, value)
 
