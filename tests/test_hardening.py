@@ -1369,3 +1369,22 @@ def test_any_dlpack_producer_on_the_host_is_read_in_place(dtype):
     )
     rope.prefill(_Producer(q), None, 5)
     assert torch.equal(q, expected)
+
+
+@GPU
+@pytest.mark.parametrize("kind", ("positions", "offsets"))
+def test_big_endian_host_positions_with_device_data(rng, kind):
+    """Host positions or offsets in non-native byte order, with CUDA data: uploaded in the
+    native order (neither torch nor CuPy takes another), the same bits as native ones."""
+    require("cuda", "torch")
+    rope = _rope()
+    q = torch.from_numpy(_random(rng, (B, T, Q_WIDTH))).cuda()
+    values = rng.integers(0, 990, (B, T) if kind == "positions" else (B,))
+    rotated = []
+    for order in ("<", ">"):
+        given = values.astype(f"{order}i8")
+        if kind == "positions":
+            rotated.append(apply_rope(q, None, rope, positions=given)[0])
+        else:
+            rotated.append(apply_rope(q, None, rope, given)[0])
+    assert torch.equal(rotated[0], rotated[1])

@@ -419,7 +419,10 @@ def contiguous(operand: Operand, template: Operand | None = None) -> Operand:
 
 def upload(template: Operand, values: np.ndarray) -> Operand:
     """``values`` copied to ``template``'s device, in its framework, ordered on the caller's
-    stream (for small host-side metadata such as per-sequence offsets)."""
+    stream (for small host-side metadata such as per-sequence offsets): contiguous and in
+    native byte order, which neither torch nor CuPy takes otherwise (a big-endian NumPy
+    array of positions is read right on the host)."""
+    values = np.ascontiguousarray(values, dtype=values.dtype.newbyteorder("="))
     if template.framework == "torch":
         return _from_torch(_torch().from_numpy(values).to(template.obj.device))
     cp = cupy()

@@ -1024,7 +1024,7 @@ class RoPE(ProcessLocal):
                 check_host_positions("positions", ids.host, limit)
                 highest = int(ids.host.max(initial=0)) + 1
                 if place == "cuda":
-                    ids = upload(rows.operand, np.ascontiguousarray(ids.host))
+                    ids = upload(rows.operand, ids.host)
                 return Positions(ids=ids, limit=limit, cover=highest, **mrope)
             if ids.device != rows.operand.device:
                 raise ValueError(f"positions is on cuda:{ids.device}, the data on another device")
@@ -1042,7 +1042,7 @@ class RoPE(ProcessLocal):
                 check_host_positions(f"{name} + T - 1 (a sequence's last position)", last, limit)
             highest = int(offsets.host.max(initial=0)) + seq
             if place == "cuda":
-                offsets = upload(rows.operand, np.ascontiguousarray(offsets.host))
+                offsets = upload(rows.operand, offsets.host)
             return Positions(offsets=offsets, limit=limit, cover=highest)
         if offsets.device != rows.operand.device:
             raise ValueError(f"{name} is on cuda:{offsets.device}, the data on another device")
