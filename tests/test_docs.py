@@ -1,8 +1,10 @@
-"""The documentation runs: every docstring example of the public modules, and every script in
-``examples/`` on each place (the host with the GPU hidden, and the GPU where there is one)."""
+"""The documentation runs: every docstring example of the public modules, every script in
+``examples/`` and the README's Python blocks, on each place (the host with the GPU hidden,
+and the GPU where there is one)."""
 
 import doctest
 import importlib
+import re
 
 import pytest
 from _cases import GPU, REPO, assert_runs_in_own_process
@@ -25,3 +27,20 @@ def test_example_script_runs(place, script):
     # An empty CUDA_VISIBLE_DEVICES hides every GPU from torch and CuPy: the host path.
     hide_gpus = {"CUDA_VISIBLE_DEVICES": ""} if place == "cpu" else None
     assert_runs_in_own_process(RUN_SCRIPT, str(REPO / "examples" / script), env=hide_gpus)
+
+
+README_BLOCKS = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+
+
+@pytest.mark.parametrize("place", ["cpu", pytest.param("cuda", marks=GPU)])
+def test_readme_python_blocks_run(place):
+    """The README's Python blocks, in order in one process (a block may use what an earlier
+    one made), as written on the GPU; on the host with ``device="cpu"`` for
+    ``device="cuda"``, and without the lines that name CuPy (device arrays only)."""
+    assert len(README_BLOCKS) >= 10
+    source = "\n\n".join(README_BLOCKS)
+    if place == "cpu":
+        lines = source.replace('device="cuda"', 'device="cpu"').splitlines()
+        source = "\n".join(line for line in lines if not re.search(r"\bcupy\b", line))
+    hide_gpus = {"CUDA_VISIBLE_DEVICES": ""} if place == "cpu" else None
+    assert_runs_in_own_process(source, env=hide_gpus)

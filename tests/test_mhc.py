@@ -12,6 +12,7 @@ and device errors are device only.
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 
@@ -31,7 +32,15 @@ from _oracle import dtype_name, framework_name
 
 from tileops_cupy import _cuda, _mhc
 from tileops_cupy._mhc import plan_geometry, small_geometry
-from tileops_cupy.sequence_modeling import MHCPostFwdOp, MHCPreFwdOp, streams_of
+from tileops_cupy.sequence_modeling import (
+    MHCPostBwdOp,
+    MHCPostFwdOp,
+    MHCPreBwdOp,
+    MHCPreFwdOp,
+    streams_of,
+)
+
+_EMPTY = inspect.Parameter.empty
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -610,6 +619,27 @@ def _pre_inputs(n=2, c_x=8, batch=3):
 def test_pre_validation(mutate, error, message):
     with pytest.raises(error, match=message):
         MHCPreFwdOp(1, 1, 1, 20)(*mutate(*_pre_inputs()))
+
+
+# seed 003 (and SPEC 8 for the backward ops): (name, default) of each op's positional
+# parameters, then keyword-only target=None
+MHC_SIGNATURES = {
+    MHCPreFwdOp: [("alpha_pre", _EMPTY), ("alpha_post", _EMPTY), ("alpha_res", _EMPTY),
+                  ("sinkhorn_repeat", _EMPTY), ("sinkhorn_eps", 0.02)],
+    MHCPreBwdOp: [("alpha_pre", _EMPTY), ("alpha_post", _EMPTY), ("alpha_res", _EMPTY),
+                  ("sinkhorn_repeat", _EMPTY), ("sinkhorn_eps", 0.02)],
+    MHCPostFwdOp: [],
+    MHCPostBwdOp: [],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("cls", list(MHC_SIGNATURES), ids=lambda cls: cls.__name__)
+def test_constructor_matches_the_seed(cls):
+    parameters = list(inspect.signature(cls).parameters.values())
+    positional = [(p.name, p.default) for p in parameters if p.kind == p.POSITIONAL_OR_KEYWORD]
+    assert positional == MHC_SIGNATURES[cls]
+    keyword_only = [(p.name, p.default) for p in parameters if p.kind == p.KEYWORD_ONLY]
+    assert keyword_only == [("target", None)]
 
 
 def test_pre_constructor_validation():

@@ -9,6 +9,7 @@ seeded per test id) and compares every output element.
 
 from __future__ import annotations
 
+import inspect
 import math
 import textwrap
 
@@ -46,6 +47,8 @@ from tileops_cupy.rope import (
     Standard,
     YaRN,
     apply_rope,
+    apply_rope_with_cos_sin_cache,
+    apply_rope_with_cos_sin_cache_inplace,
 )
 
 B, T, HEADS, KV_HEADS, HEAD_DIM = 2, 5, 4, 2, 32
@@ -636,3 +639,20 @@ _CAPTURE = textwrap.dedent(
 @pytest.mark.parametrize("layout", ("BT", "packed"))
 def test_gpu_cuda_graph_replays_forward_with_new_positions(layout, max_position):
     assert_runs_in_own_process(_CAPTURE, layout, max_position, "11")
+
+
+def test_serving_signatures_and_defaults_are_spec_9s():
+    """SPEC 9's names and defaults: the component's MRoPE and norm settings, the
+    cos_sin_cache calls' FlashInfer argument order, per-token positions by keyword."""
+    component = inspect.signature(RoPE).parameters
+    defaults = {name: component[name].default for name in component}
+    assert (defaults["mrope_section"], defaults["mrope_interleaved"]) == (None, False)
+    assert (defaults["norm_eps"], defaults["norm_weight_offset"]) == (1e-6, 0.0)
+    assert component["rotary_dim"].kind == inspect.Parameter.KEYWORD_ONLY
+    forward = inspect.signature(RoPE.forward).parameters
+    assert list(forward)[:3] == ["self", "q", "k"] and forward["k"].default is None
+    assert forward["positions"].kind == inspect.Parameter.KEYWORD_ONLY
+    for call in (apply_rope_with_cos_sin_cache, apply_rope_with_cos_sin_cache_inplace):
+        parameters = inspect.signature(call).parameters
+        names = ["positions", "query", "key", "head_size", "cos_sin_cache", "is_neox"]
+        assert list(parameters) == names and parameters["is_neox"].default is True

@@ -1409,8 +1409,9 @@ def apply_rope_with_cos_sin_cache(
             rotary_dim columns of each head rotate; the rest are copied.
         is_neox: pairs ``(j, j + rotary_dim/2)`` (True) or ``(2j, 2j+1)`` (False).
 
-    Any framework; on torch tensors that require grad the results carry a ``grad_fn`` (the
-    transpose rotation at the same positions). No gradient flows to the cache: one that
+    Any framework (the results in query's and key's: positions come first only by
+    FlashInfer's order); on torch tensors that require grad the results carry a ``grad_fn``
+    (the transpose rotation at the same positions). No gradient flows to the cache: one that
     requires grad (or carries a forward-mode tangent) is refused with ValueError.
 
     Example::

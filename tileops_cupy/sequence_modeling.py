@@ -166,13 +166,16 @@ class MHCPreFwdOp(_PreSettings):
             shared memory a block for n: n > 6 on sm_80).
         TypeError: an argument that is not an array; a dtype other than the above.
 
-    Example (CUDA, torch)::
+    Example (torch on the host; CUDA tensors run the kernels, e.g. n 4 with c_x 7168)::
 
-        op = MHCPreFwdOp(alpha_pre=1.0, alpha_post=1.0, alpha_res=1.0, sinkhorn_repeat=20)
-        phi = torch.randn(4 * 7168, 24, device="cuda") / 170
-        b = torch.zeros(24, device="cuda")
-        x = torch.randn(16, 4 * 7168, device="cuda", dtype=torch.bfloat16)
-        x_res, x_layer, h_post = op(phi, x, b)  # bf16 [16, 28672], bf16 [16, 7168], fp32 [16, 4]
+        >>> import torch
+        >>> op = MHCPreFwdOp(alpha_pre=1.0, alpha_post=1.0, alpha_res=1.0, sinkhorn_repeat=20)
+        >>> phi = torch.randn(4 * 64, 24) / 16  # n = 4 streams of c_x = 64: Q = 4*4 + 2*4
+        >>> b = torch.zeros(24)
+        >>> x = torch.randn(16, 4 * 64, dtype=torch.bfloat16)
+        >>> x_res, x_layer, h_post = op(phi, x, b)
+        >>> x_res.shape, x_layer.shape, h_post.shape, h_post.dtype
+        (torch.Size([16, 256]), torch.Size([16, 64]), torch.Size([16, 4]), torch.float32)
     """
 
     def forward(self, phi: Array, x: Array, b: Array) -> tuple[Array, Array, Array]:
@@ -236,9 +239,15 @@ class MHCPostFwdOp(_MHCOp):
         TypeError: an argument that is not an array; dtypes other than the above or
             differing between ``x_layer_out`` and ``x_res``.
 
-    Example (CUDA, torch)::
+    Example (torch on the host; CUDA tensors run the kernel)::
 
-        x_out = MHCPostFwdOp()(layer(x_layer), h_post, x_res)  # bf16 [batch, n*c_x]
+        >>> import torch
+        >>> x_layer_out = torch.randn(16, 64, dtype=torch.bfloat16)  # the layer's output
+        >>> h_post = 2 * torch.rand(16, 4)  # MHCPreFwdOp's post gates, n = 4
+        >>> x_res = torch.randn(16, 4 * 64, dtype=torch.bfloat16)  # and its mixed streams
+        >>> x_out = MHCPostFwdOp()(x_layer_out, h_post, x_res)
+        >>> x_out.shape, x_out.dtype
+        (torch.Size([16, 256]), torch.bfloat16)
     """
 
     def __init__(self, *, target: str | None = None) -> None:
