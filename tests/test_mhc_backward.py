@@ -945,3 +945,24 @@ def test_backward_inputs_on_different_devices():
     arguments["grad_x_out"] = _post_arguments()["grad_x_out"]
     with nothing_written(), pytest.raises(ValueError, match="grad_x_out is on the host"):
         MHCPostBwdOp()(*arguments.values())
+
+
+@pytest.mark.parametrize("layout", ("reversed", "big-endian", "read-only"))
+def test_post_backward_hands_back_a_grad_torch_cannot_view(rng, layout):
+    """A NumPy grad_x_out beside torch inputs comes back as a torch view of its memory,
+    where torch can make one; reversed, big-endian or read-only it cannot (nor without a
+    copy), and grad_x_res is then grad_x_out itself, as when the frameworks agree."""
+    batch, n, c_x = 3, 2, 8
+    layer = torch.from_numpy(rng.standard_normal((batch, c_x)).astype(np.float32))
+    gates = torch.from_numpy(rng.uniform(0, 2, (batch, n)).astype(np.float32))
+    res = torch.zeros(batch, n * c_x)
+    grad_out = rng.standard_normal((batch, n * c_x)).astype(np.float32)
+    if layout == "reversed":
+        grad_out = grad_out[::-1]
+    elif layout == "big-endian":
+        grad_out = grad_out.astype(">f4")
+    else:
+        grad_out.flags.writeable = False
+    grads = MHCPostBwdOp()(layer, gates, res, grad_out)
+    assert grads[2] is grad_out
+    assert_post_backward_matches(layer.numpy(), gates.numpy(), grad_out, grads, "float32")

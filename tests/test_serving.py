@@ -474,8 +474,8 @@ def test_rotary_dim_equal_to_head_dim_is_the_full_rotation(rng):
     [
         (lambda: RoPEFwdOp(rotary_dim=7), ValueError, "rotary_dim"),
         (lambda: RoPEFwdOp(rotary_dim=0), ValueError, "rotary_dim"),
-        (lambda: RoPEFwdOp(rotary_dim=True), ValueError, "rotary_dim"),
-        (lambda: RoPEFwdOp(rotary_dim=16.0), ValueError, "rotary_dim"),
+        (lambda: RoPEFwdOp(rotary_dim=True), TypeError, "rotary_dim"),
+        (lambda: RoPEFwdOp(rotary_dim=16.0), TypeError, "rotary_dim"),
         (lambda: LongRoPEFwdOp(rescale_factors=[1.0] * 16, rotary_dim=16), ValueError,
          "rescale_factors must have rotary_dim/2 = 8"),
         (lambda: RoPEFwdOp(rotary_dim=80)(np.zeros((3, 64), np.float32)), ValueError,

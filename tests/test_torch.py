@@ -1309,3 +1309,36 @@ def test_a_tensor_subclass_of_another_module_is_taken_as_torch(call):
         assert isinstance(result, torch.Tensor)
         values.append(result.as_subclass(torch.Tensor))
     assert torch.equal(values[0], values[1])
+
+
+@pytest.mark.parametrize("transform", ("vmap", "functionalize"))
+def test_in_place_calls_under_a_transform_in_inference_mode(transform):
+    """Inference tensors keep no version counter: the in-place call's writability rehearsal
+    must not ask for one (it made every such call under vmap or functionalize fail)."""
+    rope = RoPE(8, 2, 1)
+    with torch.inference_mode():
+        q, k = torch.randn(3, 4, 16), torch.randn(3, 4, 8)
+        expected = apply_rope(q, k, rope, 3)
+
+        def rotate(q, k):
+            rope.prefill(q, k, 3)
+            return q, k
+
+        if transform == "vmap":  # (one slice: the whole batch)
+            got = [t[0] for t in torch.vmap(rotate)(q[None].clone(), k[None].clone())]
+        else:
+            got = torch.func.functionalize(rotate)(q.clone(), k.clone())
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+def test_bwd_twin_forward_is_a_method_named_forward():
+    """The Bwd twins' forward(grad, ...) pickles and copies as a bound method (found by its
+    name) and shows its parameters to inspect and help()."""
+    import copy
+    import inspect
+    import pickle
+
+    op = RoPENeoxPositionIdsBwdOp(16)
+    assert list(inspect.signature(op.forward).parameters) == ["grad", "position_ids"]
+    assert pickle.loads(pickle.dumps(op.forward)).__name__ == "forward"
+    assert copy.copy(op.forward).__self__ is op

@@ -12,6 +12,7 @@ same memory without the per-call capsule round trip, which matters at decode siz
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -228,6 +229,7 @@ def as_operand(obj: Any, name: str) -> Operand:
 _DLTENSOR_DTYPE_OFFSET = 20
 _CAPSULES = {b"dltensor_versioned": 32, b"dltensor": 0}  # name: offset of the DLTensor
 _KDL_UINT, _KDL_BFLOAT = 1, 4
+_NUMPY_TAKES_VERSIONED_CAPSULES = np.lib.NumpyVersion(np.__version__) >= "2.1.0"
 
 
 class _Exported:
@@ -247,10 +249,13 @@ def _host_from_dlpack(obj: Any) -> np.ndarray:
     """A NumPy view of any DLPack producer's host memory, bfloat16 included: NumPy refuses
     that dtype code, so a bfloat16 capsule is relabelled 16-bit unsigned (the same bits)
     before NumPy takes it, and viewed as ml_dtypes' bfloat16 after. A versioned capsule is
-    asked for first, as NumPy does: its flags say whether the memory may be written."""
-    try:
-        capsule = obj.__dlpack__(max_version=(1, 0))
-    except TypeError:  # a producer older than DLPack 1.0
+    asked for first where NumPy takes one (2.1 on), as NumPy itself does: its flags say
+    whether the memory may be written."""
+    capsule = None
+    if _NUMPY_TAKES_VERSIONED_CAPSULES:
+        with contextlib.suppress(TypeError):  # (a producer older than DLPack 1.0)
+            capsule = obj.__dlpack__(max_version=(1, 0))
+    if capsule is None:
         capsule = obj.__dlpack__()
     name = next(name for name in _CAPSULES if _capsule_is_valid(capsule, name))
     address = _capsule_pointer(capsule, name) + _CAPSULES[name] + _DLTENSOR_DTYPE_OFFSET
@@ -469,11 +474,20 @@ def in_framework_of(operand: Operand, template: Operand) -> Any:
     must come back in the framework of the first argument, as its other results do."""
     if operand.framework == template.framework:
         return operand.obj
+    host = operand.host
+    if host is not None and template.framework == "torch" and not _torch_can_view(host):
+        return operand.obj  # (no zero-copy torch tensor of it: the caller's own object)
     if operand.is_cuda:
         if template.framework == "torch":
             return _torch().from_dlpack(as_cupy(operand))
         return to_caller(_from_cupy(as_cupy(operand), template.framework))
     return to_caller(dataclasses.replace(operand, obj=None, framework=template.framework))
+
+
+def _torch_can_view(array: np.ndarray) -> bool:
+    """Whether ``torch.from_numpy`` takes ``array`` as it is: writable, in native byte
+    order, with no negative stride."""
+    return array.flags.writeable and array.dtype.isnative and min(array.strides, default=0) >= 0
 
 
 def numpy_dtype(name: str) -> np.dtype:

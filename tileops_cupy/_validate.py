@@ -57,11 +57,17 @@ def check_real(
     return number
 
 
-def check_positive_int(name: str, value: Any, *, even: bool = False) -> int:
-    """A positive int (numpy ints included; bools refused: a TypeError, as any other type),
-    even when ``even``."""
+def check_int_type(name: str, value: Any, expected: str) -> None:
+    """TypeError naming ``name`` unless ``value`` is an int (NumPy's included; a bool is
+    refused, though Python counts it an int); ``expected`` says what was wanted."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be a positive int, got {value!r}")
+        raise TypeError(f"{name} must be {expected}, got {value!r}")
+
+
+def check_positive_int(name: str, value: Any, *, even: bool = False) -> int:
+    """A positive int (numpy ints included; another type, a bool too, is a TypeError), even
+    when ``even``."""
+    check_int_type(name, value, "a positive int")
     if value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
     if even and value % 2:
@@ -91,22 +97,18 @@ def check_target(target: Any) -> str | None:
 
 
 def check_rotary_dim(rotary_dim: int | None) -> int | None:
-    if rotary_dim is not None and (
-        isinstance(rotary_dim, bool)
-        or not isinstance(rotary_dim, (int, np.integer))
-        or rotary_dim <= 0
-        or rotary_dim % 2
-    ):
-        raise ValueError(f"rotary_dim must be a positive even int or None, got {rotary_dim!r}")
-    return None if rotary_dim is None else int(rotary_dim)
+    if rotary_dim is None:
+        return None
+    expected = "a positive even int or None"
+    check_int_type("rotary_dim", rotary_dim, expected)
+    if rotary_dim <= 0 or rotary_dim % 2:
+        raise ValueError(f"rotary_dim must be {expected}, got {rotary_dim!r}")
+    return int(rotary_dim)
 
 
 def check_max_position(max_position: int) -> int:
-    if (
-        isinstance(max_position, bool)
-        or not isinstance(max_position, (int, np.integer))
-        or not 0 < max_position <= MAX_POSITIONS
-    ):
+    check_int_type("max_position", max_position, "an int in [1, 2**24]")
+    if not 0 < max_position <= MAX_POSITIONS:
         raise ValueError(
             f"max_position must be an int in [1, 2**24] (the range the accuracy contract "
             f"covers), got {max_position!r}"

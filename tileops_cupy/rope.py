@@ -17,6 +17,7 @@ Example (host, runs anywhere)::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -524,6 +525,15 @@ def _make_backward(forward: type[_RotaryOp]) -> type[_RotaryOp]:
         """The inverse rotation of ``grad``; the other arguments as the Fwd op's."""
         return forward.forward(self, grad, *args, **kwargs)
 
+    # a method named and signed as the Fwd op's, its first argument grad (pickle finds a
+    # bound method by its name; help() shows the parameters)
+    backward_forward.__name__ = "forward"
+    backward_forward.__qualname__ = f"{name}.forward"
+    signature = inspect.signature(forward.forward)
+    self_parameter, data, *rest = signature.parameters.values()
+    backward_forward.__signature__ = signature.replace(
+        parameters=[self_parameter, data.replace(name="grad"), *rest]
+    )
     attributes = {
         "_inverse": True, "_argument": "grad", "forward": backward_forward, "__doc__": doc,
         "__module__": __name__,
@@ -1511,11 +1521,15 @@ def _refuse_unwritable(name: str, tensor: Any, rotated: Any) -> None:
 
     The rehearsal writes nothing, so the version counter it bumps (shared with every view
     of the same memory) is put back: a call refused after it must not leave a tensor saved
-    for backward looking modified, nor a view made under no_grad unusable."""
+    for backward looking modified, nor a view made under no_grad unusable. (Inference
+    tensors keep no counter; under vmap the one put back is the batched wrapper's, not its
+    base's.)"""
     import torch
 
+    keeps_version = not (torch.is_inference_mode_enabled() or tensor.is_inference())
+    unchanged = torch.autograd._unsafe_preserve_version_counter
     try:
-        with torch.autograd._unsafe_preserve_version_counter(tensor):
+        with unchanged(tensor) if keeps_version else contextlib.nullcontext():
             tensor.narrow(-1, 0, 0).copy_(rotated.narrow(-1, 0, 0))
     except RuntimeError as error:
         raise ValueError(f"{name} cannot be rotated in place here: {error}") from error
