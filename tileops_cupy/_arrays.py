@@ -471,7 +471,8 @@ def to_caller(result: Operand) -> Any:
 def in_framework_of(operand: Operand, template: Operand) -> Any:
     """``operand``'s own memory as an object of ``template``'s framework (zero-copy): an
     input an op hands back as one of its results (MHCPostBwdOp's ``grad_x_res``), which
-    must come back in the framework of the first argument, as its other results do."""
+    must come back in the framework of the first argument, as its other results do; the
+    object itself where that framework has no zero-copy view of it."""
     if operand.framework == template.framework:
         return operand.obj
     host = operand.host

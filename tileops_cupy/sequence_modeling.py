@@ -417,7 +417,9 @@ class MHCPostBwdOp(_MHCOp):
     (float32), and ``grad_x_res`` is ``grad_x_out`` itself, the same object (x_res enters
     the output with weight 1; torch's own ``add`` backward passes its gradient on the same
     way): nothing is copied. (A ``grad_x_out`` of another framework than ``x_layer_out``
-    comes back as a view of its memory in ``x_layer_out``'s, as every result does.)
+    comes back as a view of its memory in ``x_layer_out``'s, as every result does, where
+    that framework can view it without a copy: torch cannot view a reversed, big-endian or
+    read-only NumPy array, which then comes back itself.)
     ``x_res`` only sets the shapes.
 
     Raises:
