@@ -989,8 +989,9 @@ def test_odd_head_dim_position_ids(rng):
 
 @pytest.mark.parametrize("cls", (RoPENeoxPositionIdsFwdOp, RoPENeoxPositionIdsBwdOp))
 def test_bad_rotary_dim(rng, cls):
-    for bad in (3, 31, 0, -2, 2.0, "32"):
-        with pytest.raises(ValueError, match=rf"(?s)rotary_dim.*{bad!r}"):
+    for bad in (3, 31, 0, -2, 2.0, "32"):  # (a value, or a type: not an int)
+        error = ValueError if isinstance(bad, int) else TypeError
+        with pytest.raises(error, match=rf"(?s)rotary_dim.*{bad!r}"):
             cls(16, rotary_dim=bad)
     op = cls(16, rotary_dim=66)  # larger than head_dim: known only at the call
     with pytest.raises(ValueError, match=r"(?s)rotary_dim.*66"):
@@ -999,8 +1000,9 @@ def test_bad_rotary_dim(rng, cls):
 
 @pytest.mark.parametrize("cls", (RoPENeoxPositionIdsFwdOp, RoPENeoxPositionIdsBwdOp))
 def test_bad_max_position(cls):
-    for bad in (0, -5, 2**24 + 1, 2**40, 16.0, None):
-        with pytest.raises(ValueError, match="max_position"):
+    for bad in (0, -5, 2**24 + 1, 2**40, 16.0, None):  # (a value, or a type: not an int)
+        error = ValueError if isinstance(bad, int) else TypeError
+        with pytest.raises(error, match="max_position"):
             cls(bad)
 
 

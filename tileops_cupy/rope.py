@@ -1526,7 +1526,11 @@ def _refuse_unwritable(name: str, tensor: Any, rotated: Any) -> None:
     base's.)"""
     import torch
 
-    keeps_version = not (torch.is_inference_mode_enabled() or tensor.is_inference())
+    # (Dynamo traces the preserving context but not the inference questions)
+    inference = not torch_ops.is_compiling() and (
+        torch.is_inference_mode_enabled() or tensor.is_inference()
+    )
+    keeps_version = not inference
     unchanged = torch.autograd._unsafe_preserve_version_counter
     try:
         with unchanged(tensor) if keeps_version else contextlib.nullcontext():
