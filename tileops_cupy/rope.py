@@ -1306,13 +1306,12 @@ def _in_place_call(
         return
     offsets, offset = _split_position(position, _position_name(decode))
     arguments = (q, k, offsets, offset, ids, cache, inverse, decode, *weights)
-    _require_tensors(arguments)
+    named, read = _named_arguments(arguments)
+    _require_tensors(named, read)
     _refuse_differentiated_cache(cache)
     if not torch_ops.requires_grad(q, k, *weights) and not torch_ops.transformed():
         torch_ops.rope_qk(config, *arguments, in_place=True)
         return
-    q_name, k_name = _argument_names(cache, inverse)
-    named = ((q_name, q), (k_name, k))
     for name, tensor in named:
         if tensor is not None and tensor.requires_grad and tensor.is_leaf:
             copy = (
@@ -1324,7 +1323,6 @@ def _in_place_call(
                 "under torch.no_grad()"
             )
     memory = {name: torch_ops.memory_of(tensor) for name, tensor in named if tensor is not None}
-    read = _read_only(_position_name(decode), offsets, ids, cache, weights)
     read = {name: torch_ops.memory_of(tensor) for name, tensor in read.items()}
     # (a traced graph has no memory to compare; `is`, since `None in` would call tensor ==)
     if all(tensor is not None for tensor in (*memory.values(), *read.values())):
@@ -1337,7 +1335,7 @@ def _in_place_call(
     if weights[0] is not None or weights[1] is not None:
         q_in, k_in = q.clone(), None if k is None else k.clone()
     q_rot, k_rot = torch_ops.rope_qk(config, q_in, k_in, *arguments[2:])
-    for name, tensor, rotated in ((q_name, q, q_rot), (k_name, k, k_rot)):
+    for (name, tensor), rotated in zip(named, (q_rot, k_rot), strict=True):
         if tensor is not None:
             _refuse_unwritable(name, tensor, rotated)
     q.copy_(q_rot)
@@ -1345,15 +1343,21 @@ def _in_place_call(
         k.copy_(k_rot)
 
 
-def _require_tensors(arguments: tuple) -> None:
-    """TypeError naming, as the caller's API does, an argument of ``rope_qk``'s
-    ``arguments`` that is not a torch tensor: the dispatcher takes torch tensors only, and
-    its own check knows only the schema's names (``k`` for the cos_sin_cache calls' ``key``,
-    ``position_offset`` for decode's ``position``)."""
+def _named_arguments(arguments: tuple) -> tuple[tuple[tuple[str, Any], ...], dict]:
+    """``rope_qk``'s ``arguments`` by the names the caller's API gives them: ``((q's name,
+    q), (k's name, k))``, and what the call reads besides them (:func:`_read_only`)."""
     q, k, offsets, _, ids, cache, inverse, decode, q_weight, k_weight = arguments
     q_name, k_name = _argument_names(cache, inverse)
     read = _read_only(_position_name(decode), offsets, ids, cache, (q_weight, k_weight))
-    for name, value in ((q_name, q), (k_name, k), *read.items()):
+    return ((q_name, q), (k_name, k)), read
+
+
+def _require_tensors(named: tuple, read: dict) -> None:
+    """TypeError naming, as the caller's API does (:func:`_named_arguments`), an argument
+    that is not a torch tensor: the dispatcher takes torch tensors only, and its own check
+    knows only the schema's names (``k`` for the cos_sin_cache calls' ``key``,
+    ``position_offset`` for decode's ``position``)."""
+    for name, value in (*named, *read.items()):
         torch_ops.require_tensor(name, value)
 
 
@@ -1395,7 +1399,7 @@ def apply_rope(
         )  # fmt: skip
     offsets, offset = _split_position(position_offset)
     arguments = (q, k, offsets, offset, positions, None, False, False, *weights)
-    _require_tensors(arguments)
+    _require_tensors(*_named_arguments(arguments))
     q_rot, k_rot = torch_ops.rope_qk(rope.config, *arguments)
     return q_rot, None if k is None else k_rot
 
@@ -1438,7 +1442,7 @@ def apply_rope_with_cos_sin_cache(
     if torch_ops.classify(query, key, positions, cos_sin_cache) is not torch_ops.DISPATCH:
         return component(config).rotated(query, key, 0, ids=positions, cache=cos_sin_cache)
     arguments = (query, key, None, 0, positions, cos_sin_cache, False, False, None, None)
-    _require_tensors(arguments)
+    _require_tensors(*_named_arguments(arguments))
     _refuse_differentiated_cache(cos_sin_cache)
     q_rot, k_rot = torch_ops.rope_qk(config, *arguments)
     return q_rot, None if key is None else k_rot
