@@ -334,6 +334,33 @@ def test_bad_calls_are_refused_before_any_write(name, place):
         assert torch.equal(query, before[0]) and torch.equal(key, before[1]), name
 
 
+@pytest.mark.parametrize("place", PLACES)
+def test_a_checked_call_shape_is_remembered_apart_from_n_and_argument_types(rng, place):
+    """A call's shapes are checked once and remembered (a decode step's host time), apart
+    from the token count, and with head_size's and is_neox's types: ``32.0`` and ``1``
+    compare and hash equal to ``32`` and ``True``, and stay refused after them."""
+    cache, _ = _cache(rng, HEAD_SIZE, place)
+    query, _ = _data(rng, HEADS, "float32", place, False)
+    ids, _ = _positions(rng, place)
+    whole, _ = apply_rope_with_cos_sin_cache(ids, query, None, HEAD_SIZE, cache, True)
+    part, _ = apply_rope_with_cos_sin_cache(ids[:5], query[:5], None, HEAD_SIZE, cache, True)
+    assert torch.equal(part, whole[:5])  # (the same shapes past N: the same component)
+    for head_size, is_neox, name in (
+        (float(HEAD_SIZE), True, "head_size"),
+        (HEAD_SIZE, 1, "is_neox"),
+    ):
+        for call in (apply_rope_with_cos_sin_cache, apply_rope_with_cos_sin_cache_inplace):
+            with pytest.raises(TypeError, match=name):
+                call(ids, query, None, head_size, cache, is_neox)
+    # another cache width, other heads: checked anew (the tail of each shape is the key)
+    with pytest.raises(ValueError, match="cos_sin_cache must be"):
+        apply_rope_with_cos_sin_cache(
+            ids, query, None, HEAD_SIZE, torch.zeros(8, 2 * HEAD_SIZE, device=place)
+        )
+    with pytest.raises(ValueError, match="query must be"):
+        apply_rope_with_cos_sin_cache(ids, query[:, 1:], None, HEAD_SIZE, cache)
+
+
 @pytest.mark.gpu
 def test_gpu_device_positions_past_the_cache_are_flagged_and_clamped(rng):
     cache, cache64 = _cache(rng, HEAD_SIZE, "cuda")

@@ -1438,9 +1438,11 @@ def apply_rope_with_cos_sin_cache(
         >>> q_rot.shape, k_rot
         ((3, 32), None)
     """
-    config = _cache_config(query, key, head_size, cos_sin_cache, is_neox)
+    config, rope = _cache_component(query, key, head_size, cos_sin_cache, is_neox)
     if torch_ops.classify(query, key, positions, cos_sin_cache) is not torch_ops.DISPATCH:
-        return component(config).rotated(query, key, 0, ids=positions, cache=cos_sin_cache)
+        return (rope or component(config)).rotated(
+            query, key, 0, ids=positions, cache=cos_sin_cache
+        )
     arguments = (query, key, None, 0, positions, cos_sin_cache, False, False, None, None)
     _require_tensors(*_named_arguments(arguments))
     _refuse_differentiated_cache(cos_sin_cache)
@@ -1467,8 +1469,40 @@ def apply_rope_with_cos_sin_cache_inplace(
         >>> bool((q == 1).all() and (k == 1).all())
         True
     """
-    config = _cache_config(query, key, head_size, cos_sin_cache, is_neox)
-    _in_place_call(config, query, key, 0, False, False, positions, cos_sin_cache)
+    config, rope = _cache_component(query, key, head_size, cos_sin_cache, is_neox)
+    _in_place_call(config, query, key, 0, False, False, positions, cos_sin_cache, rope)
+
+
+def _cache_component(
+    query: Any, key: Any, head_size: Any, cache: Any, is_neox: Any
+) -> tuple[tuple, RoPE | None]:
+    """The configuration of the component that runs a cos_sin_cache call
+    (:func:`_cache_config`) and that component, remembered by all they depend on: the
+    shapes past the token count, ``head_size`` and ``is_neox`` with their types (``128.0``
+    and ``1`` are refused where ``128`` and ``True`` pass). A decode step then checks its
+    shapes once, not at every call, where checking and looking up the component cost
+    about as much host time as the kernel of a small batch. While Dynamo traces: the
+    configuration alone, checked (the trace runs once; shapes may be symbolic, and no
+    component is built while a tracer watches)."""
+    if torch_ops.is_compiling():
+        return _cache_config(query, key, head_size, cache, is_neox), None
+    try:
+        memo_key = (  # (a shape's tail tells its length too)
+            query.shape[1:], None if key is None else key.shape[1:], cache.shape,
+            type(head_size), head_size, type(is_neox), is_neox,
+        )  # fmt: skip
+        found = _CACHE_COMPONENTS.get(memo_key)
+    except (AttributeError, TypeError):  # (no shape, or an unhashable one: refused below)
+        memo_key = found = None
+    if found is not None:
+        return found
+    config = _cache_config(query, key, head_size, cache, is_neox)
+    found = config, component(config)
+    if memo_key is not None:
+        if len(_CACHE_COMPONENTS) >= TWINS:  # (shapes of every model a process serves)
+            _CACHE_COMPONENTS.clear()
+        _CACHE_COMPONENTS[memo_key] = found
+    return found
 
 
 def _cache_config(query: Any, key: Any, head_size: Any, cache: Any, is_neox: Any) -> tuple:
@@ -1511,6 +1545,7 @@ def _packed_heads(name: str, tensor: Any, head_size: int) -> int:
 # one device error flag for every cos_sin_cache call, held here: its twins come and go
 _CACHE_FLAG, _CACHE_ERRORS = configuration_flag(("apply_rope_with_cos_sin_cache",))
 _STANDARD_ARGS = scheme_args(Standard())
+_CACHE_COMPONENTS: dict[tuple, tuple[tuple, RoPE]] = {}  # see _cache_component
 
 
 def _refuse_unwritable(name: str, tensor: Any, rotated: Any) -> None:
