@@ -451,8 +451,10 @@ def _layout_against_chunks(
     for lowered in (False, True):
         monkeypatch.setattr(_rotate, threshold, 0 if lowered else 1 << 62)
         _rotate._plans.clear()
-        # (the cos_sin_cache calls' component is kept per configuration, with its launches)
+        # (the cos_sin_cache calls' component is kept per configuration and per call shape,
+        # with its launches)
         rope_module._component.cache_clear()
+        rope_module._CACHE_COMPONENTS.clear()
         qkv = to_place(host, "cuda", "torch")
         rotate(qkv)
         torch.cuda.synchronize()
