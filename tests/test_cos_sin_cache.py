@@ -255,6 +255,30 @@ def test_cos_sin_cache_compiles_fullgraph_without_recompiling(rng, place):
     counter.assert_no_recompile()
 
 
+@pytest.mark.parametrize("place", PLACES)
+@pytest.mark.parametrize("tracing_mode", ("symbolic", "fake", "real"))
+def test_cos_sin_cache_calls_trace_with_make_fx(rng, place, tracing_mode):
+    """Graph tools trace both calls (``make_fx``, as ``torch.export`` does), symbolic shapes
+    included, whose configuration cannot key the remembered components."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    cache, _ = _cache(rng, HEAD_SIZE, place)
+    query, _ = _data(rng, HEADS, "float32", place, False)
+    key, _ = _data(rng, KV_HEADS, "float32", place, False)
+    ids, _ = _positions(rng, place)
+
+    def rotate(ids, query, key, cache):
+        q, k = query.clone(), key.clone()
+        apply_rope_with_cos_sin_cache_inplace(ids, q, k, HEAD_SIZE, cache)
+        return q, k, *apply_rope_with_cos_sin_cache(ids, query, key, HEAD_SIZE, cache, False)
+
+    graph = make_fx(rotate, tracing_mode=tracing_mode)(ids, query, key, cache)
+    for actual, expected in zip(
+        graph(ids, query, key, cache), rotate(ids, query, key, cache), strict=True
+    ):
+        assert torch.equal(actual, expected)
+
+
 # --------------------------------------------------------------------------- refusals
 
 

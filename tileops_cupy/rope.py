@@ -1481,9 +1481,9 @@ def _cache_component(
     shapes past the token count, ``head_size`` and ``is_neox`` with their types (``128.0``
     and ``1`` are refused where ``128`` and ``True`` pass). A decode step then checks its
     shapes once, not at every call, where checking and looking up the component cost
-    about as much host time as the kernel of a small batch. While Dynamo traces: the
-    configuration alone, checked (the trace runs once; shapes may be symbolic, and no
-    component is built while a tracer watches)."""
+    about as much host time as the kernel of a small batch. While Dynamo traces, or where
+    shapes are symbolic (``torch.export``): the configuration alone, checked, and no
+    component (the trace runs once, and a component is built of concrete shapes only)."""
     if torch_ops.is_compiling():
         return _cache_config(query, key, head_size, cache, is_neox), None
     try:
@@ -1492,16 +1492,17 @@ def _cache_component(
             type(head_size), head_size, type(is_neox), is_neox,
         )  # fmt: skip
         found = _CACHE_COMPONENTS.get(memo_key)
-    except (AttributeError, TypeError):  # (no shape, or an unhashable one: refused below)
+    except (AttributeError, TypeError):  # no shape, an unhashable or a symbolic one
         memo_key = found = None
     if found is not None:
         return found
     config = _cache_config(query, key, head_size, cache, is_neox)
+    if memo_key is None:  # symbolic shapes (torch.export): the custom op will build the
+        return config, None  # component, of concrete ones
     found = config, component(config)
-    if memo_key is not None:
-        if len(_CACHE_COMPONENTS) >= TWINS:  # (shapes of every model a process serves)
-            _CACHE_COMPONENTS.clear()
-        _CACHE_COMPONENTS[memo_key] = found
+    if len(_CACHE_COMPONENTS) >= TWINS:  # (shapes of every model a process serves)
+        _CACHE_COMPONENTS.clear()
+    _CACHE_COMPONENTS[memo_key] = found
     return found
 
 
