@@ -57,10 +57,16 @@ def check_real(
     return number
 
 
+def is_int(value: Any) -> bool:
+    """Whether ``value`` is an int, NumPy's included; a bool is not, though Python counts it
+    one."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
 def check_int_type(name: str, value: Any, expected: str) -> None:
-    """TypeError naming ``name`` unless ``value`` is an int (NumPy's included; a bool is
-    refused, though Python counts it an int); ``expected`` says what was wanted."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    """TypeError naming ``name`` unless ``value`` is an int (:func:`is_int`); ``expected``
+    says what was wanted."""
+    if not is_int(value):
         raise TypeError(f"{name} must be {expected}, got {value!r}")
 
 
@@ -177,7 +183,7 @@ def check_mrope_section(section: Any, rotary_dim: int) -> tuple[int, int, int] |
     if (
         values is None
         or len(values) != 3
-        or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) for v in values)
+        or not all(is_int(v) for v in values)
         or any(v < 0 for v in values)
         or sum(values) != rotary_dim // 2
     ):

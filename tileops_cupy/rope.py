@@ -69,6 +69,7 @@ from ._validate import (
     check_rotary_dim,
     check_target,
     is_dense,
+    is_int,
     with_contiguous_last_dim,
 )
 from .schemes import Llama31, LongRoPE, Scheme, Standard, YaRN, scheme_args, scheme_from_args
@@ -1138,7 +1139,7 @@ class RoPE(ProcessLocal):
                 shape, layout = (3, *shape), "[3, " + layout[1:]
             check_position_ids("positions", ids, shape, layout)
         name = _position_name(decode)
-        if ids is None and _is_int(position):  # (a traced int is checked as the graph runs)
+        if ids is None and is_int(position):  # (a traced int is checked as the graph runs)
             limit = self.max_position or MAX_POSITIONS
             position = int(position)  # (a NumPy int's sum could wrap)
             if position < 0 or position + seq > limit:
@@ -1190,7 +1191,7 @@ class RoPE(ProcessLocal):
             None if w is None else as_operand(w, n)
             for w, n in zip(weights, weight_names, strict=True)
         )
-        if not _is_int(position):  # (real values here: a traced int reaches only the fakes)
+        if not is_int(position):  # (real values here: a traced int reaches only the fakes)
             _refuse_scalar_position(position, name)
             position = as_operand(position, name)
         packed, q_rows, k_rows = self._checked(
@@ -1623,14 +1624,10 @@ def _byte_span(tensor: Any) -> int:
     return (last + 1) * tensor.element_size()
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
 def _split_position(position: Any, name: str = "position_offset") -> tuple[Any, Any]:
     """(offsets tensor or None, int offset): a position as the custom ops take it (their
     schema's int is int64; a tensor argument is checked as the call dispatches)."""
-    if _is_int(position):
+    if is_int(position):
         if not -(2**63) <= position < 2**63:
             raise ValueError(
                 f"{name} must be a position in [0, max_position) (2**24 without one), got "

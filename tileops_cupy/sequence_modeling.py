@@ -54,7 +54,7 @@ from ._cache import TWINS, LaunchRecords, ProcessLocal
 from ._mhc_host import (
     SinkhornGates,
 )
-from ._validate import check_dtype, check_ndim, check_real, check_target
+from ._validate import check_dtype, check_ndim, check_real, check_target, is_int
 
 __all__ = ["BUILTIN", "MHCPreFwdOp", "MHCPostFwdOp", "MHCPreBwdOp", "MHCPostBwdOp"]
 
@@ -95,7 +95,7 @@ class _PreSettings(_MHCOp):
         alphas = {"alpha_pre": alpha_pre, "alpha_post": alpha_post, "alpha_res": alpha_res}
         for name, value in alphas.items():
             check_real(name, value, float32=True)
-        if isinstance(sinkhorn_repeat, bool) or not isinstance(sinkhorn_repeat, (int, np.integer)):
+        if not is_int(sinkhorn_repeat):
             raise TypeError(f"sinkhorn_repeat must be an int, got {type(sinkhorn_repeat).__name__}")
         # (the kernels count iterations, and the backward its checkpoints past them, in ints)
         if not 0 <= sinkhorn_repeat < 2**30:
