@@ -186,14 +186,16 @@ def torch_pre_reference(phi, x, b, alphas, repeat: int, eps: float):
     """SPEC section 4 in torch, differentiable in every tensor argument: ``(x_res, x_layer,
     h_post)`` for ``phi [n*c_x, Q]``, ``x [B, n*c_x]``, ``b [Q]`` and ``alphas`` (three
     0-d tensors or numbers). The row max is ``torch.amax``, whose gradient goes to the row's
-    maximum (ties split evenly); a Sinkhorn sum that is exactly 0 divides by 1."""
+    maximum (ties split evenly); a Sinkhorn sum that is exactly 0 divides by 1. The row norm
+    is ``torch.linalg.vector_norm``, whose gradient at an all-zero row is 0 (the
+    subgradient the ops document; ``sqrt(sum(x*x))`` would give NaN there)."""
     import torch
 
     alpha_pre, alpha_post, alpha_res = alphas
     batch, width = x.shape
     n = math.isqrt(phi.shape[1] + 1) - 1
     h = x @ phi
-    rms = torch.sqrt((x * x).sum(dim=1, keepdim=True)) / math.sqrt(width) + 1e-4
+    rms = torch.linalg.vector_norm(x, dim=1, keepdim=True) / math.sqrt(width) + 1e-4
     z = h / rms
     h_pre = torch.sigmoid(alpha_pre * z[:, :n] + b[:n])
     h_post = 2 * torch.sigmoid(alpha_post * z[:, n : 2 * n] + b[n : 2 * n])

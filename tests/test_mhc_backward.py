@@ -159,6 +159,23 @@ def test_pre_backward_n_dependent_layouts(rng, place, batch, n, dtype):
     assert_pre_backward_matches(case, upstream, grads)
 
 
+# Padding tokens: rows of x that are all zero. The row norm has no derivative there; its
+# subgradient 0 (torch.linalg.vector_norm's, the oracle's) leaves such a row's grad_x finite,
+# the part through the mix and the gates alone. One launch (6 tokens) and the separate
+# kernels (150).
+@pytest.mark.parametrize("place", PLACES)
+@pytest.mark.parametrize("dtype", PRE_DTYPES)
+@pytest.mark.parametrize("n", (1, 4))
+@pytest.mark.parametrize("batch", (6, 150))
+def test_pre_backward_all_zero_rows(rng, place, n, dtype, batch):
+    case = random_pre_case(rng, n, 136, batch=batch, dtype=dtype)
+    case.x[[0, 3]] = 0
+    upstream = upstream_grads(rng, case)
+    grads = pre_backward(place, case, upstream)
+    assert np.isfinite(to_float64(grads[1])[[0, 3]]).all()
+    assert_pre_backward_matches(case, upstream, grads)
+
+
 # Past _SINKHORN_KEPT_FLOATS a token (repeat * n * n), the CUDA token stage keeps only every
 # segment-th Sinkhorn input and recomputes one segment at a time; up to n = 4 it takes each
 # step's output from the step after's input, across segments too. One launch (5 tokens) and

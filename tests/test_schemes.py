@@ -130,6 +130,9 @@ YARN_CASES = [
     (10000.0, 8.0, 2048, 16.0, 2.0),
     (10000.0, 2.0, 4, 32.0, 1.0),  # at rotary_dim 32, low == high: the ramp's +0.001
     (10000.0, 0.5, 4096, 32.0, 1.0),  # scale <= 1: no mscale
+    # base 10: beta_fast's correction falls inside the pairs and beta_slow's past
+    # rotary_dim - 1, so the clamp of the ramp's top shapes the frequencies
+    (10.0, 4.0, 1024, 32.0, 1.0),
 ]
 
 
