@@ -308,6 +308,19 @@ def _bad_calls(place):
             ValueError,
             "contiguous",
         ),
+        # rows whose last dim is contiguous but whose pitch is not their width (the left
+        # columns of a wider table): the kernel reads row p at p * rotary_dim
+        "cache rows padded": (
+            (ids, query, key, HEAD_SIZE, torch.zeros(8, 32, device=place)[:, :16]),
+            ValueError,
+            r"contiguous \(strides \(16, 1\)\), got strides \(32, 1\)",
+        ),
+        "cache without rows": (
+            (ids, query, key, HEAD_SIZE, cache[:0]),
+            ValueError,
+            "max_position >= 1, got shape",
+        ),
+        "cache without columns": ((ids, query, key, HEAD_SIZE, cache[:, :0]), ValueError, "even"),
         "query width": ((ids, query[:, :-2], key, HEAD_SIZE, cache), ValueError, "query must"),
         "key tokens": (
             (ids, query, key[:-1], HEAD_SIZE, cache),

@@ -115,6 +115,24 @@ def test_separate_and_empty_arrays_do_not_overlap(rng):
     assert not overlapping(_op(a[:, :1]), _op(a[:, 1:]))
 
 
+@pytest.mark.parametrize("dtype", (np.float32, np.float16))
+def test_a_band_one_element_past_the_row_end_meets_the_next_row(dtype):
+    """Rows of ``width`` elements and ``a`` their left halves: the right halves are apart
+    from ``a``; the same band one element further on ends on the next row's first element,
+    which is ``a``'s."""
+    rows, width = 4, 16
+    buffer = np.zeros(rows * width + 1, dtype)
+    pitch, size = width * buffer.itemsize, buffer.itemsize
+
+    def band(start: int) -> np.ndarray:
+        return np.lib.stride_tricks.as_strided(buffer[start:], (rows, width // 2), (pitch, size))
+
+    a = band(0)
+    assert not overlapping(_op(a), _op(band(width // 2)))
+    assert overlapping(_op(a), _op(band(width // 2 + 1)))
+    assert overlapping(_op(band(width // 2 + 1)), _op(a))
+
+
 def test_expand_and_broadcast_are_self_overlapping(rng):
     row = _random(rng, (1, T, Q_WIDTH), "torch")
     assert self_overlapping(_op(row.expand(B, T, Q_WIDTH)))
@@ -138,15 +156,19 @@ def test_transposed_and_strided_views_do_not_self_overlap(rng):
 
 
 def _elements(buffer: np.ndarray, view: np.ndarray) -> list[int]:
-    start = (view.__array_interface__["data"][0] - buffer.__array_interface__["data"][0]) // 4
-    steps = np.array(view.strides) // 4
+    size = buffer.itemsize
+    start = (view.__array_interface__["data"][0] - buffer.__array_interface__["data"][0]) // size
+    steps = np.array(view.strides) // size
     return [start + int(np.dot(index, steps)) for index in np.ndindex(*view.shape)]
 
 
-def test_predicates_never_miss_a_shared_element(rng):
+# (2-byte elements too: a band that runs one element past a row's end then starts the next
+# row, which a byte of slack in the predicates' bounds would miss)
+@pytest.mark.parametrize("dtype", (np.float32, np.float16))
+def test_predicates_never_miss_a_shared_element(rng, dtype):
     """Random strided views of one buffer against an exact element count: the predicates
     may be conservative, never wrong the other way."""
-    buffer = np.zeros(4096, np.float32)
+    buffer = np.zeros(4096, dtype)
     checked = shared = 0
     while checked < 400:
         views = []
@@ -157,7 +179,7 @@ def test_predicates_never_miss_a_shared_element(rng):
             start = int(rng.integers(200, 500))
             if start + sum((n - 1) * s for n, s in zip(shape, steps, strict=True) if s < 0) < 0:
                 continue
-            strides = tuple(4 * s for s in steps)
+            strides = tuple(buffer.itemsize * s for s in steps)
             views.append(np.lib.stride_tricks.as_strided(buffer[start:], shape, strides))
         if len(views) < 2:
             continue

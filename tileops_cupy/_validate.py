@@ -194,21 +194,30 @@ def check_mrope_section(section: Any, rotary_dim: int) -> tuple[int, int, int] |
     return tuple(int(v) for v in values)
 
 
+def cos_sin_cache_width(cache: Any, head_size: int) -> int:
+    """The rotary_dim of a caller's cos/sin table: the width of its ``[max_position,
+    rotary_dim]`` shape, even and in ``[2, head_size]``. Reads the shape alone (any array,
+    or a tensor whose sizes are symbolic under ``torch.export``)."""
+    shape = tuple(getattr(cache, "shape", ()))
+    if len(shape) != 2 or shape[1] < 2 or shape[1] % 2 or shape[1] > head_size:
+        raise ValueError(
+            f"cos_sin_cache must be [max_position, rotary_dim] with rotary_dim even and in "
+            f"[2, head_size = {head_size}], got shape {shape if shape else type(cache).__name__}"
+        )
+    return shape[1]
+
+
 def check_cos_sin_cache(cache: Operand, head_dim: int) -> Operand:
-    """A caller's cos/sin table: float32 ``[max_position, rotary_dim]``, C-contiguous (the
-    kernel reads row ``p`` at ``p * rotary_dim``), rotary_dim even and <= head_dim."""
+    """A caller's cos/sin table: float32 ``[max_position, rotary_dim]`` with at least one
+    row, C-contiguous (the kernel reads row ``p`` at ``p * rotary_dim``), rotary_dim as
+    :func:`cos_sin_cache_width` takes it."""
     if cache.dtype != "float32":
         raise TypeError(f"cos_sin_cache must be float32, got {cache.dtype}")
-    if cache.ndim != 2 or cache.shape[0] < 1:
+    width = cos_sin_cache_width(cache, head_dim)
+    if cache.shape[0] < 1:
         raise ValueError(
             f"cos_sin_cache must be [max_position, rotary_dim] with max_position >= 1, "
             f"got shape {cache.shape}"
-        )
-    width = cache.shape[1]
-    if width < 2 or width % 2 or width > head_dim:
-        raise ValueError(
-            f"cos_sin_cache's width (rotary_dim) must be even and in [2, head_size = "
-            f"{head_dim}], got {width}"
         )
     if cache.strides[1] != 1 or (cache.shape[0] > 1 and cache.strides[0] != width):
         raise ValueError(

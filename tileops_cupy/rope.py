@@ -68,6 +68,7 @@ from ._validate import (
     check_real,
     check_rotary_dim,
     check_target,
+    cos_sin_cache_width,
     is_dense,
     is_int,
     with_contiguous_last_dim,
@@ -1519,14 +1520,9 @@ def _cache_config(query: Any, key: Any, head_size: Any, cache: Any, is_neox: Any
             f"query's heads ({heads}) must be a multiple of key's ({kv_heads}), each "
             f"head_size={head_size} wide"
         )
-    shape = tuple(getattr(cache, "shape", ()))
-    if len(shape) != 2 or shape[1] < 2 or shape[1] % 2 or shape[1] > head_size:
-        raise ValueError(
-            f"cos_sin_cache must be [max_position, rotary_dim] with rotary_dim even and in "
-            f"[2, head_size = {head_size}], got shape {shape if shape else type(cache).__name__}"
-        )
+    rotary_dim = cos_sin_cache_width(cache, head_size)
     return _component_config(
-        _STANDARD_ARGS, int(shape[1]), is_neox, head_size, heads, kv_heads, 0, "", _CACHE_FLAG,
+        _STANDARD_ARGS, int(rotary_dim), is_neox, head_size, heads, kv_heads, 0, "", _CACHE_FLAG,
         (), False, 0.0, 0.0,  # (no fused norm in the cos_sin_cache calls)
     )  # fmt: skip
 
