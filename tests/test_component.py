@@ -1423,6 +1423,36 @@ def test_components_and_ops_share_one_table(rng):
     assert_rotated(y, x64, token_positions(1, seq, 0), frequencies, "float32")
 
 
+# Host positions tell the device copy of the table how far it must reach: the highest
+# position, plus one. In each form the last position, 8192, is the first that a table's first
+# size (8 coarse rows of 1024) does not hold, so a fresh table must grow on the device for
+# the kernel to read inside it.
+HOST_POSITION_FORMS = {
+    "int offset": lambda rope, q, k: (rope.prefill(q, k, 8190), token_positions(1, 3, 8190)),
+    "offsets [B]": lambda rope, q, k: (
+        rope.prefill(q, k, np.array([8190])),
+        token_positions(1, 3, 8190),
+    ),
+    "positions [B, T]": lambda rope, q, k: (
+        rope.forward(q, k, positions=np.array([[5, 8192, 0]])),
+        np.array([[5, 8192, 0]]),
+    ),
+}
+
+
+@GPU
+@pytest.mark.parametrize("form", list(HOST_POSITION_FORMS))
+def test_gpu_host_positions_past_a_tables_first_size_grow_its_device_copy(rng, form):
+    scheme = fresh_standard()
+    rope = RoPE(DEVICE_HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, scheme=scheme)
+    q, k, q64, k64 = _qk(rng, "cuda", 1, 3, "float32")
+    _, positions = HOST_POSITION_FORMS[form](rope, q, k)
+    assert rope.table.device_capacity(q.device.index) > 8192
+    frequencies = standard_frequencies(DEVICE_HEAD_DIM, scheme.base)
+    assert_rotated(q, q64, positions, frequencies, "float32", what="q")
+    assert_rotated(k, k64, positions, frequencies, "float32", what="k")
+
+
 def test_table_grows_for_a_longer_position(rng):
     scheme = fresh_standard()
     rope = RoPE(HEAD_DIM, 2, 1, scheme=scheme)
