@@ -695,7 +695,11 @@ def test_post_backward_strided_inputs(rng, place):
 @pytest.mark.parametrize(
     ("place", "first", "upstream", "dtype"),
     per_place({
-        "cpu": (("numpy", "torch", "bfloat16"), ("torch", "numpy", "float32")),
+        "cpu": (
+            ("numpy", "torch", "bfloat16"),
+            ("torch", "numpy", "float32"),
+            ("torch", "numpy", "bfloat16"),  # (NumPy's bf16 bits as a torch bfloat16 view)
+        ),
         "cuda": (("torch", "cupy", "bfloat16"), ("cupy", "torch", "float32")),
     }),
 )  # fmt: skip
