@@ -731,6 +731,25 @@ def test_a_view_made_under_no_grad_is_refused_and_left_usable(rng):
     assert torch.equal(k * 1, mixed.detach()[..., Q_WIDTH:])
 
 
+def test_a_k_refused_after_q_passed_its_probe_leaves_their_base_unchanged(rng):
+    """q a plain view of a tensor autograd saved, k one of the views ``split`` returned (which
+    autograd forbids to change in place): q's probe passes and k's fails, so the call names
+    k; the version counter that q's probe bumped on their base is put back, so the backward
+    that saved the base still runs."""
+    x = torch.from_numpy(_random(rng, (B, T, QKV_WIDTH))).requires_grad_()
+    mixed = x * 1
+    saved = (mixed * mixed).sum()  # saves mixed
+    q = mixed[..., :Q_WIDTH]
+    _, k, _ = mixed.split([Q_WIDTH, K_WIDTH, K_WIDTH], dim=-1)
+    before = _bytes(q, k)
+    with pytest.raises(ValueError, match="^k cannot be rotated in place here"):
+        _rope().prefill(q, k, 0)
+    assert _bytes(q, k) == before
+    assert mixed._version == 0
+    saved.backward()
+    np.testing.assert_array_equal(x.grad.numpy(), 2 * x.detach().numpy())
+
+
 @pytest.mark.parametrize(
     ("call", "name"),
     (

@@ -1311,6 +1311,29 @@ def test_a_tensor_subclass_of_another_module_is_taken_as_torch(call):
     assert torch.equal(values[0], values[1])
 
 
+@pytest.mark.parametrize("call", ("RoPEFwdOp", "apply_rope", "MHCPostFwdOp"))
+def test_a_tensor_subclass_that_requires_grad_gets_its_gradient(call):
+    """A subclass that requires grad goes through the dispatcher as a plain tensor does: the
+    call is recorded, and every input's gradient is the plain tensors' (on the direct path
+    the result would come back without a grad_fn: the gradient silently stopped)."""
+    grads = []
+    for kind in (torch.Tensor, _UserTensor):
+        generator = torch.Generator().manual_seed(len(call))  # the same data for both
+        inputs = []
+
+        def make(shape, dtype, kind=kind, generator=generator, inputs=inputs):
+            tensor = torch.randn(shape, generator=generator).to(dtype).as_subclass(kind)
+            inputs.append(tensor.requires_grad_())
+            return tensor
+
+        result = SUBCLASS_CALLS[call](make)
+        assert result.grad_fn is not None
+        (result * torch.randn(result.shape, generator=generator)).sum().backward()
+        grads.append([tensor.grad.as_subclass(torch.Tensor) for tensor in inputs])
+    for plain, subclass in zip(*grads, strict=True):
+        assert torch.equal(plain, subclass)
+
+
 @pytest.mark.parametrize("transform", ("vmap", "functionalize"))
 def test_in_place_calls_under_a_transform_in_inference_mode(transform):
     """Inference tensors keep no version counter: the in-place call's writability rehearsal
